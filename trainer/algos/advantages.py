@@ -1,0 +1,353 @@
+"""Advantage estimators: token-level rewards (and critic values) in, ``(advantages, returns)`` out.
+
+Every estimator is called with keyword arguments only and swallows the ones it does not use
+(``**kwargs``), so the controller passes one set to whichever estimator the config names:
+
+    token_level_rewards [B, T] float   reward per response token (outcome reward sits on the last one)
+    response_mask       [B, T]         1 on tokens the policy generated; 0 on padding and, in
+                                       multi-turn rollouts, on environment/tool tokens ("holes")
+    index               [B]            group id per sample (responses to the same prompt share it);
+                                       an int64 tensor, or a list / numpy array of any hashable ids
+    values              [B, T]         critic values (GAE only)
+    gamma, lam                          discount and GAE lambda
+    norm_adv_by_std_in_grpo             GRPO: divide by the group std (False gives Dr.GRPO)
+    reward_baselines    [B]            reward of the greedy response (ReMax only)
+    epsilon = 1e-6                      added to the group std
+
+Both outputs are ``[B, T]`` in the dtype of ``token_level_rewards`` and are zero outside
+``response_mask``. All estimators run under ``torch.no_grad``. Group statistics are segment
+reductions over dense group ids (``utils.group_stats`` / ``index_add_`` / ``scatter_reduce_``):
+one pass over the batch, no Python loop per sample or per group. The recursions along time (GAE,
+discounted return-to-go) loop over T with every step vectorised over B.
+
+Notation: ``R_i = sum_t token_level_rewards[i, t] * mask[i, t]`` is the sequence score, ``g(i)`` its
+group, ``n_g`` the group size, ``mean_g`` / ``std_g`` the group mean and unbiased (Bessel) std.
+
+* ``gae`` -- Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438):
+  ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lam A_{t+1}``, computed over the
+  valid tokens only: at a masked position (an environment token inside a multi-turn response, or
+  padding) the running next-value and the running ``A`` are carried through unchanged, so the
+  recursion jumps the hole as if the environment tokens were not there (no discount is applied for
+  them) and the hole itself gets advantage 0. ``returns = A + V`` with the raw ``A``; the
+  advantages are then whitened over the whole batch mask (``utils.masked_whiten``, unbiased
+  variance), as verl does. Deviation from the paper: the whitening.
+* ``grpo`` -- GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), outcome supervision:
+  ``A_i = (R_i - mean_g) / (std_g + epsilon)`` broadcast over the response. A group of one has no
+  peers, so it is given ``mean = 0`` and ``std = 1``: ``A_i = R_i / (1 + epsilon)``.
+  With ``norm_adv_by_std_in_grpo=False`` this is Dr.GRPO.
+* ``dr_grpo`` -- Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like Training",
+  arXiv:2503.20783): ``A_i = R_i - mean_g`` (no std division; the flag is ignored). A group of one
+  gets ``mean = 0``, so ``A_i = R_i``.
+* ``rloo`` -- REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740):
+  ``A_i = R_i - mean_{j != i} R_j = n_g / (n_g - 1) * (R_i - mean_g)``; a group of one has no
+  other sample, so its baseline is 0 and ``A_i = R_i``.
+* ``reinforce_plus_plus`` -- REINFORCE++ (Hu 2025, arXiv:2501.03262): ``G_t = sum_{s >= t}
+  gamma^(k(s) - k(t)) r_s`` over valid tokens (``k`` counts valid tokens, so holes are skipped like
+  in GAE), then whitened over the batch mask. ``returns = G``. For right-padded responses this is
+  exactly verl's "reset after EOS" recursion; with holes verl resets at every masked token (so an
+  earlier turn would not see the final outcome reward), whereas we carry the return across the
+  hole. The paper's token-level KL penalty is not applied here: it enters through the reward
+  (``kl.apply_kl_in_reward``) when ``algorithm.use_kl_in_reward`` is set.
+* ``reinforce_plus_plus_baseline`` -- REINFORCE++-baseline (same paper): ``A_i = R_i - mean_g``
+  (a group of one gets mean 0), broadcast over the response, then whitened over the batch mask.
+* ``remax`` -- ReMax (Li et al. 2023, arXiv:2310.10505): ``A_t = G_t - b_i`` with the undiscounted
+  return-to-go ``G_t = sum_{s >= t} r_s`` over valid tokens and ``b_i`` the reward of the greedy
+  response (``reward_baselines``); no whitening. ``returns = G``. ``gamma`` is not used (ReMax is
+  defined for outcome rewards, where it would only rescale; verl does the same).
+* ``grpo_passk`` -- Pass@k training (Chen et al. 2025, arXiv:2503.19595, verl's ``grpo_passk``):
+  only the best response of each group is credited, with ``A = R_max - R_second_max`` (divided by
+  ``std_g + epsilon`` when ``norm_adv_by_std_in_grpo``); every other response gets 0. Ties for the
+  best go to the earliest sample in the batch (its advantage is then 0 anyway, since the second
+  best equals the best). Every group needs at least two samples (``ValueError`` otherwise).
+
+For the outcome estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline, grpo_passk) the
+returned ``returns`` equal the advantages (there is no critic to regress on them), as in verl.
+
+``get_adv_estimator(name)`` resolves a name of ``ADV_ESTIMATORS`` or a user's
+``"pkg.module:function"``; ``compute_advantage(name, **kwargs)`` dispatches and adds metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from trainer.algos.utils import dense_group_ids, group_stats, load_fn, masked_whiten
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_index(index, device: torch.device) -> torch.Tensor:
+    """Group ids as a ``[B]`` int64 tensor on ``device``; lists / numpy arrays of any hashable ids
+    (verl passes string uids) are mapped to dense integers with one ``np.unique``."""
+    if index is None:
+        raise ValueError("this advantage estimator needs `index` (one group id per sample)")
+    if isinstance(index, torch.Tensor):
+        return index.to(device)
+    arr = np.asarray(index)
+    if arr.dtype.kind in "iub":
+        return torch.as_tensor(arr.astype(np.int64), device=device)
+    _, inv = np.unique(arr, return_inverse=True)  # works for strings and other sortable ids
+    return torch.as_tensor(inv.reshape(-1).astype(np.int64), device=device)
+
+
+def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """R_i = sum of the valid token rewards, in float64 so group statistics do not lose precision."""
+    m = response_mask.to(torch.float64)  # [B, T]
+    return (token_level_rewards.to(torch.float64) * m).sum(-1)  # [B]
+
+
+def _broadcast(scalar: torch.Tensor, response_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-sample scalar ``[B]`` -> ``[B, T]`` on the valid tokens, 0 elsewhere."""
+    return (scalar.unsqueeze(-1) * response_mask.to(torch.float64)).to(dtype)  # [B, T]
+
+
+def _return_to_go(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted return-to-go over the valid tokens: ``G_t = r_t + gamma G_{t'}`` with ``t'`` the
+    next VALID position after ``t``. Masked positions are skipped (they neither add reward nor
+    discount) and carry the running return through. Zero outside the mask."""
+    valid = response_mask.bool()  # [B, T]
+    r = torch.where(valid, token_level_rewards, torch.zeros_like(token_level_rewards))  # [B, T]
+    if float(gamma) == 1.0:
+        # no discount: a reverse cumulative sum; holes contribute 0 and discount nothing.
+        return r.flip(-1).cumsum(-1).flip(-1) * valid  # [B, T]
+    out = torch.zeros_like(r)  # [B, T]
+    running = torch.zeros_like(r[:, 0])  # [B]
+    for t in reversed(range(r.shape[1])):
+        running = torch.where(valid[:, t], r[:, t] + gamma * running, running)  # [B]
+        out[:, t] = running
+    return out * valid  # [B, T]
+
+
+# --------------------------------------------------------------------------------------------------
+# estimators
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(
+    *,
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor | None = None,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with masks that may have holes; advantages whitened over the mask, ``returns = A + V``."""
+    if values is None:
+        raise ValueError("adv_estimator 'gae' needs `values` from the critic (is the critic enabled?)")
+    valid = response_mask.bool()  # [B, T]
+    r = token_level_rewards  # [B, T]
+    v = values.to(r.dtype)  # [B, T]
+    adv = torch.zeros_like(r)  # [B, T]
+    next_value = torch.zeros_like(r[:, 0])  # [B] V of the next VALID token (0 past the end)
+    last_gae = torch.zeros_like(r[:, 0])  # [B] A of the next VALID token
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]
+        gae_t = delta + gamma * lam * last_gae  # [B]
+        vt = valid[:, t]  # [B]
+        # a masked token (env token / padding) leaves the recursion state untouched
+        last_gae = torch.where(vt, gae_t, last_gae)
+        next_value = torch.where(vt, v[:, t], next_value)
+        adv[:, t] = last_gae
+    adv = adv * valid  # [B, T]
+    returns = (adv + v) * valid  # [B, T] raw (un-whitened) advantage + value: the critic's target
+    adv = masked_whiten(adv, valid) * valid  # [B, T]
+    return adv, returns
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (R - mean_g) / (std_g + eps) per group; singletons get mean 0, std 1."""
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid = _as_index(index, scores.device)  # [B]
+    mean, std, cnt = group_stats(scores, gid)  # [B] each, gathered back to the sample
+    single = cnt < 2  # [B]
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    adv = scores - mean  # [B]
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)
+    out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
+@torch.no_grad()
+def compute_dr_grpo_outcome_advantage(**kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO: R - mean_g (never divided by the std, whatever the flag says)."""
+    kwargs["norm_adv_by_std_in_grpo"] = False
+    return compute_grpo_outcome_advantage(**kwargs)
+
+
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: R_i minus the mean of the other samples of the group; singletons keep R_i."""
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid = _as_index(index, scores.device)  # [B]
+    mean, _, cnt = group_stats(scores, gid)  # [B] each
+    # n/(n-1) (R - mean) == R - (sum - R)/(n-1); written this way it is one fused expression
+    loo = cnt / (cnt - 1).clamp_min(1.0) * (scores - mean)  # [B]
+    adv = torch.where(cnt > 1, loo, scores)  # [B]
+    out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go over valid tokens, whitened over the batch mask."""
+    valid = response_mask.bool()  # [B, T]
+    returns = _return_to_go(token_level_rewards, valid, gamma)  # [B, T]
+    adv = masked_whiten(returns, valid) * valid  # [B, T]
+    return adv, returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: R - mean_g broadcast over the response, whitened over the batch mask."""
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid = _as_index(index, scores.device)  # [B]
+    mean, _, cnt = group_stats(scores, gid)  # [B] each
+    mean = torch.where(cnt > 1, mean, torch.zeros_like(mean))  # a group of one: baseline 0
+    valid = response_mask.bool()  # [B, T]
+    centred = _broadcast(scores - mean, valid, torch.float64)  # [B, T]
+    adv = (masked_whiten(centred, valid) * valid).to(token_level_rewards.dtype)  # [B, T]
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: undiscounted return-to-go minus the greedy response's reward; no whitening."""
+    if reward_baselines is None:
+        raise ValueError(
+            "adv_estimator 'remax' needs `reward_baselines` [B]: the reward of a greedy response per prompt"
+        )
+    valid = response_mask.bool()  # [B, T]
+    returns = _return_to_go(token_level_rewards, valid, 1.0)  # [B, T]
+    base = reward_baselines.to(returns.dtype).reshape(-1, 1)  # [B, 1]
+    adv = (returns - base) * valid  # [B, T]
+    return adv, returns
+
+
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k: the best response of a group gets (best - second best) [/ (std + eps)], others 0."""
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid, g = dense_group_ids(_as_index(index, scores.device))  # [B], G
+    b = scores.shape[0]
+    cnt = torch.zeros(g, dtype=torch.float64, device=scores.device).index_add_(
+        0, gid, torch.ones_like(scores)
+    )  # [G]
+    if b and bool((cnt < 2).any()):
+        raise ValueError(
+            "adv_estimator 'grpo_passk' needs at least 2 responses per group "
+            f"(smallest group has {int(cnt.min())}); raise actor_rollout_ref.rollout.n"
+        )
+    neg_inf = torch.full((g,), -torch.inf, dtype=torch.float64, device=scores.device)
+    best = neg_inf.clone().scatter_reduce_(0, gid, scores, "amax")  # [G]
+    pos = torch.arange(b, device=scores.device)  # [B]
+    is_best = scores == best[gid]  # [B] (ties possible)
+    # the earliest sample holding the group maximum is "the" best one
+    big = torch.full((g,), b, dtype=torch.long, device=scores.device)
+    first_best = big.scatter_reduce_(0, gid, torch.where(is_best, pos, torch.full_like(pos, b)), "amin")  # [G]
+    chosen = pos == first_best[gid]  # [B] exactly one per group
+    rest = torch.where(chosen, torch.full_like(scores, -torch.inf), scores)  # [B]
+    second = neg_inf.clone().scatter_reduce_(0, gid, rest, "amax")  # [G]
+    gap = best - second  # [G]
+    if norm_adv_by_std_in_grpo:
+        _, std, _ = group_stats(scores, gid)  # [B]
+        gap_b = gap[gid] / (std + epsilon)  # [B]
+    else:
+        gap_b = gap[gid]  # [B]
+    adv = torch.where(chosen, gap_b, torch.zeros_like(gap_b))  # [B]
+    out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch
+# --------------------------------------------------------------------------------------------------
+
+ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": compute_gae_advantage_return,
+    "grpo": compute_grpo_outcome_advantage,
+    "dr_grpo": compute_dr_grpo_outcome_advantage,
+    "rloo": compute_rloo_outcome_advantage,
+    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "remax": compute_remax_outcome_advantage,
+    "grpo_passk": compute_grpo_passk_outcome_advantage,
+}
+
+
+def get_adv_estimator(name) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """A name of ``ADV_ESTIMATORS``, a callable, or ``"pkg.module:function"`` (a user's estimator
+    with the same keyword calling convention). Unknown names raise ``ValueError`` naming the closest."""
+    return load_fn(name, ADV_ESTIMATORS, "adv_estimator")
+
+
+def compute_advantage(name, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Dispatch to the estimator ``name`` and return ``(advantages, returns, metrics)``.
+
+    Metrics are 0-dim detached tensors (no host sync here): mean / max / min of the advantages and
+    of the returns over the valid tokens (0 when the mask is empty).
+    """
+    adv, ret = get_adv_estimator(name)(**kwargs)
+    valid = kwargs["response_mask"].bool()  # [B, T]
+    metrics: dict[str, torch.Tensor] = {}
+    for key, x in (("critic/advantages", adv), ("critic/returns", ret)):
+        x = x.detach().to(torch.float32)  # [B, T]
+        if x.numel() == 0:  # empty batch: amax/amin have nothing to reduce
+            metrics.update({f"{key}/{s}": torch.zeros((), device=x.device) for s in ("mean", "max", "min")})
+            continue
+        n = valid.sum()
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        metrics[f"{key}/mean"] = torch.where(n > 0, (x * valid).sum() / n.clamp_min(1), zero)
+        metrics[f"{key}/max"] = torch.where(n > 0, torch.where(valid, x, -torch.inf).amax(), zero)
+        metrics[f"{key}/min"] = torch.where(n > 0, torch.where(valid, x, torch.inf).amin(), zero)
+    return adv, ret, metrics
