@@ -1,0 +1,1 @@
+"""HF <-> megatron-core bridge: the only package that imports ``megatron``."""

@@ -1,0 +1,45 @@
+"""Coxswain: one distribution holding the ``trainer`` and ``megatron_bridge`` packages.
+
+torch is pinned to the exact CPU build on disk: an unpinned torch (asked for here or by a dependency)
+pulls gigabytes of CUDA wheels. Every addition is checked with ``pip install --dry-run``.
+"""
+
+from setuptools import find_packages, setup
+
+TORCH = "torch==2.13.0"
+
+install_requires = [
+    TORCH,
+    "megatron-core==0.16.1",
+    "psutil",  # megatron-core imports it without declaring it
+    "numpy",
+    "omegaconf>=2.3",
+    "tensordict>=0.10",
+    "safetensors>=0.4",
+    "transformers>=4.50",
+    "ray>=2.40",
+    "mlflow>=3.0",
+    "pyarrow>=15",
+    "tqdm",
+    "rich",
+]
+
+extras = {
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
+    "gpu": ["transformer-engine[pytorch]"],
+    "sglang": ["sglang"],
+}
+
+setup(
+    name="coxswain",
+    version="0.1.0",
+    description="Reinforcement-learning post-training of LLMs on megatron-core, Ray and SGLang",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["trainer", "trainer.*", "megatron_bridge", "megatron_bridge.*"]),
+    include_package_data=True,
+    install_requires=install_requires,
+    extras_require=extras,
+    entry_points={"console_scripts": ["coxswain=trainer.main:cli"]},
+)

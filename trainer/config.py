@@ -1,0 +1,742 @@
+"""Coxswain's whole configuration: omegaconf structured dataclasses, CLI overrides and validation.
+
+The key tree follows verl's (``data.*``, ``actor_rollout_ref.{model,actor,rollout,ref}.*``,
+``critic.*``, ``reward_model.*``, ``algorithm.*``, ``trainer.*``) so that the override lines of a verl
+recipe such as ``run_dapo_32b.sh`` carry over unchanged. Batch sizes follow verl's units:
+``data.train_batch_size``, ``data.gen_batch_size`` and ``ppo_mini_batch_size`` count PROMPTS; each prompt
+expands to ``actor_rollout_ref.rollout.n`` responses. ``ppo_micro_batch_size_per_gpu`` counts responses.
+
+Entry point::
+
+    cfg = load_config(["--config", "my.yaml", "algorithm.adv_estimator=grpo", ...])
+
+Errors are ``ConfigError`` with a message that names the key(s) at fault and the fix:
+unknown keys suggest the closest valid key, wrong types name the key, value and expected type,
+cross-field checks name every key involved, legacy verl keys name their replacements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration the trainer cannot run with; the message names the key(s) and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None  # tokenizer dir; None = the actor model's dir
+    train_files: Any = None  # parquet/jsonl path or list of paths; None = the shipped synthetic task
+    val_files: Any = None  # held-out parquet/jsonl path(s); None = the shipped synthetic held-out split
+    prompt_key: str = "prompt"  # column holding the chat messages (verl row format)
+    reward_fn_key: str = "data_source"  # column that selects the scorer
+    max_prompt_length: int = 64  # prompts longer than this are filtered or truncated (see truncation)
+    max_response_length: int = 32  # response budget in tokens (also the overlong-shaping max length)
+    train_batch_size: int = 16  # prompts per training step
+    gen_batch_size: Optional[int] = None  # prompts per generation batch (DAPO); None = train_batch_size
+    val_batch_size: Optional[int] = None  # prompts per validation batch; None = the whole val set
+    shuffle: bool = True  # shuffle the training prompts every epoch
+    seed: int = 1  # dataloader shuffle seed
+    return_raw_chat: bool = False  # keep the raw chat messages in the batch (multi-turn)
+    filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length
+    truncation: str = "error"  # error | left | right: what to do with an overlong prompt when not filtered
+    on_bad_row: str = "error"  # error | skip: a malformed dataset row stops the run or is skipped and counted
+    dataloader_num_workers: int = 0  # worker processes for data loading
+
+
+# ----------------------------------------------------------------------------------------------
+# actor / rollout / ref
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1  # TP degree
+    pipeline_model_parallel_size: int = 1  # PP degree
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved PP chunks per stage
+    context_parallel_size: int = 1  # CP degree (long context)
+    expert_model_parallel_size: int = 1  # EP degree (MoE)
+    sequence_parallel: bool = False  # shard activations along the sequence within TP
+    use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
+    pipeline_layer_split: Optional[List[int]] = None  # layers per PP stage (uneven split); None = even
+    param_offload: bool = False  # offload params to host memory when idle
+    grad_offload: bool = False  # offload grads to host memory when idle
+    optimizer_offload: bool = False  # offload optimizer state to host memory when idle
+    seed: int = 42  # megatron's model-parallel RNG seed
+    params_dtype: str = "float32"  # float32 | bfloat16 | float16: parameter dtype
+
+
+@dataclass
+class ModelConfig:
+    path: str = "recipes/cpu/tiny_model"  # HF-format model dir (config.json + safetensors + tokenizer)
+    tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
+    trust_remote_code: bool = False  # allow custom HF code (never needed for Llama/Qwen2/Qwen3)
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward
+    use_remove_padding: bool = True  # pack sequences (THD) instead of right-padding for log-prob passes
+    override_config: Dict[str, Any] = field(default_factory=dict)  # overrides applied to the HF config
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adam"  # adam | sgd
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # floor for cosine decay
+    lr_warmup_steps: int = 0  # linear warmup steps (wins over the ratio when > 0)
+    lr_warmup_steps_ratio: float = 0.0  # warmup as a fraction of total training steps
+    lr_scheduler: str = "constant"  # constant | cosine | linear
+    weight_decay: float = 0.01  # decoupled weight decay
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam betas
+    eps: float = 1e-8  # Adam epsilon
+    clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+    total_training_steps: Optional[int] = None  # scheduler horizon; None = trainer.total_training_steps
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"  # vanilla | gspo | gpg | clip_cov | kl_cov | geo_mean | cispo | pkg.module:function
+    clip_cov_ratio: float = 0.0002  # Clip-Cov: fraction of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # Clip-Cov: covariance lower bound
+    clip_cov_ub: float = 5.0  # Clip-Cov: covariance upper bound
+    kl_cov_ratio: float = 0.0002  # KL-Cov: fraction of tokens given the KL penalty
+    ppo_kl_coef: float = 0.1  # KL-Cov: penalty coefficient
+
+
+@dataclass
+class CheckpointContents:
+    save_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])  # what a checkpoint holds
+    load_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])  # what a resume loads
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "megatron"  # megatron | deepspeed
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n responses)
+    ppo_micro_batch_size: Optional[int] = None  # legacy global micro-batch; use ppo_micro_batch_size_per_gpu
+    ppo_micro_batch_size_per_gpu: int = 8  # responses per forward/backward on one DP rank
+    use_dynamic_bsz: bool = False  # pack micro-batches by token budget instead of count
+    ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch when use_dynamic_bsz
+    ppo_epochs: int = 1  # passes over each step's batch
+    shuffle: bool = False  # shuffle samples between mini-batches
+    clip_ratio: float = 0.2  # PPO clip epsilon (both sides unless low/high given)
+    clip_ratio_low: Optional[float] = None  # lower clip epsilon; None = clip_ratio
+    clip_ratio_high: Optional[float] = None  # upper clip epsilon (DAPO clip-higher); None = clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
+    loss_scale_factor: Optional[float] = None  # constant for seq-mean-token-sum-norm; None = max response length
+    entropy_coeff: float = 0.0  # entropy bonus coefficient
+    use_kl_loss: bool = False  # add a KL(actor || ref) loss term (GRPO style)
+    kl_loss_coef: float = 0.001  # KL loss coefficient
+    kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl (k1 | k2 | k3 aliases)
+    grad_clip: Optional[float] = None  # alias of optim.clip_grad kept for verl scripts; None = optim.clip_grad
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # policy-loss variant
+    optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor parallelism
+    checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # checkpoint contents
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16  # responses per reference forward on one rank
+    log_prob_use_dynamic_bsz: bool = False  # pack reference micro-batches by token budget
+    log_prob_max_token_len_per_gpu: int = 16384  # token budget per reference micro-batch
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # reference parallelism
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0  # validation sampling temperature (0 = greedy)
+    top_k: int = 0  # validation top-k (0 = off)
+    top_p: float = 1.0  # validation nucleus threshold
+    n: int = 1  # validation samples per prompt
+    do_sample: bool = False  # sample during validation
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = False  # run the multi-turn agent loop instead of single-turn generation
+    max_assistant_turns: int = 4  # assistant turns per trajectory
+    max_user_turns: int = 4  # environment/tool turns per trajectory
+    max_tokens_per_trajectory: Optional[int] = None  # token budget of a whole trajectory; None = prompt+response
+    environment: str = "calculator"  # shipped env name or pkg.module:Class
+    concurrency: int = 64  # trajectories in flight
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "native"  # native (torch, CPU or GPU) | sglang (GPU)
+    mode: str = "sync"  # sync | async
+    temperature: float = 1.0  # sampling temperature (the trainer recomputes log-probs at this temperature)
+    top_k: int = 0  # top-k filter (0 or -1 = off; -1 is vLLM's spelling)
+    top_p: float = 1.0  # nucleus threshold (1 = off)
+    n: int = 8  # responses per prompt (the GRPO group size)
+    do_sample: bool = True  # sample (False = greedy)
+    prompt_length: Optional[int] = None  # None = data.max_prompt_length
+    response_length: Optional[int] = None  # None = data.max_response_length
+    dtype: str = "float32"  # rollout compute dtype
+    calculate_log_probs: bool = True  # return the sampler's per-token log-probs (needed for rollout IS)
+    tensor_model_parallel_size: int = 1  # rollout engine TP (SGLang)
+    gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
+    free_cache_engine: bool = True  # release engine memory while training (colocated)
+    max_num_seqs: int = 256  # engine batch slots (continuous batching)
+    max_num_batched_tokens: int = 8192  # SGLang chunked-prefill budget
+    enable_chunked_prefill: bool = True  # SGLang chunked prefill
+    log_prob_micro_batch_size_per_gpu: int = 16  # responses per old-log-prob forward on one rank
+    log_prob_use_dynamic_bsz: bool = False  # pack old-log-prob micro-batches by token budget
+    log_prob_max_token_len_per_gpu: int = 16384  # token budget per old-log-prob micro-batch
+    update_weights_bucket_megabytes: int = 512  # resharding bucket size in MiB
+    num_engines: int = 1  # rollout engines (workers) in the fleet
+    seed: int = 0  # sampling seed
+    enforce_eager: bool = False  # SGLang: disable CUDA graphs
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)  # validation sampling
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agent loop
+    engine_kwargs: Dict[str, Any] = field(default_factory=dict)  # passed through to the engine (e.g. sglang.*)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True  # actor and rollout share devices (colocated)
+    model: ModelConfig = field(default_factory=ModelConfig)  # policy model
+    actor: ActorConfig = field(default_factory=ActorConfig)  # policy training
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
+    ref: RefConfig = field(default_factory=RefConfig)  # reference policy
+
+
+# ----------------------------------------------------------------------------------------------
+# critic
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # HF dir of the critic trunk; None = the actor's model
+    tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None = on exactly when algorithm.adv_estimator is gae
+    strategy: str = "megatron"  # megatron | deepspeed
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)  # value model
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # critic optimizer
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None = actor's
+    ppo_micro_batch_size_per_gpu: int = 8  # responses per critic forward/backward on one rank
+    ppo_epochs: Optional[int] = None  # critic passes; None = actor's ppo_epochs
+    cliprange_value: float = 0.5  # value clipping range
+    loss_agg_mode: str = "token-mean"  # aggregation of the value loss
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # critic parallelism
+
+
+# ----------------------------------------------------------------------------------------------
+# rewards
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False  # DAPO overlong reward shaping
+    len: int = 4  # soft buffer length before max_response_length
+    penalty_factor: float = 1.0  # penalty at the hard limit
+    log: bool = False  # log the shaping term
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False  # use a learned reward model (else rule-based scorers)
+    reward_manager: str = "naive"  # naive | dapo | pkg.module:Class
+    num_workers: int = 2  # scorer processes
+    timeout: float = 10.0  # per-sample scorer timeout in seconds
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO shaping
+    model: Dict[str, Any] = field(default_factory=dict)  # reward-model settings (path, ...)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None  # python file holding the user's scorer
+    name: str = "compute_score"  # function name in that file
+
+
+# ----------------------------------------------------------------------------------------------
+# algorithm
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001  # initial / fixed in-reward KL coefficient
+    horizon: int = 10000  # adaptive controller horizon
+    target_kl: float = 0.1  # adaptive controller target
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO dynamic sampling
+    metric: str = "acc"  # acc | score | seq_reward | seq_final_reward | any per-sample field
+    max_num_gen_batches: int = 0  # generation batches per step before giving up; 0 = unlimited
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | adca_grpo | pkg.module:function
+    norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
+    use_kl_in_reward: bool = False  # subtract coef * KL(actor || ref) from the token rewards
+    kl_penalty: str = "kl"  # in-reward KL estimator: kl | abs | mse | low_var_kl
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL controller
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO group filter
+    rollout_is_threshold: Optional[float] = None  # upper IS bound; None disables rollout IS entirely
+    rollout_is_threshold_lower: Optional[float] = None  # lower bound for clip mode; None = 1 / upper
+    rollout_is_level: str = "token"  # token | sequence | geometric
+    rollout_is_mode: str = "truncate"  # truncate | clip
+    rollout_is_veto_threshold: Optional[float] = 1e-4  # veto a sequence with any token ratio below; None = off
+    rollout_is: bool = True  # apply the weights (False = compute the mismatch metrics only)
+    rollout_rs: Optional[str] = None  # rejection sampling aggregation: token | seq_sum | seq_mean | seq_max; None = off
+    rollout_rs_divergence: str = "k1"  # k1 | k2 | k3 divergence for rejection sampling
+    rollout_rs_threshold: Optional[float] = None  # rejection upper bound
+    rollout_rs_threshold_lower: Optional[float] = None  # rejection lower bound
+
+
+# ----------------------------------------------------------------------------------------------
+# ADCA-GRPO (AgentEvolver's attribution-driven credit assignment)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class AdcaGrpoConfig:
+    prm_scheme: str = "decouple"  # decouple | allocation
+    do_batch_norm: bool = True  # z-score step rewards within each prompt group
+    equal_trajectory_weight: bool = True  # each trajectory counts equally in group stats (GRPO) vs pooled steps (GSPO)
+    fix_base: float = 0.2  # PRM magnitude: GOOD = +fix_base, BAD = -fix_base
+    alpha: float = 0.1  # weight of the step (PRM) term
+    beta: float = 1.0  # weight of the outcome (ORM) term
+    orm_distribution: str = "last_step"  # last_step | all_steps
+    prm_steps: int = 20  # turn attribution off after this many training steps
+    enable_adca_metric: bool = True  # log the adca/* metrics
+    enable_length_normalization: bool = False  # divide by sqrt(number of steps)
+
+
+@dataclass
+class AdcaConfig:
+    enable: bool = False  # step-level credit assignment by an LLM judge
+    evaluation_type: str = "api"  # api (OpenAI-compatible endpoint) | local (trainer.serve)
+    model: str = "qwen-max"  # judge model name
+    base_url: str = "https://dashscope.aliyuncs.com/compatible-mode/v1"  # judge endpoint
+    api_key_env: str = "DASHSCOPE_API_KEY"  # env var holding the judge API key (never logged)
+    concurrent: int = 8  # judge requests in flight
+    api_max_retries: int = 5  # retries on 429 / 5xx / timeouts
+    request_timeout: float = 60.0  # per-request timeout in seconds
+    rate_limit_per_s: Optional[float] = None  # token-bucket rate; None = unlimited
+    llm_evaluation_log_dir: Optional[str] = None  # JSONL log of every judge request/response
+    skip_type: str = "skip_small_adv"  # skip_small_adv | skip_all_neg | none
+    adca_grpo: AdcaGrpoConfig = field(default_factory=AdcaGrpoConfig)  # fusion settings
+
+
+# ----------------------------------------------------------------------------------------------
+# trainer
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DebugConfig:
+    in_process: bool = False  # run every worker in the driver process (no Ray) so breakpoint() works
+    rollout_only: bool = False  # generate and score, no training
+    train_only: bool = False  # train on a dumped batch (dump_batch_path), no generation
+    dump_batch_path: Optional[str] = None  # write / read a step's batch here
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "coxswain"  # MLflow experiment
+    experiment_name: str = "tiny_grpo"  # MLflow run name
+    logger: List[str] = field(default_factory=lambda: ["console", "mlflow"])  # console | mlflow
+    device: str = "cpu"  # cpu | cuda
+    nnodes: int = 1  # nodes in the Ray cluster
+    n_gpus_per_node: int = 1  # devices (GPUs, or CPU slots on CPU) per node
+    placement: str = "colocated"  # colocated | split
+    total_epochs: int = 1  # passes over the training prompts
+    total_training_steps: Optional[int] = None  # stop after this many steps; None = epochs x batches
+    critic_warmup: int = 0  # critic-only steps before the actor trains
+    test_freq: int = -1  # eval every N steps (-1 = never)
+    val_before_train: bool = True  # eval at step 0
+    save_freq: int = -1  # checkpoint every N steps (-1 = never)
+    max_actor_ckpt_to_keep: Optional[int] = None  # prune older checkpoints; None = keep all
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"  # run directory
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: Optional[str] = None  # checkpoint dir when resume_mode=resume_path
+    seed: int = 1  # driver seed
+    debug: DebugConfig = field(default_factory=DebugConfig)  # debugging modes
+
+
+@dataclass
+class CoxswainConfig:
+    data: DataConfig = field(default_factory=DataConfig)  # datasets and batch sizes
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)  # policy side
+    critic: CriticConfig = field(default_factory=CriticConfig)  # value side
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)  # rewards
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)  # user scorer
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # RL math
+    attribution_driven_credit_assignment: AdcaConfig = field(default_factory=AdcaConfig)  # ADCA-GRPO
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # loop, logging, checkpoints
+
+
+# ----------------------------------------------------------------------------------------------
+# key discovery, legacy keys, choices
+# ----------------------------------------------------------------------------------------------
+LEGACY_KEYS = {
+    "actor_rollout_ref.actor.tis_imp_ratio_cap": (
+        "was removed with verl's TIS rework: use algorithm.rollout_is_threshold=<cap> "
+        "(with algorithm.rollout_is_level=token and algorithm.rollout_is_mode=truncate for the old behaviour; "
+        "see also algorithm.rollout_is, rollout_is_threshold_lower, rollout_is_veto_threshold)"
+    ),
+    "actor_rollout_ref.rollout.tis_imp_ratio_cap": "was removed: use algorithm.rollout_is_threshold=<cap>",
+    "actor_rollout_ref.actor.use_torch_compile": "is not used by the megatron strategy; remove it",
+}
+
+# Whole verl sections that have a megatron-side equivalent here: prefix -> message.
+LEGACY_PREFIXES = {
+    "actor_rollout_ref.actor.fsdp_config": "Coxswain trains with megatron-core: use actor_rollout_ref.actor.megatron.{param_offload,grad_offload,optimizer_offload,use_distributed_optimizer}",
+    "actor_rollout_ref.ref.fsdp_config": "Coxswain runs the reference on megatron-core: use actor_rollout_ref.ref.megatron.*",
+    "critic.model.fsdp_config": "Coxswain trains the critic with megatron-core: use critic.megatron.*",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "use actor_rollout_ref.actor.megatron.context_parallel_size (megatron context parallelism)",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "use actor_rollout_ref.ref.megatron.context_parallel_size",
+    "critic.ulysses_sequence_parallel_size": "use critic.megatron.context_parallel_size",
+}
+
+# Enumerated string fields: key -> allowed values (a "pkg.module:function" is also allowed where noted).
+CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "algorithm.adv_estimator": (
+        ("gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+         "remax", "grpo_passk", "adca_grpo"), True),
+    "algorithm.kl_penalty": (("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"), False),
+    "algorithm.kl_ctrl.type": (("fixed", "adaptive"), False),
+    "algorithm.rollout_is_level": (("token", "sequence", "geometric"), False),
+    "algorithm.rollout_is_mode": (("truncate", "clip"), False),
+    "algorithm.rollout_rs_divergence": (("k1", "k2", "k3"), False),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"), False),
+    "actor_rollout_ref.actor.kl_loss_type": (("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"), False),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": (
+        ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"), True),
+    "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
+    "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
+    "actor_rollout_ref.rollout.mode": (("sync", "async"), False),
+    "critic.loss_agg_mode": (
+        ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"), False),
+    "data.truncation": (("error", "left", "right"), False),
+    "data.on_bad_row": (("error", "skip"), False),
+    "trainer.device": (("cpu", "cuda"), False),
+    "trainer.placement": (("colocated", "split"), False),
+    "trainer.resume_mode": (("auto", "disable", "resume_path"), False),
+    "attribution_driven_credit_assignment.skip_type": (("skip_small_adv", "skip_all_neg", "none"), False),
+    "attribution_driven_credit_assignment.evaluation_type": (("api", "local"), False),
+    "attribution_driven_credit_assignment.adca_grpo.prm_scheme": (("decouple", "allocation"), False),
+    "attribution_driven_credit_assignment.adca_grpo.orm_distribution": (("last_step", "all_steps"), False),
+}
+
+
+def _field_type(tp):
+    """Strip Optional[...] from an annotation."""
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _schema_keys(cls=CoxswainConfig, prefix="") -> tuple[dict[str, Any], set[str]]:
+    """All leaf keys ``{dotted: type}`` of the schema, and the prefixes of free-form dict fields."""
+    leaves, open_prefixes = {}, set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        tp = _field_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            sub_leaves, sub_open = _schema_keys(tp, key + ".")
+            leaves.update(sub_leaves)
+            open_prefixes |= sub_open
+        else:
+            leaves[key] = hints[f.name]
+            if typing.get_origin(tp) in (dict, Dict) or tp is Any:
+                open_prefixes.add(key)
+    return leaves, open_prefixes
+
+
+_LEAVES, _OPEN = _schema_keys()
+_SECTIONS = {k.rsplit(".", i)[0] for k in _LEAVES for i in range(1, k.count(".") + 1)}
+
+
+def _type_name(tp) -> str:
+    base = _field_type(tp)
+    name = getattr(base, "__name__", None) or str(base).replace("typing.", "")
+    return f"{name} or null" if base is not tp else name
+
+
+def closest_key(key: str) -> Optional[str]:
+    """The valid key nearest to ``key``: first the same leaf name elsewhere, then string similarity."""
+    candidates = list(_LEAVES) + sorted(_SECTIONS)
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in _LEAVES if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0)[0]
+    m = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if m:
+        return m[0]
+    # a typo in the leaf under a valid parent
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = [k for k in _LEAVES if k.rsplit(".", 1)[0] == parent]
+    m = difflib.get_close_matches(key, siblings, n=1, cutoff=0.0)
+    return m[0] if m else None
+
+
+def _check_key(key: str, origin: str) -> None:
+    key = key.lstrip("+")
+    if key in LEGACY_KEYS:
+        raise ConfigError(f"{origin}: '{key}' {LEGACY_KEYS[key]}")
+    for prefix, msg in LEGACY_PREFIXES.items():
+        if key == prefix or key.startswith(prefix + "."):
+            raise ConfigError(f"{origin}: '{key}' is a verl FSDP/Ulysses key: {msg}")
+    if key in _LEAVES or key in _SECTIONS:
+        return
+    if any(key.startswith(p + ".") for p in _OPEN):
+        return
+    guess = closest_key(key)
+    hint = f" Did you mean '{guess}'?" if guess else ""
+    raise ConfigError(f"{origin}: unknown config key '{key}'.{hint} (print all keys: python -m trainer.main --help-keys)")
+
+
+def _flatten(node, prefix="") -> dict[str, Any]:
+    out = {}
+    if isinstance(node, (dict, DictConfig)):
+        items = node.items() if isinstance(node, dict) else node.items_ex(resolve=False)
+        for k, v in items:
+            key = f"{prefix}{k}"
+            if key in _OPEN or key in LEGACY_KEYS or key in LEGACY_PREFIXES:
+                out[key] = v
+            elif isinstance(v, (dict, DictConfig)) and v and key not in _LEAVES:
+                out.update(_flatten(v, key + "."))
+            else:
+                out[key] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+def _merge(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except ValidationError as e:
+        key = e.full_key
+        expected = _type_name(_LEAVES[key]) if key in _LEAVES else "a value of the schema's type"
+        raise ConfigError(
+            f"{origin}: key '{key}' got value {e.value!r} of type {type(e.value).__name__}, "
+            f"but expects {expected}."
+        ) from None
+    except ConfigKeyError as e:  # keys were pre-checked; keep a clear message anyway
+        raise ConfigError(f"{origin}: unknown config key '{e.full_key}'. Did you mean '{closest_key(e.full_key)}'?") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{origin}: {e.msg if hasattr(e, 'msg') else e}") from None
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """``key.sub=value`` strings (values parsed as YAML, ``null`` for None) -> a DictConfig, keys checked."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key.sub=value")
+        _check_key(item.split("=", 1)[0], "command line")
+    try:
+        return OmegaConf.from_dotlist([o.lstrip("+") for o in overrides])
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"command line: cannot parse overrides: {e}") from None
+
+
+def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = True) -> DictConfig:
+    """Build the resolved config from ``[--config FILE.yaml] key=value ...``."""
+    argv = list(argv or [])
+    files, overrides = [], []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--config", "--config-file", "-c"):
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{a} needs a YAML file path")
+            files.append(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--config="):
+            files.append(a.split("=", 1)[1])
+        elif a.startswith("--"):
+            raise ConfigError(f"unknown option '{a}'. Use --config FILE.yaml and key.sub=value overrides.")
+        else:
+            overrides.append(a)
+        i += 1
+    cfg = OmegaConf.structured(CoxswainConfig)
+    for path in files:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config: file '{path}' does not exist")
+        file_cfg = OmegaConf.load(path)
+        if not isinstance(file_cfg, DictConfig):
+            raise ConfigError(f"{path}: the top level must be a mapping of config sections")
+        for key in _flatten(file_cfg):
+            _check_key(key, path)
+        cfg = _merge(cfg, file_cfg, path)
+    cfg = _merge(cfg, parse_overrides(overrides), "command line")
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def world_size(cfg: DictConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks. Every message names all the keys involved and what to change."""
+    errs: list[str] = []
+    for key, (allowed, pluggable) in CHOICES.items():
+        val = OmegaConf.select(cfg, key)
+        if val is None or val in allowed or (pluggable and ":" in str(val)):
+            continue
+        guess = difflib.get_close_matches(str(val), allowed, n=1)
+        extra = " or 'pkg.module:function'" if pluggable else ""
+        errs.append(f"{key}='{val}' is not one of {list(allowed)}{extra}."
+                    + (f" Did you mean '{guess[0]}'?" if guess else ""))
+
+    d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    ws = world_size(cfg)
+    sizes_bad = False
+    for name, val in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.rollout.n", r.n),
+                      ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                      ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
+                      ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs),
+                      ("data.max_response_length", d.max_response_length),
+                      ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)):
+        if val < 1:
+            errs.append(f"{name}={val} must be >= 1.")
+            sizes_bad = True
+    if sizes_bad:  # the divisibility checks below would divide by these
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
+                    f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; "
+                    f"make train_batch_size a multiple of ppo_mini_batch_size.")
+    if d.gen_batch_size is not None and d.gen_batch_size < 1:
+        errs.append(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null for data.train_batch_size).")
+
+    for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
+                       ("critic", cfg.critic.megatron)):
+        tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+        if min(tp, pp, cp) < 1:
+            errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
+            continue
+        if ws % (tp * pp * cp):
+            errs.append(f"{role}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
+                        + (f" x context_parallel_size={cp}" if cp > 1 else "")
+                        + f" = {tp * pp * cp} does not divide the world size trainer.nnodes={cfg.trainer.nnodes} x "
+                        f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} = {ws}.")
+            continue
+        if role == "actor_rollout_ref.actor":
+            dp = ws // (tp * pp * cp)
+            mini = a.ppo_mini_batch_size * r.n
+            if mini % dp:
+                errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x "
+                            f"actor_rollout_ref.rollout.n={r.n} = {mini} responses do not split over the data-parallel "
+                            f"size {dp} (world {ws} / (TP {tp} x PP {pp} x CP {cp})).")
+            elif (mini // dp) % a.ppo_micro_batch_size_per_gpu:
+                errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
+                            f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
+                            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
+        split = mcfg.pipeline_layer_split
+        if split is not None and len(split) != pp:
+            errs.append(f"{role}.megatron.pipeline_layer_split has {len(split)} entries but "
+                        f"{role}.megatron.pipeline_model_parallel_size={pp}.")
+
+    if a.ppo_micro_batch_size is not None:
+        errs.append("actor_rollout_ref.actor.ppo_micro_batch_size (global, legacy) is not supported: set "
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead.")
+
+    al = cfg.algorithm
+    up, lo = al.rollout_is_threshold, al.rollout_is_threshold_lower
+    if up is not None and up <= 0:
+        errs.append(f"algorithm.rollout_is_threshold={up} must be > 0 (or null to disable rollout IS).")
+    if lo is not None and up is not None and lo > up:
+        errs.append(f"algorithm.rollout_is_threshold_lower={lo} is greater than algorithm.rollout_is_threshold={up}; "
+                    f"the lower bound must be <= the upper bound.")
+    if lo is not None and up is None:
+        errs.append(f"algorithm.rollout_is_threshold_lower={lo} is set but algorithm.rollout_is_threshold is null "
+                    f"(rollout IS disabled); set rollout_is_threshold too.")
+    if al.rollout_is_veto_threshold is not None and al.rollout_is_veto_threshold <= 0:
+        errs.append(f"algorithm.rollout_is_veto_threshold={al.rollout_is_veto_threshold} must be > 0 (or null to disable the veto).")
+    if (up is not None or al.rollout_rs is not None) and not r.calculate_log_probs:
+        errs.append("algorithm.rollout_is_threshold / algorithm.rollout_rs need the sampler's log-probs: "
+                    "set actor_rollout_ref.rollout.calculate_log_probs=true.")
+    if al.rollout_rs is not None:
+        if al.rollout_rs not in ("token", "seq_sum", "seq_mean", "seq_max"):
+            errs.append(f"algorithm.rollout_rs='{al.rollout_rs}' is not one of ['token', 'seq_sum', 'seq_mean', 'seq_max'] (or null).")
+        if al.rollout_rs_threshold is None:
+            errs.append("algorithm.rollout_rs is set but algorithm.rollout_rs_threshold is null.")
+        elif al.rollout_rs_threshold_lower is not None and al.rollout_rs_threshold_lower > al.rollout_rs_threshold:
+            errs.append(f"algorithm.rollout_rs_threshold_lower={al.rollout_rs_threshold_lower} is greater than "
+                        f"algorithm.rollout_rs_threshold={al.rollout_rs_threshold}.")
+
+    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+    if low < 0 or high < 0:
+        errs.append(f"actor_rollout_ref.actor.clip_ratio_low={low} / clip_ratio_high={high} must be >= 0.")
+    if a.clip_ratio_c <= 1.0:
+        errs.append(f"actor_rollout_ref.actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound of the ratio).")
+
+    if cfg.algorithm.filter_groups.enable:
+        if al.adv_estimator == "gae":
+            errs.append("algorithm.filter_groups.enable=true needs a group estimator; algorithm.adv_estimator=gae has no groups.")
+        if r.n < 2:
+            errs.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
+        if al.filter_groups.max_num_gen_batches < 0:
+            errs.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited).")
+    if al.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "adca_grpo") and r.n < 2:
+        errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
+                    f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
+
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable and not (0 < ob.len <= d.max_response_length):
+        errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
+
+    bad_loggers = [x for x in cfg.trainer.logger if x not in ("console", "mlflow")]
+    if bad_loggers:
+        errs.append(f"trainer.logger has {bad_loggers}; supported loggers are 'console' and 'mlflow' "
+                    f"(MLFLOW_TRACKING_URI selects a server).")
+    if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
+        errs.append(f"actor_rollout_ref.rollout.top_k={r.top_k} must be >= -1, top_p={r.top_p} in (0, 1], "
+                    f"temperature={r.temperature} >= 0.")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        errs.append("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
+    if cfg.trainer.device == "cpu" and r.name == "sglang":
+        errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
+    if cfg.trainer.debug.rollout_only and cfg.trainer.debug.train_only:
+        errs.append("trainer.debug.rollout_only and trainer.debug.train_only cannot both be true.")
+    if cfg.trainer.debug.train_only and not cfg.trainer.debug.dump_batch_path:
+        errs.append("trainer.debug.train_only=true needs trainer.debug.dump_batch_path (a batch dumped by an earlier run).")
+
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def save_resolved(cfg: DictConfig, run_dir: str) -> str:
+    """Write the resolved config to ``run_dir/config.yaml`` atomically; returns the path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def all_keys() -> list[str]:
+    return sorted(_LEAVES)
