@@ -1,0 +1,39 @@
+"""Tracking: a real local MLflow (SQLite) store receives params, batched metrics and artifacts; secrets never do."""
+
+from mlflow.tracking import MlflowClient
+
+from trainer.tracking import Tracker, default_tracking_uri, redact
+
+
+def test_mlflow_run_gets_params_metrics_artifacts_and_no_secrets(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DASHSCOPE_API_KEY", "sk-very-secret-123")
+    cfg = {"algorithm": {"gamma": 0.99}, "judge": {"api_key": "plain-secret", "api_key_env": "DASHSCOPE_API_KEY",
+                                                    "base_url": "http://h/?k=sk-very-secret-123"}}
+    root = tmp_path / "mlruns"
+    t = Tracker("proj", "exp", ["mlflow", "console"], config=cfg, total_steps=4, mlruns_root=str(root))
+    t.log_metrics({"reward/mean": 0.25, "actor/pg_loss": -0.1, "bad": float("nan")}, step=1)
+    t.log_metrics({"reward/mean": 0.5}, step=2)
+    art = tmp_path / "report.txt"
+    art.write_text("hello")
+    t.log_artifact(str(art))
+    t.finish()
+
+    c = MlflowClient(tracking_uri=default_tracking_uri(str(root)))
+    run = c.get_run(t.run_id)
+    p = run.data.params
+    assert p["algorithm.gamma"] == "0.99"
+    assert p["judge.api_key"] == "***" and p["judge.api_key_env"] == "DASHSCOPE_API_KEY"
+    assert "sk-very-secret-123" not in p["judge.base_url"]
+    hist = c.get_metric_history(t.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in hist] == [(1, 0.25), (2, 0.5)]
+    assert "bad" not in run.data.metrics  # NaN is dropped, not logged
+    assert [a.path for a in c.list_artifacts(t.run_id)] == ["report.txt"]
+    assert run.info.status == "FINISHED"
+    out = capsys.readouterr().out
+    assert "step 1/4" in out and "reward 0.25" in out and "eta" in out
+
+
+def test_redact_masks_env_secret_values_anywhere(monkeypatch):
+    monkeypatch.setenv("MY_TOKEN", "abcdef123")
+    assert redact({"x.url": "http://a/abcdef123/b", "x.n": 3}) == {"x.url": "http://a/***/b", "x.n": "3"}
