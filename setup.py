@@ -14,7 +14,7 @@ install_requires = [
     "psutil",  # megatron-core imports it without declaring it
     "numpy",
     "omegaconf>=2.3",
-    "tensordict>=0.10",
+    "tensordict>=0.15",
     "safetensors>=0.4",
     "transformers>=4.50",
     "ray>=2.40",
