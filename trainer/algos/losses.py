@@ -89,6 +89,10 @@ Metrics (0-dim detached tensors, over valid tokens only; no ``.item()`` so no de
     KL-Cov penalised). Clip fractions that a method cannot have are reported as 0 so that every
     ratio-based loss logs the same keys.
 
+Padding: every input is read only where ``response_mask`` is set (selected with ``where``, never
+multiplied by the mask), so NaN/inf log-probs, advantages or IS weights in padded positions reach
+neither the loss, the metrics nor the gradient.
+
 Deviations from verl's implementations (all deliberate): ``clip_cov``/``kl_cov``/``geo_mean`` clamp Δ to
 ±20 like the others; ``gspo`` and ``geo_mean`` honour the ``loss_agg_mode`` they are given (defaults are
 the papers' choice) and use the global counts; ``geo_mean`` applies IS weights per token before
@@ -194,6 +198,12 @@ def _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, default: float) -> tupl
     return float(low), float(high)
 
 
+def _pad0(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x`` with padded positions set to 0 (by ``where``, whose backward sends exactly 0 there), so
+    that a NaN/inf in padding can reach neither the loss nor, through ``0 * inf``, the gradient."""
+    return torch.where(m, x, torch.zeros_like(x))
+
+
 def _masked_min(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     big = torch.full((), float("inf"), dtype=x.dtype, device=x.device)
     v = torch.where(m, x, big).amin()
@@ -206,6 +216,12 @@ def _masked_max(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m.any(), v, torch.zeros_like(v))
 
 
+def _mmean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean over the set entries of ``m``; padding is selected out (not multiplied) so a non-finite
+    padded value cannot turn a metric into NaN. Empty mask -> 0."""
+    return masked_mean(_pad0(x, m), m)
+
+
 def _frac(cond: torch.Tensor, m: torch.Tensor, dtype) -> torch.Tensor:
     return masked_mean(cond.to(dtype), m)
 
@@ -216,20 +232,20 @@ def _diagnostics(log_ratio, advantages, m, pg_unclipped, pg_used, weights) -> di
     adv_abs = advantages.abs()  # [B, T]
     dt = log_ratio.dtype
     out = {
-        "ppo_kl": masked_mean(-log_ratio, m),
-        "log_ratio_abs_mean": masked_mean(log_ratio.abs(), m),
-        "is_ratio_mean": masked_mean(ratio, m),
+        "ppo_kl": _mmean(-log_ratio, m),
+        "log_ratio_abs_mean": _mmean(log_ratio.abs(), m),
+        "is_ratio_mean": _mmean(ratio, m),
         "is_ratio_min": _masked_min(ratio, m),
         "is_ratio_max": _masked_max(ratio, m),
-        "pg_loss_unclipped_mean": masked_mean(pg_unclipped, m),
-        "pg_loss_clipped_mean": masked_mean(pg_used, m),
-        "adv_abs_mean": masked_mean(adv_abs, m),
+        "pg_loss_unclipped_mean": _mmean(pg_unclipped, m),
+        "pg_loss_clipped_mean": _mmean(pg_used, m),
+        "adv_abs_mean": _mmean(adv_abs, m),
         "adv_abs_min": _masked_min(adv_abs, m),
         "adv_abs_max": _masked_max(adv_abs, m),
         "adv_nonzero_frac": _frac(advantages != 0, m, dt),
     }
     if weights is not None:
-        out["rollout_is_weight_mean"] = masked_mean(weights, m)
+        out["rollout_is_weight_mean"] = _mmean(weights, m)
         out["rollout_is_weight_min"] = _masked_min(weights, m)
     return out
 
@@ -246,7 +262,7 @@ def _clip_metrics(upper, lower, dual, m, dt) -> dict[str, torch.Tensor]:
 def _seq_ratio_metrics(seq_ratio: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
     has = m.any(dim=-1)  # [B]
     return {
-        "seq_ratio_mean": masked_mean(seq_ratio, has),
+        "seq_ratio_mean": _mmean(seq_ratio, has),
         "seq_ratio_min": _masked_min(seq_ratio, has),
         "seq_ratio_max": _masked_max(seq_ratio, has),
     }
@@ -256,7 +272,7 @@ def _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, agg_kw)
     """Apply detached IS weights per token, then aggregate. Returns (loss, detached weights or None)."""
     w = None
     if rollout_is_weights is not None:
-        w = rollout_is_weights.detach().to(pg_losses.dtype)  # [B, T]
+        w = _pad0(rollout_is_weights.detach().to(pg_losses.dtype), response_mask.bool())  # [B, T]
         pg_losses = pg_losses * w  # [B, T]
     return agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kw), w
 
@@ -295,6 +311,7 @@ def vanilla(
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
     eps_l, eps_h = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2)
     m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
     log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     loss_unclipped = -advantages * ratio  # [B, T]
@@ -344,6 +361,7 @@ def gspo(
     else:
         eps_l, eps_h = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2)
     m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
     mf = m.to(log_prob.dtype)  # [B, T]
     log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
     n_i = mf.sum(dim=-1).clamp_min(1.0)  # [B]
@@ -351,7 +369,7 @@ def gspo(
     seq_log_ratio = seq_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B]
     # value s_i on every token, gradient s_i * d logp_t (token-level stop-gradient form of the paper);
     # padding is zeroed first so a non-finite padded log-prob cannot turn the gradient into NaN
-    lp = torch.where(m, log_prob, torch.zeros_like(log_prob))  # [B, T]
+    lp = _pad0(log_prob, m)  # [B, T]
     tok_ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + lp - lp.detach())  # [B, T]
     loss_unclipped = -advantages * tok_ratio  # [B, T]
     loss_clipped = -advantages * torch.clamp(tok_ratio, 1.0 - eps_l, 1.0 + eps_h)  # [B, T]
@@ -391,7 +409,8 @@ def gpg(
 ):
     """GPG: plain policy gradient ``−A logp`` (``old_log_prob`` only feeds the drift diagnostics)."""
     m = response_mask.bool()  # [B, T]
-    pg_losses = -advantages * log_prob  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
+    pg_losses = -advantages * _pad0(log_prob, m)  # [B, T]
     loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
                       dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
                            dp_size=dp_size, norm_constant=norm_constant))
@@ -404,8 +423,8 @@ def gpg(
 
 def _token_cov(advantages, log_prob, m):
     """``(A_t − mean A)(logp_t − mean logp)`` over the valid tokens of the call, detached ``[B, T]``."""
-    a = advantages.detach()
-    lp = log_prob.detach()
+    a = _pad0(advantages.detach(), m)  # [B, T]
+    lp = _pad0(log_prob.detach(), m)  # [B, T]
     return (a - masked_mean(a, m)) * (lp - masked_mean(lp, m))  # [B, T]
 
 
@@ -435,6 +454,7 @@ def clip_cov(
         raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
     eps_l, eps_h = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2)
     m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
     log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     loss_unclipped = -advantages * ratio  # [B, T]
@@ -493,6 +513,7 @@ def kl_cov(
     if not kl_cov_ratio > 0:
         raise ValueError(f"kl_cov_ratio must be > 0, got {kl_cov_ratio}")
     m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
     log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     loss_unclipped = -advantages * ratio  # [B, T]
@@ -540,6 +561,7 @@ def geo_mean(
     """GMPO: geometric mean of the (log-space clipped) token ratios per sequence."""
     eps_l, eps_h = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.4)
     m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
     mf = m.to(log_prob.dtype)  # [B, T]
     log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
     pos = advantages > 0  # [B, T]
@@ -549,7 +571,7 @@ def geo_mean(
                              torch.where(neg, torch.clamp(log_ratio, min=-eps_l), torch.zeros_like(log_ratio)))
     n_i = mf.sum(dim=-1).clamp_min(1.0)  # [B]
     seq_ratio = torch.exp((clipped_lr * mf).sum(dim=-1) / n_i)  # [B] geometric mean ρ_i
-    seq_adv = (advantages * mf).sum(dim=-1) / n_i  # [B] Ā_i
+    seq_adv = advantages.sum(dim=-1) / n_i  # [B] Ā_i (padding already 0)
     seq_loss = -seq_adv * seq_ratio  # [B] L_i
     pg_losses = seq_loss.unsqueeze(-1).expand_as(log_ratio)  # [B, T] L_i on every token of sequence i
 
@@ -587,10 +609,11 @@ def cispo(
     """CISPO: REINFORCE weighted by the clipped, detached IS ratio."""
     eps_l, eps_h = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2)
     m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
     log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     is_w = torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h).detach()  # [B, T] sg(clip(r))
-    pg_losses = -is_w * advantages * log_prob  # [B, T]
+    pg_losses = -is_w * advantages * _pad0(log_prob, m)  # [B, T]
 
     loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
                       dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
