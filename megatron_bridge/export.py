@@ -1,0 +1,227 @@
+"""Export megatron-core weights, from any TP/PP layout, in Hugging Face naming.
+
+:func:`iter_hf_weights` streams ``(hf_name, full tensor)`` pairs in buckets of about
+``bucket_bytes``: the API the resharding manager uses to feed rollout engines. It is collective
+over the model-parallel group (every TP and PP rank must iterate it), and it gathers **one
+parameter at a time**: the owning pipeline stage all-gathers the parameter's TP shards, merges them
+(:func:`convert.tp_merge`), splits it into HF tensors (:func:`convert.canonical_to_hf`) and
+broadcasts them along the pipeline group. Every rank therefore receives every full tensor, and
+peak extra memory is one bucket plus one parameter, never the whole model. Data-parallel replicas
+each stream their own copy without talking to each other.
+
+:func:`export_hf` writes a directory that ``transformers.AutoModelForCausalLM.from_pretrained``
+loads: ``config.json`` (the source config, dtype updated), safetensors shards with an index, and the
+tokenizer / generation files copied from the source directory. Rank 0 writes into a temporary
+directory that is renamed into place when complete, so a crash never leaves a half-written export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge.convert import canonical_names, canonical_to_hf, local_name, stage_of_layers, tp_kind, tp_merge
+from megatron_bridge.hf_config import HFModelConfig
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+
+
+def canonical_shape(name: str, hf: HFModelConfig, padded_vocab: int) -> tuple[int, ...]:
+    """Full (TP-merged) shape of a canonical megatron parameter, from the config alone."""
+    H, F, hd = hf.hidden_size, hf.intermediate_size, hf.head_dim
+    qkv = (hf.num_heads + 2 * hf.num_kv_heads) * hd
+    if name in ("embedding.word_embeddings.weight",):
+        return (padded_vocab, H)
+    if name == "output_layer.weight":
+        return (padded_vocab, H)
+    if name.endswith("linear_qkv.weight"):
+        return (qkv, H)
+    if name.endswith("linear_qkv.bias"):
+        return (qkv,)
+    if name.endswith("q_layernorm.weight") or name.endswith("k_layernorm.weight"):
+        return (hd,)
+    if name.endswith("linear_proj.weight"):
+        return (H, hf.num_heads * hd)
+    if name.endswith("linear_fc1.weight"):
+        return (2 * F, H)
+    if name.endswith("linear_fc2.weight"):
+        return (H, F)
+    if name.endswith("layernorm.weight"):
+        return (H,)
+    raise KeyError(name)
+
+
+def _stage_plan(m) -> list[tuple[int, str]]:
+    """(owning PP stage, canonical name) for every parameter of the whole model, in HF order."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    hf = m.hf_config
+    plan = []
+    for s, layers in enumerate(stage_of_layers(hf, pp, m.stage_layers)):
+        for n in canonical_names(hf, layers=layers, pre=s == 0, post=s == pp - 1, value_head=m.is_critic):
+            plan.append((s, n))
+    return plan
+
+
+@torch.no_grad()
+def _full_param(m, canonical: str) -> torch.Tensor:
+    """All-gather this stage's TP shards of one parameter and merge them (owning stage only)."""
+    from megatron.core import parallel_state as ps
+
+    p = dict(m.named_parameters())[local_name(canonical, m.layer_offset, m.uses_te)].detach()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or tp_kind(canonical, m.is_critic) == "rep":
+        return p
+    parts = [torch.empty_like(p) for _ in range(tp)]
+    dist.all_gather(parts, p.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return tp_merge(canonical, parts, m.is_critic)
+
+
+@torch.no_grad()
+def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every HF tensor, one megatron parameter at a time (collective)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.model import unwrap
+
+    m = unwrap(model)
+    hf = m.hf_config
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    dtype = next(m.parameters()).dtype
+    device = next(m.parameters()).device
+    for stage, name in _stage_plan(m):
+        if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
+            continue  # the tied copy on the last stage is the embedding; HF stores it once
+        if m.is_critic and name.startswith("output_layer."):
+            shape = (1, hf.hidden_size) if name.endswith("weight") else (1,)
+        else:
+            shape = canonical_shape(name, hf, m.padded_vocab_size)
+        if stage == my_stage:
+            pairs = canonical_to_hf(name, _full_param(m, name), hf, value_head=m.is_critic)
+        else:
+            meta = torch.empty(shape, device="meta")
+            pairs = [(k, torch.empty(v.shape, dtype=dtype, device=device))
+                     for k, v in canonical_to_hf(name, meta, hf, value_head=m.is_critic)]
+        for k, t in pairs:
+            if pp > 1:
+                t = t.contiguous()
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            yield k, t
+
+
+def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets ``[(hf_name, full tensor), ...]`` of at least ``bucket_bytes`` (the last may be smaller).
+
+    A single tensor larger than ``bucket_bytes`` forms a bucket by itself. Collective: call on every
+    rank of the model-parallel group and consume it to the end. Tensors are fresh copies the caller
+    may keep; HF names and shapes match ``AutoModelForCausalLM`` (tied lm_head omitted).
+    """
+    bucket, size = [], 0
+    for name, t in iter_hf_param(model):
+        bucket.append((name, t.contiguous()))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _hf_config_json(hf: HFModelConfig, dtype: torch.dtype, critic: bool) -> dict:
+    raw = dict(hf.raw)
+    name = str(dtype).replace("torch.", "")
+    raw["torch_dtype"] = name
+    if "dtype" in raw:
+        raw["dtype"] = name
+    if critic:
+        arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[hf.model_type]
+        raw["architectures"] = [f"{arch}ForTokenClassification"]
+        raw["num_labels"] = 1
+        raw["id2label"], raw["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    return raw
+
+
+def export_hf(model, out_dir: str, *, source_dir: str | None = None, max_shard_bytes: int = 4 << 30,
+              bucket_bytes: int = 512 << 20) -> str | None:
+    """Write a HF directory (rank 0; every model-parallel rank must call). Returns the path on rank 0."""
+    from safetensors.torch import save_file
+
+    from megatron_bridge.model import unwrap
+
+    m = unwrap(model)
+    writer = dist.get_rank() == 0
+    tmp = None
+    if writer:
+        parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+    try:
+        shard, shard_size, shards, weight_map = {}, 0, [], {}
+        dtype = next(m.parameters()).dtype
+
+        def flush():
+            nonlocal shard, shard_size
+            if shard:
+                fn = f"model-{len(shards) + 1:05d}.safetensors"
+                save_file(shard, os.path.join(tmp, fn), metadata={"format": "pt"})
+                shards.append(fn)
+                weight_map.update({k: fn for k in shard})
+                shard, shard_size = {}, 0
+
+        for bucket in iter_hf_weights(m, bucket_bytes):
+            if not writer:
+                continue
+            for k, t in bucket:
+                nbytes = t.numel() * t.element_size()
+                if shard and shard_size + nbytes > max_shard_bytes:
+                    flush()
+                shard[k] = t.detach().cpu().contiguous()
+                shard_size += nbytes
+        if writer:
+            flush()
+            n = len(shards)
+            if n == 1:
+                os.replace(os.path.join(tmp, shards[0]), os.path.join(tmp, "model.safetensors"))
+            else:
+                final = {}
+                for i, fn in enumerate(shards):
+                    new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                    os.replace(os.path.join(tmp, fn), os.path.join(tmp, new))
+                    final[fn] = new
+                total = sum(os.path.getsize(os.path.join(tmp, f)) for f in final.values())
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+                    json.dump({"metadata": {"total_size": total},
+                               "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}, f, indent=2)
+            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(_hf_config_json(m.hf_config, dtype, m.is_critic), f, indent=2, sort_keys=True)
+            if source_dir:
+                for fn in TOKENIZER_FILES:
+                    src = os.path.join(source_dir, fn)
+                    if os.path.exists(src):
+                        shutil.copy2(src, os.path.join(tmp, fn))
+            if os.path.exists(out_dir):
+                old = f"{tmp}.old"
+                os.replace(out_dir, old)
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out_dir)
+            tmp = None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    return out_dir if writer else None

@@ -1,0 +1,420 @@
+"""Exact per-token log-probs and entropies from vocab-parallel logits, for padded or packed batches.
+
+Math (one position, logits ``z`` over the true vocabulary ``V``, rollout temperature ``T``)::
+
+    x_v       = z_v / T                                        (temperature first, as the sampler does)
+    lse       = m + log sum_v exp(x_v - m),   m = max_v x_v
+    logp(y)   = x_y - lse
+    H         = lse - sum_v softmax(x)_v x_v  =  lse - S2 / S1,  S1 = sum_v e_v, S2 = sum_v e_v x_v, e_v = exp(x_v - m)
+
+Each tensor-parallel rank holds a contiguous slice of the (padded) vocabulary. The max, ``S1``,
+``S2`` and the target logit ``x_y`` (non-zero on the one rank that owns ``y``) are summed over the
+TP group, so the full ``[tokens, V]`` logits are never gathered. The sum's backward is the identity
+(megatron's convention for a loss replicated on every TP rank); the max is a constant shift and
+carries no gradient. Vocabulary padding rows (ids >= ``V``) are set to ``-inf`` before anything
+else, so they get probability exactly 0.
+
+Alignment. Every per-token output is aligned with the token it scores: ``logprobs[b, t] =
+log p(input_ids[b, t] | input_ids[b, :t])``, and ``entropy[b, t]`` / ``values[b, t]`` come from the
+same position (the hidden state after token ``t-1``), i.e. the state in which token ``t`` was chosen.
+The first token of every sequence, and pad positions, get 0.
+
+Batches. Right- or left-padded ``input_ids [B, S]`` + ``attention_mask [B, S]``, or packed rows
+``input_ids [1, T]`` + ``cu_seqlens [N+1]`` (THD: sequences back to back, no padding). Position ids
+restart at 0 at each sequence's first real token, and the attention mask is causal *and*
+block-diagonal over sequences *and* excludes pad keys, so neither pads nor neighbouring packed
+sequences leak into a token. Deviation, documented: megatron's local (CPU) attention has no THD
+kernel, so a packed row runs as one sequence with a block-diagonal causal mask (same numbers, the
+attention cost is that of the whole row). With the TE spec on GPU, packed rows go through
+megatron's real THD path (``PackedSeqParams``) instead.
+
+CLI (to recompute trainer-side log-probs of a dumped rollout)::
+
+    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M --input IN.jsonl --out OUT.jsonl [--temperature T]
+
+Each input line ``{"prompt_ids": [...], "response_ids": [...]}``; each output line adds
+``"logprobs"``, one per response token. The ranks are launched locally (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# ---------------------------------------------------------------------------------------------------
+# vocab-parallel math (pure torch + torch.distributed; no megatron)
+
+
+class _AllReduceSumIdentityGrad(torch.autograd.Function):
+    """Sum over ``group`` in forward; identity in backward (the consumer is replicated per rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _tp_sum(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _AllReduceSumIdentityGrad.apply(x, group)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    group=None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``labels`` (and entropy) from this rank's vocab slice ``logits [..., V_local]``.
+
+    ``vocab_start``: global id of the slice's first column; ``vocab_size``: true vocabulary (ids at
+    or beyond it are padding); ``group``: the tensor-parallel group (None = no parallelism).
+    Returns ``(logp [...], entropy [...] or None)`` in float32.
+    """
+    x = logits.float()  # [..., Vl]
+    if temperature != 1.0:
+        x = x / temperature
+    v_local = x.shape[-1]
+    pad = None
+    if vocab_size is not None and vocab_start + v_local > vocab_size:
+        ids = torch.arange(vocab_start, vocab_start + v_local, device=x.device)
+        pad = ids >= vocab_size  # [Vl]
+        x = x.masked_fill(pad, float("-inf"))
+    with torch.no_grad():
+        m = x.amax(-1)  # [...]
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m.unsqueeze(-1))  # [..., Vl]
+    s1 = _tp_sum(e.sum(-1), group)  # [...]
+    lse = m + torch.log(s1)  # [...]
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < v_local)  # [...]
+    tgt = x.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)  # [...]
+    tgt = _tp_sum(torch.where(owned, tgt, torch.zeros_like(tgt)), group)
+    logp = tgt - lse
+    ent = None
+    if with_entropy:
+        xs = x if pad is None else x.masked_fill(pad, 0.0)  # 0 * -inf would be nan
+        s2 = _tp_sum((e * xs).sum(-1), group)  # [...]
+        ent = lse - s2 / s1
+    return logp, ent
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch preparation (pure)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [B, S]
+    position_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked out (megatron's convention)
+    labels: torch.Tensor  # [B, S] next token (valid where next_valid)
+    next_valid: torch.Tensor  # [B, S] bool: token t+1 exists, is real and is in the same sequence
+    token_valid: torch.Tensor  # [B, S] bool: token t is real and not the first of its sequence
+    packed: bool = False
+    cu_seqlens: torch.Tensor | None = None  # [N+1] for packed rows
+    real: torch.Tensor | None = None  # [B, S] bool attention mask of a padded batch
+
+
+def padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelInputs:
+    """Inputs for a padded batch (left, right or both): positions restart at each first real token."""
+    real = attention_mask.bool()  # [B, S]
+    B, S = input_ids.shape
+    pos = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
+    causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()  # [S, S] allowed
+    allowed = causal[None] & real[:, None, :]  # [B, S(q), S(k)] only real keys, causal
+    masked = ~allowed[:, None]  # [B, 1, S, S]
+    next_valid = torch.zeros_like(real)
+    next_valid[:, :-1] = real[:, :-1] & real[:, 1:]
+    labels = torch.zeros_like(input_ids)
+    labels[:, :-1] = input_ids[:, 1:]
+    labels = torch.where(next_valid, labels, torch.zeros_like(labels))
+    token_valid = torch.zeros_like(real)
+    token_valid[:, 1:] = next_valid[:, :-1]
+    return ModelInputs(input_ids, pos, masked, labels, next_valid, token_valid, real=real)
+
+
+def packed_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> ModelInputs:
+    """Inputs for one packed row ``[T]`` or ``[1, T]`` holding sequences at ``cu_seqlens``."""
+    ids = input_ids.reshape(1, -1)  # [1, T]
+    T = ids.shape[1]
+    cu = cu_seqlens.to(torch.long).cpu()
+    if int(cu[0]) != 0 or int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens {cu.tolist()} does not cover a row of {T} tokens")
+    lens = cu[1:] - cu[:-1]  # [N]
+    seg = torch.repeat_interleave(torch.arange(len(lens)), lens).to(ids.device)  # [T] sequence id
+    starts = cu[:-1].to(ids.device)
+    pos = (torch.arange(T, device=ids.device) - starts[seg])[None]  # [1, T] restarts per sequence
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    allowed = causal & (seg[:, None] == seg[None, :])  # [T, T] block-diagonal causal
+    masked = ~allowed[None, None]  # [1, 1, T, T]
+    same_next = torch.zeros(1, T, dtype=torch.bool, device=ids.device)
+    same_next[0, :-1] = seg[:-1] == seg[1:]
+    labels = torch.zeros_like(ids)
+    labels[:, :-1] = ids[:, 1:]
+    labels = torch.where(same_next, labels, torch.zeros_like(labels))
+    token_valid = torch.zeros_like(same_next)
+    token_valid[:, 1:] = same_next[:, :-1]
+    return ModelInputs(ids, pos, masked, labels, same_next, token_valid, packed=True, cu_seqlens=cu)
+
+
+def model_inputs(mb: dict) -> ModelInputs:
+    """Dispatch on the micro-batch format: ``cu_seqlens`` present = packed, else padded."""
+    if "cu_seqlens" in mb:
+        return packed_inputs(mb["input_ids"], mb["cu_seqlens"])
+    mask = mb.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(mb["input_ids"], dtype=torch.bool)
+    return padded_inputs(mb["input_ids"], mask)
+
+
+def align_to_tokens(next_vals: torch.Tensor, inp: ModelInputs) -> torch.Tensor:
+    """Move values computed at position t (about token t+1) to index t+1; zero the rest."""
+    out = torch.zeros_like(next_vals)
+    out[:, 1:] = next_vals[:, :-1]
+    return torch.where(inp.token_valid, out, torch.zeros_like(out))
+
+
+def pad_sequences(seqs: list[list[int]], *, side: str = "right", pad_id: int = 0, multiple: int = 1
+                  ) -> dict[str, torch.Tensor]:
+    """``{"input_ids" [B, S], "attention_mask" [B, S]}`` from token lists."""
+    S = max(len(s) for s in seqs)
+    S = ((S + multiple - 1) // multiple) * multiple
+    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        sl = slice(0, len(s)) if side == "right" else slice(S - len(s), S)
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = True
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def pack_sequences(seqs: list[list[int]], max_tokens: int) -> list[dict]:
+    """Greedy in-order packing into rows of at most ``max_tokens`` tokens (longer sequences alone).
+
+    Each row is ``{"input_ids": [1, T], "cu_seqlens": [n+1], "index": [n]}`` where ``index`` gives
+    the position of each packed sequence in ``seqs``.
+    """
+    rows, cur, idx = [], [], []
+
+    def flush():
+        if cur:
+            lens = torch.tensor([0] + [len(s) for s in cur])
+            rows.append({"input_ids": torch.tensor([t for s in cur for t in s], dtype=torch.long)[None],
+                         "cu_seqlens": lens.cumsum(0), "index": torch.tensor(idx)})
+            cur.clear(), idx.clear()
+
+    for i, s in enumerate(seqs):
+        if cur and sum(len(c) for c in cur) + len(s) > max_tokens:
+            flush()
+        cur.append(list(s)), idx.append(i)
+    flush()
+    return rows
+
+
+def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+    """Split a packed ``[1, T]`` (or ``[T]``) per-token tensor into its sequences."""
+    flat = x.reshape(-1)
+    cu = cu_seqlens.tolist()
+    return [flat[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# model-level: one forward step, shared with the train step
+
+
+def _thd_params(inp: ModelInputs):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = inp.cu_seqlens.to(device=inp.input_ids.device, dtype=torch.int32)
+    mx = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx)
+
+
+def run_model(model, inp: ModelInputs):
+    """One forward of a (possibly DDP-wrapped) bridge model chunk on prepared inputs.
+
+    Local spec: dense masks (works everywhere). TE spec (GPU): THD packed attention; a padded batch
+    is first unpadded into one packed row (TE's causal kernels ignore an arbitrary mask, so running
+    it padded would let left pads leak) and the last stage's output is scattered back to ``[B, S]``.
+    """
+    from megatron_bridge.model import unwrap
+
+    m = unwrap(model)
+    if not getattr(m, "uses_te", False):
+        return model(inp.input_ids, inp.position_ids, inp.attention_mask)
+    if inp.packed:
+        # THD: [1, T] tokens, positions restart from cu_seqlens inside megatron's RoPE.
+        return model(inp.input_ids, None, None, packed_seq_params=_thd_params(inp))
+    real = inp.real  # [B, S]
+    lens = real.sum(1)  # [B]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+    cu[1:] = lens.cpu().cumsum(0)
+    row = ModelInputs(inp.input_ids[real][None], None, None, None, None, None, packed=True, cu_seqlens=cu)
+    out = model(row.input_ids, None, None, packed_seq_params=_thd_params(row))
+    if not m.post_process:
+        return out  # hidden [T, 1, H] for the next stage
+    full = out.new_zeros(*real.shape, out.shape[-1])  # [B, S, V_local]
+    full[real] = out[0]
+    return full
+
+
+def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    """Turn the last stage's output (vocab-parallel logits, or critic values) into per-token outputs."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.model import unwrap
+
+    m = unwrap(model)
+    if m.is_critic:
+        vals = output[..., 0].float()  # [B, S]
+        return {"values": align_to_tokens(vals, inp)}
+    v_local = output.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local
+    lp, ent = vocab_parallel_logprobs(output, inp.labels, vocab_start=start, vocab_size=m.true_vocab_size,
+                                      temperature=temperature, group=ps.get_tensor_model_parallel_group(),
+                                      with_entropy=with_entropy)
+    out = {"logprobs": align_to_tokens(lp, inp)}
+    if ent is not None:
+        out["entropy"] = align_to_tokens(ent, inp)
+    return out
+
+
+def _broadcast_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensors
+    src = ps.get_pipeline_model_parallel_last_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    out = []
+    for t, shape in zip(tensors, shapes):
+        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+        dist.broadcast(buf, src=src, group=group)
+        out.append(buf)
+    return out
+
+
+@torch.no_grad()
+def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1.0,
+                     with_entropy: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Forward-only pass over micro-batches through megatron's pipeline schedule.
+
+    Returns, on every rank of the model-parallel group, one dict per micro-batch with
+    ``logprobs`` (and ``entropy``) — or ``values`` for a critic — shaped like its ``input_ids``
+    (``[B, S]`` padded, ``[1, T]`` packed), aligned as described in the module docstring.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_bridge.model import unwrap
+
+    chunk = model[0] if isinstance(model, list) else model
+    m = unwrap(chunk)
+    was_training = chunk.training
+    chunk.eval()
+    inputs = [model_inputs(mb) for mb in micro_batches]
+    it = iter(inputs)
+
+    def step(data_iterator, mdl):
+        inp = next(data_iterator)
+        out = run_model(mdl, inp)
+
+        def loss_func(output):
+            res = head_outputs(mdl, output, inp, temperature=temperature, with_entropy=with_entropy)
+            return torch.zeros((), dtype=torch.float32), res
+
+        return out, loss_func
+
+    S = max(i.input_ids.shape[1] for i in inputs)
+    B = max(i.input_ids.shape[0] for i in inputs)
+    res = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=it, model=[chunk], num_microbatches=len(inputs),
+        seq_length=S, micro_batch_size=B, forward_only=True)
+    if was_training:
+        chunk.train()
+    keys = ["values"] if m.is_critic else (["logprobs", "entropy"] if with_entropy else ["logprobs"])
+    out = []
+    for i, inp in enumerate(inputs):
+        shape = inp.input_ids.shape
+        vals = _broadcast_from_last_stage([res[i][k] if res else None for k in keys], [shape] * len(keys))
+        out.append(dict(zip(keys, vals)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature: float,
+              max_tokens: int, pp_layers):
+    from megatron_bridge.convert import load_hf_weights
+    from megatron_bridge.hf_config import read_hf_config
+    from megatron_bridge.launch import set_parallel
+    from megatron_bridge.model import build_model
+
+    set_parallel(tp=tp, pp=pp)
+    hf = read_hf_config(model_dir)
+    model = build_model(hf, pp_layers=pp_layers)
+    load_hf_weights(model, model_dir)
+    seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
+    rows = pack_sequences(seqs, max_tokens)
+    outs = compute_logprobs(model, [{k: v for k, v in r.items() if k != "index"} for r in rows],
+                            temperature=temperature)
+    if dist.get_rank() != 0:
+        return None
+    per_seq: list[list[float] | None] = [None] * len(seqs)
+    for row, o in zip(rows, outs):
+        for j, lp in zip(row["index"].tolist(), unpack(o["logprobs"], row["cu_seqlens"])):
+            p = len(records[j]["prompt_ids"])
+            per_seq[j] = lp[p:].tolist()
+    return per_seq
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_bridge.logprobs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--pp-layers", default=None, help="comma-separated layers per stage (uneven split)")
+    ap.add_argument("--input", required=True, help="jsonl with prompt_ids and response_ids per line")
+    ap.add_argument("--out", required=True, help="output jsonl: each input line plus 'logprobs'")
+    ap.add_argument("--temperature", type=float, default=1.0, help="logits are divided by this first")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed row")
+    a = ap.parse_args(argv)
+    with open(a.input, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    for i, r in enumerate(records):
+        if not r.get("prompt_ids") or "response_ids" not in r:
+            raise SystemExit(f"line {i + 1}: needs non-empty 'prompt_ids' and 'response_ids'")
+    pp_layers = [int(x) for x in a.pp_layers.split(",")] if a.pp_layers else None
+    from megatron_bridge.launch import spawn
+
+    res = spawn(_cli_rank, a.tp * a.pp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers)
+    per_seq = res[0]
+    with open(a.out, "w", encoding="utf-8") as f:
+        for r, lp in zip(records, per_seq):
+            f.write(json.dumps({**r, "logprobs": lp}) + "\n")
+    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, temperature={a.temperature})",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

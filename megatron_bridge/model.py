@@ -1,0 +1,184 @@
+"""Build a megatron-core ``GPTModel`` for a HF Llama / Qwen2 / Qwen3 config on this rank's TP/PP slice.
+
+Layer spec: megatron's TransformerEngine spec when CUDA and transformer-engine are present, the
+local (pure torch) spec otherwise — the local spec is what runs on CPU in CI.
+
+Two changes to the stock ``GPTModel``, both small and local to this file:
+
+* **RoPE follows the position ids.** Stock megatron builds the rotary table from the sequence
+  length alone, so every row of a batch is rotated as if it started at position 0 of the padded
+  tensor: a left-padded prompt, or the second sequence of a packed row, gets the wrong angles. Here
+  the rotary module computes ``angle[b, t] = position_ids[b, t] * inv_freq`` per token (the HF
+  formula, with the HF inverse frequencies from :func:`hf_config.rope_inv_freq`), so positions
+  restart at every sequence. With a real THD ``PackedSeqParams`` (TE on GPU) megatron restarts the
+  positions itself from ``cu_seqlens`` and the plain table is returned.
+* **Critic value head.** ``value_head=True`` replaces the vocabulary output layer by a
+  TP-replicated ``Linear(hidden, 1)`` (HF name ``score``, as in ``AutoModelForTokenClassification``
+  with one label), so the critic reuses the whole forward/backward/checkpoint machinery.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_bridge.hf_config import (
+    HFModelConfig,
+    padded_vocab_size,
+    pipeline_layout,
+    rope_inv_freq,
+    transformer_config_kwargs,
+)
+
+try:  # megatron-core is an install requirement; this module is the bridge's only entry to it
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+except ImportError as e:  # pragma: no cover - surfaced with a clear message
+    raise ImportError("megatron_bridge needs megatron-core (pip install megatron-core==0.16.1)") from e
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PositionRotary(nn.Module):
+    """Rotary angles from explicit position ids: returns ``[S, B, 1, head_dim]`` (or ``[S, 1, 1, D]``).
+
+    ``positions`` is set by :meth:`BridgeGPTModel.forward` for the duration of one call.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.inv_freq = inv_freq.float()  # plain attribute: stays fp32, never in a state dict
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        inv = self.inv_freq
+        if self.positions is None or packed_seq:
+            pos = (torch.arange(max_seq_len, device=inv.device) + offset)[:, None]  # [S, 1]
+        else:
+            pos = self.positions.t()  # [S, B]
+        inv = inv.to(pos.device)
+        freqs = pos[..., None].float() * inv  # [S, B, D/2], same product as transformers
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, B, D] non-interleaved halves, as HF
+        return emb[:, :, None, :]  # [S, B, 1, D]
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
+                           packed_seq_params=None, **_):
+        if packed_seq_params is not None:
+            return max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
+        if transformer is not None and transformer.input_tensor is not None:
+            return transformer.input_tensor.size(0)
+        return transformer_input.size(0)
+
+
+class ValueHead(nn.Module):
+    """Scalar head for the critic, replicated on every TP rank (hidden is replicated there too)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        nn.init.normal_(self.weight, std=1.0 / (hidden + 1))
+        for p in (self.weight, self.bias):
+            p.tensor_model_parallel = False  # counted once in the grad norm (TP rank 0)
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return nn.functional.linear(hidden, self.weight, self.bias), None  # [S, B, 1]
+
+
+class BridgeGPTModel(GPTModel):
+    """``GPTModel`` whose RoPE uses the given position ids (see module docstring)."""
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        rot = getattr(self, "rotary_pos_emb", None)
+        if rot is not None:
+            rot.positions = position_ids
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            if rot is not None:
+                rot.positions = None
+
+
+def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=torch.float32) -> TransformerConfig:
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, pp_layers=pp_layers, params_dtype=params_dtype,
+                                   use_cpu_initialization=not torch.cuda.is_available())
+    return TransformerConfig(**kw)
+
+
+def build_model(
+    hf: HFModelConfig,
+    *,
+    pp_layers: list[int] | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    value_head: bool = False,
+    use_te: bool | None = None,
+    vocab_multiple: int = 128,
+) -> BridgeGPTModel:
+    """This rank's model chunk for the current megatron parallel state (TP, PP from ``ps``).
+
+    The weights are megatron's random init (CPU init is TP-invariant: the full matrix is drawn,
+    then split); load real weights with :func:`megatron_bridge.convert.load_hf_weights`.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype)
+    use_te = te_available() if use_te is None else use_te
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm")
+    vocab = padded_vocab_size(hf.vocab_size, tp, vocab_multiple)
+    tie = hf.tie_word_embeddings and not value_head
+    model = BridgeGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope",
+        rotary_base=int(hf.rope_theta) if float(hf.rope_theta).is_integer() else hf.rope_theta,
+    )
+    model.rotary_pos_emb = PositionRotary(rope_inv_freq(hf))
+    if value_head and model.post_process:
+        model.output_layer = ValueHead(hf.hidden_size, params_dtype)
+    layout = pipeline_layout(hf.num_layers, pp, pp_layers)
+    # Bookkeeping the converter, exporter and log-prob code read back.
+    model.hf_config = hf
+    model.stage_layers = layout
+    model.layer_offset = sum(layout[:pp_rank])
+    model.true_vocab_size = hf.vocab_size
+    model.padded_vocab_size = vocab
+    model.is_critic = value_head
+    model.uses_te = use_te
+    n_local = len(model.decoder.layers)
+    assert n_local == layout[pp_rank], (n_local, layout)
+    if n_local:
+        assert model.decoder.layers[0].layer_number - 1 == model.layer_offset
+    return model
+
+
+def unwrap(model) -> BridgeGPTModel:
+    """The ``BridgeGPTModel`` inside a megatron DDP / Float16Module wrapper (or the model itself)."""
+    while not isinstance(model, BridgeGPTModel) and hasattr(model, "module"):
+        model = model.module
+    return model
