@@ -84,9 +84,9 @@ def vocab_parallel_logprobs(
 
     ``vocab_start``: global id of the slice's first column; ``vocab_size``: true vocabulary (ids at
     or beyond it are padding); ``group``: the tensor-parallel group (None = no parallelism).
-    Returns ``(logp [...], entropy [...] or None)`` in float32.
+    Returns ``(logp [...], entropy [...] or None)`` in float32 (float64 for float64 logits).
     """
-    x = logits.float()  # [..., Vl]
+    x = logits if logits.dtype == torch.float64 else logits.float()  # [..., Vl]
     if temperature != 1.0:
         x = x / temperature
     v_local = x.shape[-1]
