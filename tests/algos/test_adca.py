@@ -368,7 +368,7 @@ def random_batch(rng: random.Random, continuous: bool):
                 row.append(j)
                 mrow.append(rng.random() < 0.9)  # a few step tokens masked out (must become 0)
             for _ in range(rng.randint(0, 2)):
-                row.append(-1)
+                row.append(rng.choice([-1, -1, -100]))  # env tokens; any negative id means "no step"
                 mrow.append(rng.random() < 0.3)  # env tokens, sometimes under a stray mask bit
         rows.append(row)
         rmask.append(mrow)

@@ -391,17 +391,20 @@ def step_rewards_to_token_advantages(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Suffix sum over steps, then each token takes its step's value; 0 where ``step_ids < 0`` or
-    ``response_mask`` is 0. Returns ``[B, T]`` in ``dtype`` (default: that of ``step_rewards``)."""
+    ``response_mask`` is 0. Step ids must be < S (``compute_adca_grpo_advantage`` checks them against
+    ``num_steps``). Returns ``[B, T]`` in ``dtype`` (default: that of ``step_rewards``)."""
     dtype = dtype or step_rewards.dtype
     b, s = step_rewards.shape
     if s == 0:
         return torch.zeros(step_ids.shape, dtype=dtype, device=step_ids.device)
     r = step_rewards.to(F64) * step_mask.to(F64)  # [B, S]
-    adv_steps = r.flip(-1).cumsum(-1).flip(-1)  # [B, S] A_ij = sum_{k >= j} r_ik
+    adv_steps = r.flip(-1).cumsum(-1).flip(-1)  # [B, S] A_ij = sum_{k >= j} r_ik (float64 sums)
+    # column S holds 0 and every negative step id maps to it, so env / pad tokens read 0 from the
+    # gather itself; the gather runs in the output dtype (it is the O(B*T) part)
+    padded = torch.cat([adv_steps, torch.zeros_like(adv_steps[:, :1])], dim=1).to(dtype)  # [B, S + 1]
     sid = step_ids.to(torch.int64)  # [B, T]
-    valid = (sid >= 0) & response_mask.bool()  # [B, T]
-    tok = adv_steps.gather(1, sid.clamp(0, s - 1))  # [B, T]
-    return torch.where(valid, tok, torch.zeros_like(tok)).to(dtype)  # [B, T]
+    tok = padded.gather(1, torch.where(sid < 0, s, sid))  # [B, T]
+    return tok.masked_fill_(~response_mask.bool(), 0)  # [B, T]
 
 
 # --------------------------------------------------------------------------------------------------
