@@ -98,7 +98,8 @@ Deviations from AgentEvolver (modelscope/AgentEvolver @ a5a8db8)
      PRM variance is below ~eps (then every z is ~0 either way).
   4. AgentEvolver's ``orm_distribution="only_prm"`` and the cosine decay of alpha are not offered here
      (the controller may pass a per-step ``alpha``).
-  5. Everything is computed in float64 with segment reductions (``index_add_`` over dense group ids),
+  5. ``skip_small_adv`` uses eps = 1e-6 by default (AgentEvolver: 1e-8); pass ``eps`` to change it.
+  6. Everything is computed in float64 with segment reductions (``index_add_`` over dense group ids),
      not with Python lists per trajectory.
 
 Dispatch: ``PRM_SCHEMES`` maps ``prm_scheme`` to a step-reward builder; ``"pkg.module:function"``
