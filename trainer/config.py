@@ -317,6 +317,9 @@ class AdcaGrpoConfig:
     prm_steps: int = 20  # turn attribution off after this many training steps
     enable_adca_metric: bool = True  # log the adca/* metrics
     enable_length_normalization: bool = False  # divide by sqrt(number of steps)
+    consistent_scale: float = 1.0  # allocation: weight of steps whose flag agrees with the outcome
+    pos_unconsistent_scale: float = 0.2  # allocation: weight of BAD steps in a successful trajectory
+    neg_unconsistent_scale: float = 0.2  # allocation: weight of GOOD steps in a failed trajectory
 
 
 @dataclass
