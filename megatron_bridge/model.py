@@ -80,13 +80,18 @@ class PositionRotary(nn.Module):
 
 
 class ValueHead(nn.Module):
-    """Scalar head for the critic, replicated on every TP rank (hidden is replicated there too)."""
+    """Scalar head for the critic, replicated on every TP rank (hidden is replicated there too).
 
-    def __init__(self, hidden: int, dtype: torch.dtype):
+    Initialised from its own seeded generator, N(0, 1/(H+1)^2) weights and zero bias, so the head is
+    the same on every rank and at every TP/PP layout (the global RNG stream differs per stage).
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype, seed: int = 0):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype))
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(1, hidden, generator=g, dtype=torch.float32) / (hidden + 1)
+        self.weight = nn.Parameter(w.to(dtype))
         self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
-        nn.init.normal_(self.weight, std=1.0 / (hidden + 1))
         for p in (self.weight, self.bias):
             p.tensor_model_parallel = False  # counted once in the grad norm (TP rank 0)
 
@@ -124,6 +129,7 @@ def build_model(
     value_head: bool = False,
     use_te: bool | None = None,
     vocab_multiple: int = 128,
+    value_head_seed: int = 0,
 ) -> BridgeGPTModel:
     """This rank's model chunk for the current megatron parallel state (TP, PP from ``ps``).
 
@@ -160,7 +166,7 @@ def build_model(
     )
     model.rotary_pos_emb = PositionRotary(rope_inv_freq(hf))
     if value_head and model.post_process:
-        model.output_layer = ValueHead(hf.hidden_size, params_dtype)
+        model.output_layer = ValueHead(hf.hidden_size, params_dtype, seed=value_head_seed)
     layout = pipeline_layout(hf.num_layers, pp, pp_layers)
     # Bookkeeping the converter, exporter and log-prob code read back.
     model.hf_config = hf
