@@ -6,31 +6,29 @@ were actually enforced). The candidate is never imported or executed in the call
 
 What is enforced, layer by layer (``SandboxResult.enforced`` lists what this run actually got):
 
-=====================  ==============================================================================
-layer                  what it does / when it is available
-=====================  ==============================================================================
-``tempdir``            a fresh ``mkdtemp`` working directory, also ``HOME`` and ``TMPDIR``; removed after.
-``wall_clock``         the parent kills the whole session (``killpg``) after ``wall_s``. Always.
-``rlimit_cpu``         RLIMIT_CPU soft = hard = ``cpu_s``: the kernel SIGKILLs the process. Always.
-``rlimit_as``          RLIMIT_AS = ``mem_mb``: a huge allocation raises MemoryError. Always.
-``rlimit_nproc``       RLIMIT_NPROC: caps processes + threads. Only listed when it has an effect: the
-                       kernel ignores it for uid 0 (root).
-``rlimit_fsize``       RLIMIT_FSIZE = ``fsize_mb`` per file (disk filling); RLIMIT_CORE = 0.
-``net_namespace``      ``unshare --net``: the candidate sees only a down loopback, no route anywhere.
-                       Needs root (CAP_SYS_ADMIN) or unprivileged user namespaces (``unshare -r``).
-``pid_namespace``      ``unshare --pid --fork --kill-child``: when the sandbox ends, every process it
-                       started dies with its namespace's init. Same availability as above.
-``caps_dropped``       as root: ``setpriv`` empties the capability bounding set and sets no_new_privs,
-                       so the candidate cannot raise its rlimits, load modules, mount, etc.
-``pids_cgroup``        a pids cgroup (v1 ``/sys/fs/cgroup/pids``) with ``pids.max = nproc``: a kernel
-                       fork limit that also holds for root. Where the cgroup tree is writable.
-``audit_hook``         a PEP 578 audit hook in the harness refuses fork / exec / spawn / subprocess,
-                       signals to other processes, ctypes / cffi, raising rlimits, socket creation and
-                       name lookups, and any write, create, delete, rename, chmod or link whose real
-                       path (symlinks resolved) is outside the working directory. Always.
-``proxy_env``          without a network namespace: ``http(s)_proxy`` point at a closed local port, in
-                       addition to the audit hook's socket refusal.
-=====================  ==============================================================================
+* ``tempdir``: a fresh ``mkdtemp`` working directory, also ``HOME`` and ``TMPDIR``; removed after.
+* ``wall_clock``: the parent kills the whole session (``killpg``) after ``wall_s``. Always.
+* ``rlimit_cpu``: RLIMIT_CPU soft = hard = ``cpu_s``; the kernel SIGKILLs the process. Always.
+* ``rlimit_as``: RLIMIT_AS = ``mem_mb``; a huge allocation raises MemoryError. Always.
+* ``rlimit_nproc``: RLIMIT_NPROC caps processes + threads. Listed only when it has an effect: the
+  kernel ignores it for uid 0 (root).
+* ``rlimit_fsize``: RLIMIT_FSIZE = ``fsize_mb`` per file (disk filling); also RLIMIT_CORE = 0.
+* ``net_namespace``: ``unshare --net``; the candidate sees only a down loopback and no route. Needs
+  root (CAP_SYS_ADMIN) or unprivileged user namespaces (``unshare --map-root-user``).
+* ``pid_namespace``: ``unshare --pid --fork --kill-child``; when the run ends, every process it started
+  dies with its namespace's init. Same availability as above.
+* ``parent_death_signal``: ``setpriv --pdeathsig KILL``; if the process that started the run dies (a
+  reward worker killed on timeout), the kernel kills the sandbox too. Where setpriv exists.
+* ``caps_dropped``: as root, ``setpriv`` empties the capability bounding set and sets no_new_privs, so
+  the candidate cannot raise its rlimits, mount, load modules, etc.
+* ``pids_cgroup``: a per-run pids cgroup (v1 ``/sys/fs/cgroup/pids``) with ``pids.max = nproc``, a
+  kernel fork limit that also holds for root. Where the cgroup tree is writable.
+* ``audit_hook``: a PEP 578 audit hook in the harness refuses fork / exec / spawn / subprocess,
+  signals to other processes, ctypes / cffi, raising rlimits, socket creation and name lookups, and
+  any write, create, delete, rename, chmod or link whose real path (symlinks resolved) is outside the
+  working directory. Always.
+* ``proxy_env``: without a network namespace, ``http(s)_proxy`` point at a closed local port, on top
+  of the audit hook's socket refusal.
 
 Limits of the design (stated, not hidden): there is no chroot or read-only mount, so reads anywhere
 the uid can read are allowed, and the write guard is the Python-level audit hook (a C extension that
@@ -115,12 +113,33 @@ def probe() -> dict:
             prefix = [unshare, "--map-root-user"] + ns[1:] + ["--"]
             layers, user_ns = ["net_namespace", "pid_namespace"], True
     setpriv = shutil.which("setpriv")
+    if setpriv and _ok([setpriv, "--pdeathsig", "KILL", "--", "true"]):
+        # If the process that started the sandbox dies (a reward worker killed on timeout), the
+        # kernel SIGKILLs the wrapper, and --kill-child takes the namespace down with it.
+        prefix = [setpriv, "--pdeathsig", "KILL", "--"] + prefix
+        layers.append("parent_death_signal")
     if root and setpriv:
         sp = [setpriv, "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--"]
         if _ok(sp + ["true"]):
             prefix += sp
             layers.append("caps_dropped")
-    return {"prefix": prefix, "layers": layers, "root": root, "user_ns": user_ns, "cgroup": _pids_cgroup_root()}
+    cg = _pids_cgroup_root()
+    if cg:
+        _sweep_stale_cgroups(cg)
+    return {"prefix": prefix, "layers": layers, "root": root, "user_ns": user_ns, "cgroup": cg}
+
+
+def _sweep_stale_cgroups(root: str) -> None:
+    """Remove run cgroups left by processes that died mid-run (their pid no longer exists)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if name.startswith("coxswain-sbx-") and len(parts) == 4 and parts[2].isdigit():
+            if not os.path.exists(f"/proc/{parts[2]}"):
+                _remove_cgroup(os.path.join(root, name))
 
 
 def _pids_cgroup_root() -> str | None:
