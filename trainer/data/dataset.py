@@ -1,0 +1,326 @@
+"""Prompt datasets in verl's row format, and a resumable shuffled sampler.
+
+A row (parquet, jsonl or a json list) looks like::
+
+    {"data_source": "openai/gsm8k",                               # selects the scorer
+     "prompt": [{"role": "user", "content": "..."}],             # chat messages (prompt_key)
+     "reward_model": {"style": "rule", "ground_truth": "72"},    # what the scorer compares with
+     "extra_info": {"split": "train", "index": 0, ...}}          # optional, passed to the scorer
+
+:class:`RLDataset` reads the files, checks every row, renders the prompt with the tokenizer's chat
+template (``add_generation_prompt=True``) and tokenises it once, up front.
+
+* **Bad rows** (a missing key, a wrong type, an empty prompt, a line that is not JSON) are reported
+  with the file and the row number (1-based; "line" for jsonl). ``on_bad_row="error"`` raises
+  :class:`BadRowError` naming file, row, fault and fix; ``"skip"`` drops the row, counts it in
+  ``stats["bad_rows"]`` and logs one summary.
+* **No chat template** (a base model's tokenizer): the plain fallback renders a single user message
+  as its content verbatim (so ``"12+34="`` stays ``"12+34="``), and several messages as
+  ``"role: content"`` lines followed by ``"assistant: "``. No special tokens are added.
+* **Overlong prompts** (more than ``max_prompt_length`` tokens): dropped and counted when
+  ``filter_overlong_prompts``; otherwise ``truncation`` decides: ``error`` (raise, naming the row),
+  ``left`` (keep the last tokens) or ``right`` (keep the first).
+
+:class:`PromptSampler` draws batches of indices from a seeded permutation per epoch (Python's
+``random.Random(f"{seed}:{epoch}")``, whose stream is stable across platforms and versions). Its
+``state_dict()`` is ``{epoch, offset, seed, ...}``; loading it continues with exactly the batches an
+uninterrupted run would have drawn. A batch never straddles two epochs: the tail of an epoch that is
+shorter than the batch is dropped (as verl's ``drop_last``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from typing import Any, Iterable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+_FORMAT_FIX = (
+    "each row needs prompt=[{'role': 'user', 'content': '...'}], data_source='...', "
+    "reward_model={'ground_truth': ...} and optionally extra_info={...} (verl's format); "
+    "raw GSM8K / MATH files can be converted with `python -m trainer.data.convert`"
+)
+
+
+class BadRowError(ValueError):
+    """A dataset row that cannot be used; the message names the file, the row, the fault and the fix."""
+
+
+class _Fault(Exception):
+    def __init__(self, fault: str, fix: str = _FORMAT_FIX):
+        super().__init__(fault)
+        self.fault, self.fix = fault, fix
+
+
+# ----------------------------------------------------------------------------------------------
+# reading and checking rows
+# ----------------------------------------------------------------------------------------------
+def iter_raw_rows(path: str) -> Iterable[tuple[str, Any]]:
+    """Yield ``(where, row)`` for each row of a parquet / jsonl / json file; ``row`` is a ``_Fault``
+    for a jsonl line that is not JSON. ``where`` is ``"row N"`` or ``"line N"`` (1-based)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file {path!r} does not exist (data.train_files / data.val_files)")
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"row {n}", row
+    elif lower.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"line {n}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield f"line {n}", _Fault(f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove the line")
+    elif lower.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise BadRowError(f"{path}: a .json dataset must be a list of rows, got {type(data).__name__}")
+        for n, row in enumerate(data, 1):
+            yield f"row {n}", row
+    else:
+        raise ValueError(f"dataset file {path!r}: unsupported format; use .parquet, .jsonl or .json")
+
+
+def check_row(row: Any, prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> dict:
+    """Validate one row; returns ``{messages, data_source, ground_truth, extra_info}`` or raises _Fault."""
+    if isinstance(row, _Fault):
+        raise row
+    if not isinstance(row, dict):
+        raise _Fault(f"the row is a {type(row).__name__}, not an object")
+    if prompt_key not in row:
+        raise _Fault(f"missing key {prompt_key!r} (keys: {sorted(row)})")
+    msgs = row[prompt_key]
+    if isinstance(msgs, str):
+        raise _Fault(
+            f"{prompt_key!r} is a string; it must be a list of chat messages",
+            f"write it as [{{'role': 'user', 'content': <the text>}}]",
+        )
+    if not isinstance(msgs, (list, tuple)):
+        raise _Fault(f"{prompt_key!r} is a {type(msgs).__name__}; it must be a list of chat messages")
+    if not msgs:
+        raise _Fault(f"empty prompt: {prompt_key!r} has no messages")
+    clean = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise _Fault(f"{prompt_key}[{j}] is not a {{'role', 'content'}} message: {str(m)[:80]!r}")
+        if m["role"] not in ROLES:
+            raise _Fault(f"{prompt_key}[{j}] has role {m['role']!r}; expected one of {ROLES}")
+        if not isinstance(m["content"], str):
+            raise _Fault(f"{prompt_key}[{j}].content is a {type(m['content']).__name__}, not a string")
+        clean.append({"role": m["role"], "content": m["content"]})
+    if not any(m["content"].strip() for m in clean):
+        raise _Fault("empty prompt: every message's content is blank")
+    ds = row.get(reward_fn_key)
+    if not isinstance(ds, str) or not ds:
+        raise _Fault(f"missing or non-string {reward_fn_key!r} (it selects the scorer)")
+    rm = row.get("reward_model")
+    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        raise _Fault("missing reward_model.ground_truth")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise _Fault(f"extra_info is a {type(extra).__name__}; it must be an object or absent")
+    return {"messages": clean, "data_source": ds, "ground_truth": rm["ground_truth"], "extra_info": extra or {}}
+
+
+def render_prompt(messages: Sequence[dict], tokenizer, chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text: the tokenizer's chat template, or the plain fallback (module docstring)."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+        )
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        return messages[0]["content"]
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+# ----------------------------------------------------------------------------------------------
+# the dataset
+# ----------------------------------------------------------------------------------------------
+class RLDataset(torch.utils.data.Dataset):
+    """Checked, tokenised prompts. Items are dicts: ``input_ids`` (list of int), ``prompt_text``,
+    ``messages``, ``data_source``, ``ground_truth``, ``extra_info``, ``source`` ("file: row N")."""
+
+    def __init__(
+        self,
+        files: str | Sequence[str] | None = None,
+        tokenizer=None,
+        *,
+        rows: Sequence[dict] | None = None,
+        max_prompt_length: int = 1024,
+        prompt_key: str = "prompt",
+        reward_fn_key: str = "data_source",
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        on_bad_row: str = "error",
+        chat_template_kwargs: dict | None = None,
+    ):
+        if on_bad_row not in ("error", "skip"):
+            raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+        if truncation not in ("error", "left", "right"):
+            raise ValueError(f"truncation must be 'error', 'left' or 'right', got {truncation!r}")
+        if (files is None) == (rows is None):
+            raise ValueError("give exactly one of files= or rows=")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = int(max_prompt_length)
+        self.stats = {"rows": 0, "bad_rows": 0, "filtered_overlong": 0, "truncated": 0}
+        self.bad_rows: list[str] = []  # the first 20 bad-row messages
+
+        sources: list[tuple[str, Iterable]] = []
+        if rows is not None:
+            sources.append(("<rows>", ((f"row {n}", r) for n, r in enumerate(rows, 1))))
+        else:
+            for path in [files] if isinstance(files, (str, os.PathLike)) else list(files):
+                sources.append((str(path), iter_raw_rows(str(path))))
+
+        checked: list[dict] = []
+        for path, it in sources:
+            skipped_here = 0
+            for where, raw in it:
+                self.stats["rows"] += 1
+                try:
+                    item = check_row(raw, prompt_key, reward_fn_key)
+                except _Fault as f:
+                    msg = f"{path}: {where}: {f.fault}"
+                    if on_bad_row == "error":
+                        raise BadRowError(
+                            f"{msg}. Fix: {f.fix}. Or set data.on_bad_row=skip to skip and count bad rows."
+                        ) from None
+                    self.stats["bad_rows"] += 1
+                    skipped_here += 1
+                    if len(self.bad_rows) < 20:
+                        self.bad_rows.append(msg)
+                    continue
+                item["source"] = f"{path}: {where}"
+                checked.append(item)
+            if skipped_here:
+                logger.warning(
+                    "%s: skipped %d bad row(s) (data.on_bad_row=skip); first: %s",
+                    path, skipped_here, next((m for m in self.bad_rows if m.startswith(path)), ""),
+                )
+
+        texts = [render_prompt(it["messages"], tokenizer, chat_template_kwargs) for it in checked]
+        if tokenizer is not None and texts:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [None] * len(texts)
+        self.items: list[dict] = []
+        for it, text, tok in zip(checked, texts, ids):
+            it["prompt_text"] = text
+            if tok is not None and len(tok) > self.max_prompt_length:
+                if filter_overlong_prompts:
+                    self.stats["filtered_overlong"] += 1
+                    continue
+                if truncation == "error":
+                    raise BadRowError(
+                        f"{it['source']}: the prompt has {len(tok)} tokens, more than "
+                        f"data.max_prompt_length={self.max_prompt_length}. Fix: raise data.max_prompt_length, "
+                        f"set data.filter_overlong_prompts=true to drop such prompts, or "
+                        f"data.truncation=left|right to cut them."
+                    )
+                tok = tok[-self.max_prompt_length :] if truncation == "left" else tok[: self.max_prompt_length]
+                self.stats["truncated"] += 1
+            it["input_ids"] = list(tok) if tok is not None else None
+            self.items.append(it)
+        if not self.items:
+            raise BadRowError(
+                f"no usable rows in {[p for p, _ in sources]}: stats {self.stats}; first bad rows: {self.bad_rows[:3]}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def collate(items: Sequence[dict], pad_token_id: int) -> dict:
+    """Left-pad ``input_ids`` into ``[B, P]`` tensors (generation appends on the right); the other
+    fields become lists."""
+    lens = [len(it["input_ids"]) for it in items]
+    p = max(lens)
+    input_ids = torch.full((len(items), p), int(pad_token_id), dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros((len(items), p), dtype=torch.long)  # [B, P]
+    for i, (it, n) in enumerate(zip(items, lens)):
+        input_ids[i, p - n :] = torch.tensor(it["input_ids"], dtype=torch.long)
+        attention_mask[i, p - n :] = 1
+    out = {"input_ids": input_ids, "attention_mask": attention_mask}
+    for key in ("data_source", "ground_truth", "extra_info", "messages", "prompt_text"):
+        out[key] = [it[key] for it in items]
+    return out
+
+
+def build_dataset(data_cfg, tokenizer, split: str = "train") -> RLDataset:
+    """A dataset from ``data.*`` settings (``train_files`` / ``val_files``); ``None`` files give the
+    shipped synthetic arithmetic task (``trainer.data.synthetic``) in memory."""
+    files = data_cfg.train_files if split == "train" else data_cfg.val_files
+    kw = dict(
+        max_prompt_length=data_cfg.max_prompt_length,
+        prompt_key=data_cfg.prompt_key,
+        reward_fn_key=data_cfg.reward_fn_key,
+        filter_overlong_prompts=data_cfg.filter_overlong_prompts,
+        truncation=data_cfg.truncation,
+        on_bad_row=data_cfg.on_bad_row,
+    )
+    if files is None:
+        from trainer.data import synthetic
+
+        n = 2048 if split == "train" else 256
+        return RLDataset(tokenizer=tokenizer, rows=synthetic.make_rows(n, "train" if split == "train" else "test"), **kw)
+    files = list(files) if not isinstance(files, str) else [files]
+    return RLDataset(files, tokenizer, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# the sampler
+# ----------------------------------------------------------------------------------------------
+class PromptSampler:
+    """Seeded, shuffled batches of indices with an exactly restorable position (module docstring)."""
+
+    def __init__(self, num_items: int, seed: int = 1, shuffle: bool = True):
+        if num_items <= 0:
+            raise ValueError("PromptSampler needs at least one item")
+        self.num_items, self.seed, self.shuffle = int(num_items), int(seed), bool(shuffle)
+        self.epoch, self.offset = 0, 0
+        self._perm_epoch, self._perm = -1, []
+
+    def _order(self) -> list[int]:
+        if self._perm_epoch != self.epoch:
+            perm = list(range(self.num_items))
+            if self.shuffle:
+                random.Random(f"{self.seed}:{self.epoch}").shuffle(perm)
+            self._perm_epoch, self._perm = self.epoch, perm
+        return self._perm
+
+    def next(self, batch_size: int) -> list[int]:
+        """The next ``batch_size`` indices; moves to the next epoch when this one has too few left."""
+        if not 0 < batch_size <= self.num_items:
+            raise ValueError(f"batch_size={batch_size} must be in 1..{self.num_items} (the dataset size)")
+        if self.offset + batch_size > self.num_items:
+            self.epoch, self.offset = self.epoch + 1, 0
+        idx = self._order()[self.offset : self.offset + batch_size]
+        self.offset += batch_size
+        return idx
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_items": self.num_items, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["num_items"]) != self.num_items:
+            raise ValueError(
+                f"sampler state is for a dataset of {state['num_items']} prompts but this one has {self.num_items}: "
+                f"the data files (or filtering settings) changed since the checkpoint, so exact resume is impossible"
+            )
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self.seed, self.shuffle = int(state["seed"]), bool(state.get("shuffle", True))
+        self._perm_epoch = -1
