@@ -37,100 +37,39 @@ timeout can be enforced there (errors are still caught and counted).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib
-import importlib.util
+import contextlib
 import logging
 import math
 import multiprocessing as mp
-import os
+import sys
 import time
 import traceback
+import types
 from collections import deque
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from trainer.rewards.scoring_worker import _init_worker, _ping, _score_one, load_custom_fn
+
+__all__ = ["RewardManager", "load_custom_fn"]
+
 logger = logging.getLogger(__name__)
 
-_FN: Callable | None = None  # the scorer, set in each worker by _init_worker
-
-
-def load_custom_fn(path: str, name: str = "compute_score") -> Callable:
-    """Load ``name`` from a python file ``path`` (or an importable module name). Clear errors."""
-    if path.endswith(".py") or os.path.sep in path:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"custom_reward_function.path={path!r}: no such file. Give the path of a .py file that defines {name}()."
-            )
-        mod_name = "coxswain_custom_reward_" + str(abs(hash(os.path.abspath(path))))
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(
-            f"custom_reward_function: {path!r} has no function {name!r} (it defines {public}); "
-            f"set custom_reward_function.name to one of them."
-        )
-    return fn
-
-
-def _init_worker(custom_path: str | None, custom_name: str) -> None:
-    global _FN
-    if custom_path:
-        _FN = load_custom_fn(custom_path, custom_name)
-    else:
-        from trainer.rewards.scorers import compute_score
-
-        _FN = compute_score
-
-
-def _ping(delay: float = 0.0) -> int:
-    time.sleep(delay)
-    return os.getpid()
-
-
-def _normalize(result: Any) -> tuple[float, float, dict]:
-    """(score, acc, extra) from a scorer's return value; raises on a malformed one."""
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise ValueError(f"scorer returned a dict without 'score' (keys: {sorted(result)})")
-        score = float(result["score"])
-        acc = float(result["acc"]) if result.get("acc") is not None else score
-        extra = {k: _plain(v) for k, v in result.items() if k not in ("score", "acc")}
-    else:
-        score = float(result)  # numbers, bools, 0-d tensors / numpy scalars
-        acc, extra = score, {}
-    if not (math.isfinite(score) and math.isfinite(acc)):
-        raise ValueError(f"scorer returned a non-finite value (score={score}, acc={acc})")
-    return score, acc, extra
-
-
-def _plain(v: Any) -> Any:
-    """Make extra values cheap to pickle and log (numpy / torch scalars -> python)."""
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    item = getattr(v, "item", None)
-    if callable(item):
-        try:
-            return item()
-        except (ValueError, RuntimeError):
-            pass
-    return str(v)[:500]
-
-
-def _score_one(fn: Callable | None, data_source, solution_str, ground_truth, extra_info) -> tuple:
-    """Run one scorer call; never raises. Returns ("ok", score, acc, extra) or ("error", traceback)."""
+@contextlib.contextmanager
+def _bare_main():
+    """Hide the driver's ``__main__`` while pool workers start. With spawn / forkserver, each worker
+    would otherwise re-import it (for ``python -m trainer.main``: torch, Ray, megatron, seconds per
+    worker). Scorer workers never need it: their functions come from ``scoring_worker`` and custom
+    scorers are loaded by file path."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
     try:
-        fn = fn or _FN
-        result = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
-        return ("ok",) + _normalize(result)
-    except BaseException:  # noqa: BLE001 - a user scorer may raise anything, SystemExit included
-        return ("error", traceback.format_exc(limit=20))
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 class RewardManager:
@@ -165,14 +104,20 @@ class RewardManager:
     def _new_pool(self) -> cf.ProcessPoolExecutor:
         ctx = mp.get_context(self.mp_context)
         if self.mp_context == "forkserver":
-            ctx.set_forkserver_preload(["trainer.rewards.scorers"])  # only effective before it starts
+            # Imported once in the fork server, inherited by every worker (effective before it starts).
+            ctx.set_forkserver_preload(["trainer.rewards.scoring_worker", "trainer.rewards.scorers", "math_verify"])
         pool = cf.ProcessPoolExecutor(
             self.num_workers, mp_context=ctx, initializer=_init_worker, initargs=(self.custom_path, self.custom_name)
         )
-        # Start every worker now (spawning happens on submit), so start-up time and the scorers'
-        # imports do not count against the first samples' deadlines.
-        warm = [pool.submit(_ping, 0.05) for _ in range(self.num_workers)]
-        cf.wait(warm, timeout=120)
+        # Start every worker now (3.11 spawns them on submit) and wait until each has answered, so
+        # start-up never counts against a sample's deadline.
+        seen: set[int] = set()
+        t_end = time.monotonic() + 120
+        with _bare_main():
+            while len(seen) < self.num_workers and time.monotonic() < t_end:
+                warm = [pool.submit(_ping, 0.05) for _ in range(self.num_workers)]
+                done, _ = cf.wait(warm, timeout=max(0.0, t_end - time.monotonic()))
+                seen.update(f.result() for f in done if f.exception() is None)
         return pool
 
     def _pool_ready(self) -> cf.ProcessPoolExecutor:
