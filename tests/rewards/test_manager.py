@@ -42,6 +42,15 @@ def custom(tmp_path):
     return str(p)
 
 
+def sandbox_processes() -> list[int]:
+    """Live processes running the code-sandbox harness."""
+    pids = []
+    for c in psutil.process_iter(["cmdline", "status"]):
+        if c.info["status"] != psutil.STATUS_ZOMBIE and "_sandbox_harness.py" in " ".join(c.info["cmdline"] or []):
+            pids.append(c.pid)
+    return pids
+
+
 def ones(b, t=4):
     return torch.ones(b, t)
 
@@ -182,3 +191,16 @@ def test_pool_builtin_scorers_match_in_process():
     # 46 ok | 12 != 13 | 1000 ok | 0.5 == 1/2 | (1+2)*3 = 9
     assert a["scores"].tolist() == b["scores"].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
     assert a["per_sample"] == b["per_sample"]
+
+
+def test_killed_worker_takes_its_code_sandbox_with_it():
+    """The manager's timeout (1 s) fires before the sandbox's own wall clock (8 s): the worker is
+    killed, and the parent-death signal / PID namespace take the sandboxed candidate down too."""
+    hung = "```python\nimport time\ntime.sleep(300)\n```"
+    with RewardManager(num_workers=1, timeout=1.0) as m:
+        _, metrics, extras = m.score([hung], [{"test_list": ["assert True"]}], ["mbpp"], None, ones(1))
+    assert metrics["reward/timeouts"] == 1.0 and extras["scores"].tolist() == [0.0]
+    deadline = time.monotonic() + 5
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_processes() == []
