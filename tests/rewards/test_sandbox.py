@@ -207,3 +207,12 @@ def test_forged_output_and_early_exit_do_not_pass():
     assert r.status == "crashed" and r.passed == 0  # exited before the tests: no pass
     r = run_code("import sys\nsys.exit(0)\n", tests=["assert False"], limits=FAST)
     assert r.status != "passed"
+
+
+def test_common_libraries_still_work_under_the_guard():
+    # numpy imports ctypes (the harness pre-imports it); threads are not processes
+    code = "import numpy as np\nimport threading\nt = threading.Thread(target=lambda: None)\nt.start()\nt.join()\n"
+    r = run_code(code, tests=["assert int(np.arange(5).sum()) == 10"], limits=SandboxLimits(cpu_s=4, wall_s=8.0))
+    assert r.status == "passed", (r.reason, r.stderr)
+    r = run_code("import ctypes\nctypes.CDLL(None).fork()\n", tests=OK_TEST, limits=FAST)
+    assert r.status == "blocked" and "ctypes" in r.reason

@@ -24,7 +24,8 @@ What is enforced, layer by layer (``SandboxResult.enforced`` lists what this run
 * ``pids_cgroup``: a per-run pids cgroup (v1 ``/sys/fs/cgroup/pids``) with ``pids.max = nproc``, a
   kernel fork limit that also holds for root. Where the cgroup tree is writable.
 * ``audit_hook``: a PEP 578 audit hook in the harness refuses fork / exec / spawn / subprocess,
-  signals to other processes, ctypes / cffi, raising rlimits, socket creation and name lookups, and
+  signals to other processes, loading libraries or resolving symbols with ctypes (dlopen / dlsym,
+  ``from_address``), cffi, raising rlimits, socket creation and name lookups, and
   any write, create, delete, rename, chmod or link whose real path (symlinks resolved) is outside the
   working directory. Always.
 * ``proxy_env``: without a network namespace, ``http(s)_proxy`` point at a closed local port, on top
@@ -32,12 +33,14 @@ What is enforced, layer by layer (``SandboxResult.enforced`` lists what this run
 
 Limits of the design (stated, not hidden): there is no chroot or read-only mount, so reads anywhere
 the uid can read are allowed, and the write guard is the Python-level audit hook (a C extension that
-is already loaded could bypass it). The kernel layers above bound the damage of anything that slips
-past it: time, memory, processes and network. Any refused action is recorded and makes the run score
-0, even if the candidate catches the exception. Results travel on a private fd, one JSON line per
-event, each with a random nonce held in a closure, so printing "PASSED" or exiting early cannot forge
-a pass. This is containment against accidents and runaway code from a policy in training, not a
-boundary against a determined attacker; for that, run code in a remote sandbox service.
+is already loaded could bypass it; e.g. ``ctypes.memmove`` on raw addresses is not audited by
+CPython 3.11, and ctypes itself must stay importable because numpy imports it). The kernel layers
+above bound the damage of anything that slips past it: time, memory, processes and network. Any
+refused action is recorded and makes the run score 0, even if the candidate catches the exception.
+Results travel on a private fd, one JSON line per event, each with a random nonce held in a closure,
+so printing "PASSED" or exiting early cannot forge a pass. This is containment against accidents and
+runaway code from a policy in training, not a boundary against a determined attacker; for that, run
+code in a remote sandbox service.
 """
 
 from __future__ import annotations
