@@ -216,3 +216,22 @@ def test_common_libraries_still_work_under_the_guard():
     assert r.status == "passed", (r.reason, r.stderr)
     r = run_code("import ctypes\nctypes.CDLL(None).fork()\n", tests=OK_TEST, limits=FAST)
     assert r.status == "blocked" and "ctypes" in r.reason
+
+
+def test_containment_on_a_machine_without_namespaces_setpriv_or_cgroups(monkeypatch, tmp_path):
+    """Simulate a minimal container (no unshare, no setpriv, no writable cgroup): the wall clock, the
+    rlimits, the audit hook, the proxy variables and the self-set parent-death signal remain."""
+    import trainer.rewards.sandbox as sb
+
+    minimal = {"prefix": [], "layers": [], "root": os.geteuid() == 0, "user_ns": False, "cgroup": None}
+    monkeypatch.setattr(sb, "probe", lambda: minimal)
+    r = sb.run_code("import os\nprint(os.environ['https_proxy'])\n", tests=OK_TEST, limits=FAST)
+    assert r.status == "passed" and r.stdout.strip() == "http://127.0.0.1:9"
+    assert {"proxy_env", "parent_death_signal", "audit_hook", "rlimit_cpu", "rlimit_as"} <= set(r.enforced)
+    assert "net_namespace" not in r.enforced and "pids_cgroup" not in r.enforced
+    assert sb.run_code("import time\ntime.sleep(100)\n", tests=OK_TEST, limits=SandboxLimits(cpu_s=1, wall_s=1.0)).status == "timeout"
+    assert sb.run_code("import os\nos.fork()\n", tests=OK_TEST, limits=FAST).status == "blocked"
+    r = sb.run_code("import socket\nsocket.socket()\n", tests=OK_TEST, limits=FAST)
+    assert r.status == "blocked" and "network" in r.reason
+    r = sb.run_code(f"open({str(tmp_path / 'x')!r}, 'w')\n", tests=OK_TEST, limits=FAST)
+    assert r.status == "blocked" and not (tmp_path / "x").exists()

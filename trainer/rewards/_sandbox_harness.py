@@ -83,9 +83,21 @@ def _main():
     import traceback
 
     try:
-        import ctypes  # noqa: F401
+        import ctypes
     except ImportError:
-        pass
+        ctypes = None
+
+    if spec.get("parent_pid") and ctypes is not None:
+        # No setpriv wrapper here: ask the kernel ourselves to SIGKILL us if our parent (the reward
+        # worker) dies, so a killed worker cannot leave a sleeping candidate behind.
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, 9, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
+                if os.getppid() != int(spec["parent_pid"]):  # the parent died before the prctl
+                    os._exit(1)
+                emit("enforced", layer="parent_death_signal")
+        except (OSError, AttributeError):
+            pass
 
     # ---- 3. audit hook -----------------------------------------------------------------------
     violations = []

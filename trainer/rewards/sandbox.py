@@ -18,7 +18,8 @@ What is enforced, layer by layer (``SandboxResult.enforced`` lists what this run
 * ``pid_namespace``: ``unshare --pid --fork --kill-child``; when the run ends, every process it started
   dies with its namespace's init. Same availability as above.
 * ``parent_death_signal``: ``setpriv --pdeathsig KILL``; if the process that started the run dies (a
-  reward worker killed on timeout), the kernel kills the sandbox too. Where setpriv exists.
+  reward worker killed on timeout), the kernel kills the sandbox too. Where setpriv is missing and
+  no namespace wraps the harness, the harness sets PR_SET_PDEATHSIG on itself (Linux).
 * ``caps_dropped``: as root, ``setpriv`` empties the capability bounding set and sets no_new_privs, so
   the candidate cannot raise its rlimits, mount, load modules, etc.
 * ``pids_cgroup``: a per-run pids cgroup (v1 ``/sys/fs/cgroup/pids``) with ``pids.max = nproc``, a
@@ -233,6 +234,8 @@ def run_code(
             "outputs": list(outputs or []),
             "fn_name": fn_name,
             "disable_guard": bool(disable_guard),
+            # without the setpriv wrapper the harness sets its own parent-death signal
+            "parent_pid": None if "parent_death_signal" in info["layers"] else os.getpid(),
         }
         res_path = os.path.join(iodir, "result.jsonl")
         res_fd = os.open(res_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
