@@ -57,6 +57,7 @@ __all__ = ["RewardManager", "load_custom_fn"]
 
 logger = logging.getLogger(__name__)
 
+
 @contextlib.contextmanager
 def _bare_main():
     """Hide the driver's ``__main__`` while pool workers start. With spawn / forkserver, each worker
@@ -113,11 +114,20 @@ class RewardManager:
         # start-up never counts against a sample's deadline.
         seen: set[int] = set()
         t_end = time.monotonic() + 120
-        with _bare_main():
-            while len(seen) < self.num_workers and time.monotonic() < t_end:
-                warm = [pool.submit(_ping, 0.05) for _ in range(self.num_workers)]
-                done, _ = cf.wait(warm, timeout=max(0.0, t_end - time.monotonic()))
-                seen.update(f.result() for f in done if f.exception() is None)
+        while len(seen) < self.num_workers and time.monotonic() < t_end:
+            try:
+                with _bare_main():  # processes are started inside submit()
+                    warm = [pool.submit(_ping, 0.05) for _ in range(self.num_workers)]
+            except BrokenProcessPool as e:
+                raise RuntimeError(
+                    f"reward: the scorer processes died while starting ({e}). Check that "
+                    f"custom_reward_function.path={self.custom_path!r} imports in a fresh python process, "
+                    f"or set reward_model.num_workers=0 to score in the trainer process."
+                ) from e
+            done, _ = cf.wait(warm, timeout=max(0.0, t_end - time.monotonic()))
+            seen.update(f.result() for f in done if f.exception() is None)
+        if len(seen) < self.num_workers:
+            logger.warning("reward: only %d of %d scorer processes answered within 120 s", len(seen), self.num_workers)
         return pool
 
     def _pool_ready(self) -> cf.ProcessPoolExecutor:
@@ -286,9 +296,9 @@ class RewardManager:
         has_token = mask.any(dim=1)  # [B]
         # last valid position: T-1 minus the index of the first 1 in the reversed row
         last = (t - 1) - mask.flip(1).to(torch.int64).argmax(dim=1)  # [B]
-        token_level_scores = torch.zeros(mask.shape, dtype=torch.float32)  # [B, T]
+        token_level_scores = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
         rows = torch.nonzero(has_token, as_tuple=True)[0]  # [B']
-        token_level_scores[rows, last[rows]] = scores[rows]
+        token_level_scores[rows, last[rows]] = scores.to(mask.device)[rows]
 
         metrics = {
             "reward/score_mean": float(scores.mean()) if b else 0.0,
