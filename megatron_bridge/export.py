@@ -74,11 +74,11 @@ def _stage_plan(m) -> list[tuple[int, str]]:
 
 
 @torch.no_grad()
-def _full_param(m, canonical: str) -> torch.Tensor:
+def _full_param(m, params: dict, canonical: str) -> torch.Tensor:
     """All-gather this stage's TP shards of one parameter and merge them (owning stage only)."""
     from megatron.core import parallel_state as ps
 
-    p = dict(m.named_parameters())[local_name(canonical, m.layer_offset, m.uses_te)].detach()
+    p = params[local_name(canonical, m.layer_offset, m.uses_te)].detach()
     tp = ps.get_tensor_model_parallel_world_size()
     if tp == 1 or tp_kind(canonical, m.is_critic) == "rep":
         return p
@@ -101,6 +101,7 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     pp_group = ps.get_pipeline_model_parallel_group()
     dtype = next(m.parameters()).dtype
     device = next(m.parameters()).device
+    params = dict(m.named_parameters())
     for stage, name in _stage_plan(m):
         if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
             continue  # the tied copy on the last stage is the embedding; HF stores it once
@@ -109,7 +110,7 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             shape = canonical_shape(name, hf, m.padded_vocab_size)
         if stage == my_stage:
-            pairs = canonical_to_hf(name, _full_param(m, name), hf, value_head=m.is_critic)
+            pairs = canonical_to_hf(name, _full_param(m, params, name), hf, value_head=m.is_critic)
         else:
             meta = torch.empty(shape, device="meta")
             pairs = [(k, torch.empty(v.shape, dtype=dtype, device=device))
@@ -125,8 +126,10 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple
     """Buckets ``[(hf_name, full tensor), ...]`` of at least ``bucket_bytes`` (the last may be smaller).
 
     A single tensor larger than ``bucket_bytes`` forms a bucket by itself. Collective: call on every
-    rank of the model-parallel group and consume it to the end. Tensors are fresh copies the caller
-    may keep; HF names and shapes match ``AutoModelForCausalLM`` (tied lm_head omitted).
+    rank of the model-parallel group and consume it to the end. HF names and shapes match
+    ``AutoModelForCausalLM`` (tied lm_head omitted). Zero-copy where possible: a tensor that needs
+    no TP merge or re-layout (TP=1, own stage) is a view of the live parameter, valid until the next
+    optimizer step; clone what you keep.
     """
     bucket, size = [], 0
     for name, t in iter_hf_param(model):

@@ -131,6 +131,23 @@ class ModelInputs:
     cu_seqlens: torch.Tensor | None = None  # [N+1] for packed rows
     real: torch.Tensor | None = None  # [B, S] bool attention mask of a padded batch
 
+    def to(self, device) -> "ModelInputs":
+        mv = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return ModelInputs(*(mv(getattr(self, f)) for f in ("input_ids", "position_ids", "attention_mask", "labels",
+                                                              "next_valid", "token_valid")),
+                           packed=self.packed, cu_seqlens=self.cu_seqlens, real=mv(self.real))
+
+
+def model_device(model) -> torch.device:
+    from megatron_bridge.model import unwrap
+
+    return next(unwrap(model).parameters()).device
+
+
+def batch_to(mb: dict, device) -> dict:
+    """The micro-batch dict with its tensors on ``device`` (what ``loss_fn`` receives)."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+
 
 def padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelInputs:
     """Inputs for a padded batch (left, right or both): positions restart at each first real token."""
@@ -266,7 +283,7 @@ def run_model(model, inp: ModelInputs):
     lens = real.sum(1)  # [B]
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     cu[1:] = lens.cpu().cumsum(0)
-    row = ModelInputs(inp.input_ids[real][None], None, None, None, None, None, packed=True, cu_seqlens=cu)
+    row = ModelInputs(inp.input_ids[real][None], None, None, None, None, None, packed=True, cu_seqlens=cu)  # [1, T]
     out = model(row.input_ids, None, None, packed_seq_params=_thd_params(row))
     if not m.post_process:
         return out  # hidden [T, 1, H] for the next stage
@@ -297,18 +314,19 @@ def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: 
     return out
 
 
-def _broadcast_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[torch.Size]) -> list[torch.Tensor]:
+def _broadcast_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[torch.Size], device
+                               ) -> list[torch.Tensor]:
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        return tensors
+        return [t.cpu() for t in tensors]
     src = ps.get_pipeline_model_parallel_last_rank()
     group = ps.get_pipeline_model_parallel_group()
     out = []
     for t, shape in zip(tensors, shapes):
-        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32, device=device)
         dist.broadcast(buf, src=src, group=group)
-        out.append(buf)
+        out.append(buf.cpu())
     return out
 
 
@@ -317,7 +335,7 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
                      with_entropy: bool = False) -> list[dict[str, torch.Tensor]]:
     """Forward-only pass over micro-batches through megatron's pipeline schedule.
 
-    Returns, on every rank of the model-parallel group, one dict per micro-batch with
+    Returns, on every rank of the model-parallel group, one dict per micro-batch with CPU tensors
     ``logprobs`` (and ``entropy``) — or ``values`` for a critic — shaped like its ``input_ids``
     (``[B, S]`` padded, ``[1, T]`` packed), aligned as described in the module docstring.
     """
@@ -329,7 +347,8 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     m = unwrap(chunk)
     was_training = chunk.training
     chunk.eval()
-    inputs = [model_inputs(mb) for mb in micro_batches]
+    device = model_device(chunk)
+    inputs = [model_inputs(mb).to(device) for mb in micro_batches]
     it = iter(inputs)
 
     def step(data_iterator, mdl):
@@ -353,7 +372,7 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     out = []
     for i, inp in enumerate(inputs):
         shape = inp.input_ids.shape
-        vals = _broadcast_from_last_stage([res[i][k] if res else None for k in keys], [shape] * len(keys))
+        vals = _broadcast_from_last_stage([res[i][k] if res else None for k in keys], [shape] * len(keys), device)
         out.append(dict(zip(keys, vals)))
     return out
 

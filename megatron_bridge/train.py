@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.logprobs import head_outputs, model_inputs, run_model
+from megatron_bridge.logprobs import batch_to, head_outputs, model_device, model_inputs, run_model
 
 LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict]"]
 
@@ -175,7 +175,8 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     n = len(micro_batches)
-    inputs = [(mb, model_inputs(mb)) for mb in micro_batches]
+    device = model_device(model)
+    inputs = [(batch_to(mb, device), model_inputs(mb).to(device)) for mb in micro_batches]
 
     def step(data_iterator, mdl):
         mb, inp = next(data_iterator)
