@@ -117,6 +117,9 @@ def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, ext
     """Collective: save model (+ optimizer, + scheduler, + small ``extra`` dict) to ``ckpt_dir``."""
     from megatron.core import dist_checkpointing
 
+    from megatron_bridge import cpu_shims
+
+    cpu_shims.install()
     ckpt_dir = os.path.abspath(ckpt_dir)
     parent, base = os.path.dirname(ckpt_dir), os.path.basename(ckpt_dir)
     tmp = None
@@ -160,8 +163,10 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     """Collective: load into ``model`` (+ optimizer, + scheduler) at the current layout; returns ``extra``."""
     from megatron.core import dist_checkpointing
 
+    from megatron_bridge import cpu_shims
     from megatron_bridge.model import unwrap
 
+    cpu_shims.install()
     if not is_complete(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {MARKER})")
     state = _state(model, optimizer, scheduler, is_loading=True)

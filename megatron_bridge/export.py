@@ -92,8 +92,10 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every HF tensor, one megatron parameter at a time (collective)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_bridge import cpu_shims
     from megatron_bridge.model import unwrap
 
+    cpu_shims.install()
     m = unwrap(model)
     hf = m.hf_config
     my_stage = ps.get_pipeline_model_parallel_rank()

@@ -341,8 +341,10 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_bridge import cpu_shims
     from megatron_bridge.model import unwrap
 
+    cpu_shims.install()  # this thread may not be the one that built the model (threaded Ray actors)
     chunk = model[0] if isinstance(model, list) else model
     m = unwrap(chunk)
     was_training = chunk.training

@@ -141,6 +141,9 @@ def build_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_bridge import cpu_shims
+
+    cpu_shims.install()  # idempotent, per thread; a no-op with CUDA
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()

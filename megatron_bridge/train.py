@@ -82,6 +82,9 @@ def make_trainer(model, optim: OptimConfig) -> Trainer:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_bridge import cpu_shims
+
+    cpu_shims.install()
     cfg = model.config
     use_dist = _dist_optimizer_ok(optim.use_distributed_optimizer)
     ddp_cfg = DistributedDataParallelConfig(
@@ -174,6 +177,9 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
     """Run the schedule over micro-batches; returns the metrics dict (on every pipeline stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_bridge import cpu_shims
+
+    cpu_shims.install()  # this thread may not be the one that built the model (threaded Ray actors)
     n = len(micro_batches)
     device = model_device(model)
     inputs = [(batch_to(mb, device), model_inputs(mb).to(device)) for mb in micro_batches]
@@ -203,6 +209,9 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
 def train_step(trainer: Trainer, micro_batches: list[dict], loss_fn: LossFn, *, temperature: float = 1.0,
                with_entropy: bool = False) -> dict:
     """One optimizer step over ``micro_batches``; returns ``loss``, metric means, ``grad_norm``, ``lr``."""
+    from megatron_bridge import cpu_shims
+
+    cpu_shims.install()
     ddp, opt = trainer.model, trainer.optimizer
     ddp.train()
     ddp.zero_grad_buffer()
