@@ -22,6 +22,7 @@ install_requires = [
     "pyarrow>=15",
     "tqdm",
     "rich",
+    "math-verify>=0.9",  # math answer equivalence for the math scorers (pure python, no torch)
 ]
 
 extras = {

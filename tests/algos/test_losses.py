@@ -779,3 +779,21 @@ def test_float32_inputs_work_and_match_float64():
         assert b.dtype == torch.float32
         a, b = float(a.detach()), float(b.detach())
         assert abs(a - b) < 1e-4 * (1 + abs(a)), name
+
+
+def test_value_loss_golden_and_clipfrac():
+    from trainer.algos.losses import value_loss
+
+    # token 1: V=1.0, V_old=0.0, R=1.0, c=0.5 -> V_clip=0.5: max((1-1)^2, (0.5-1)^2)=0.25 -> 0.125 (clipped term wins)
+    # token 2: V=0.2, V_old=0.0, R=0.0 -> V_clip=0.2: max(0.04, 0.04)=0.04 -> 0.02 (tie: not counted as clipped)
+    # token 3: masked out
+    vp = torch.tensor([[1.0, 0.2, 9.0]], requires_grad=True)
+    old = torch.zeros(1, 3)
+    ret = torch.tensor([[1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = value_loss(vp, old, ret, mask, cliprange_value=0.5)
+    assert torch.allclose(loss, torch.tensor((0.125 + 0.02) / 2))
+    assert float(m["vf_clipfrac"]) == 0.5
+    loss.backward()
+    # d/dV of token 1 is 0 (the clipped branch is constant in V); token 2: 0.5*2*0.2/2 = 0.1
+    assert torch.allclose(vp.grad, torch.tensor([[0.0, 0.1, 0.0]]))

@@ -642,3 +642,47 @@ POLICY_LOSSES: dict[str, Callable] = {
 def get_policy_loss_fn(name: str | Callable) -> Callable:
     """A name from ``POLICY_LOSSES``, a callable, or ``"pkg.module:function"`` with the same signature."""
     return load_fn(name, POLICY_LOSSES, "policy loss")
+
+
+# ---------------------------------------------------------------------------------------------
+# critic
+# ---------------------------------------------------------------------------------------------
+def value_loss(
+    vpreds: torch.Tensor,  # [B, T] current critic values
+    values: torch.Tensor,  # [B, T] values at the start of the step (old)
+    returns: torch.Tensor,  # [B, T] GAE returns
+    response_mask: torch.Tensor,  # [B, T]
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens=None,
+    global_num_seqs=None,
+    dp_size: int = 1,
+    norm_constant=None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss (Schulman et al. 2017; the form in OpenAI baselines):
+
+        V_clip = V_old + clip(V - V_old, -c, c)
+        loss_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+    aggregated with :func:`agg_loss` (global-batch normalisation as for the policy losses).
+    Metrics: ``vf_clipfrac`` (fraction of tokens where the clipped term is the larger one),
+    ``vpred_mean``, ``vf_explained_var`` = 1 - Var(R - V) / Var(R) over valid tokens.
+    """
+    m = response_mask.bool()
+    vpreds_f, values_f, returns_f = vpreds.float(), values.float().detach(), returns.float().detach()
+    clipped = values_f + (vpreds_f - values_f).clamp(-cliprange_value, cliprange_value)
+    l1 = (vpreds_f - returns_f) ** 2
+    l2 = (clipped - returns_f) ** 2
+    loss_mat = 0.5 * torch.maximum(l1, l2)
+    loss = agg_loss(loss_mat, m, loss_agg_mode, global_num_tokens=global_num_tokens,
+                    global_num_seqs=global_num_seqs, dp_size=dp_size, norm_constant=norm_constant)
+    with torch.no_grad():
+        n = m.sum().clamp_min(1)
+        r = returns_f[m]
+        resid = (returns_f - vpreds_f)[m]
+        var_r = r.var(unbiased=False) if r.numel() > 1 else torch.zeros(())
+        ev = 1.0 - resid.var(unbiased=False) / var_r.clamp_min(1e-8) if r.numel() > 1 else torch.zeros(())
+        metrics = {"vf_clipfrac": ((l2 > l1) & m).sum() / n, "vpred_mean": (vpreds_f * m).sum() / n,
+                   "vf_explained_var": ev}
+    return loss, metrics

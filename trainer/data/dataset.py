@@ -276,7 +276,9 @@ def build_dataset(data_cfg, tokenizer, split: str = "train") -> RLDataset:
         from trainer.data import synthetic
 
         n = 2048 if split == "train" else 256
-        return RLDataset(tokenizer=tokenizer, rows=synthetic.make_rows(n, "train" if split == "train" else "test"), **kw)
+        # 1-2 digit addition: the task the shipped tiny model (recipes/cpu/make_tiny_model.py) was pretrained on
+        rows = synthetic.make_rows(n, "train" if split == "train" else "test", ops=("+",), max_digits=2)
+        return RLDataset(tokenizer=tokenizer, rows=rows, **kw)
     files = list(files) if not isinstance(files, str) else [files]
     return RLDataset(files, tokenizer, **kw)
 

@@ -1,0 +1,74 @@
+"""Single-turn rollout: prompts in, a typed batch of ``n`` sampled responses per prompt out.
+
+Each prompt is repeated ``n`` times under one group id (the GRPO group). Prompts are left-padded and
+responses right-padded to fixed widths (``max_prompt_length``, ``max_response_length``) so every batch
+of a run has the same shapes. The sampler's per-token log-probs go into ``rollout_log_probs`` (0 on
+padding); the loss mask covers exactly the sampled tokens, the stop token included.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from trainer.batch import RolloutBatch
+from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
+
+
+def pad_left(seqs: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, width]`` ids and mask, real tokens at the right end."""
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if len(s) > width:
+            raise ValueError(f"prompt {i} has {len(s)} tokens, more than the prompt width {width} "
+                             f"(raise data.max_prompt_length or filter overlong prompts)")
+        if s:
+            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s):] = True
+    return ids, mask
+
+
+def pad_right(seqs: Sequence[Sequence], width: int, pad, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, width]`` values and mask, real entries at the left end."""
+    out = torch.full((len(seqs), width), pad, dtype=dtype)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        n = min(len(s), width)
+        if n:
+            out[i, :n] = torch.as_tensor(list(s)[:n], dtype=dtype)
+            mask[i, :n] = True
+    return out, mask
+
+
+def outputs_to_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[GenerationOutput]],
+                     group_ids: Sequence[int], *, max_prompt_length: int, max_response_length: int,
+                     pad_id: int, meta: dict[str, Sequence] | None = None) -> RolloutBatch:
+    """Flatten ``outputs[i][j]`` (response j of prompt i) into a batch of ``sum_i len(outputs[i])`` rows."""
+    flat_prompts, flat_resp, flat_lp, flat_gid, finish, rows_meta = [], [], [], [], [], {k: [] for k in (meta or {})}
+    for i, outs in enumerate(outputs):
+        for o in outs:
+            flat_prompts.append(prompts[i])
+            flat_resp.append(o.token_ids)
+            flat_lp.append(o.logprobs)
+            flat_gid.append(group_ids[i])
+            finish.append(o.finish_reason)
+            for k in rows_meta:
+                rows_meta[k].append(meta[k][i])
+    p_ids, p_mask = pad_left(flat_prompts, max_prompt_length, pad_id)
+    r_ids, r_mask = pad_right(flat_resp, max_response_length, pad_id, torch.long)
+    lps, _ = pad_right(flat_lp, max_response_length, 0.0, torch.float32)
+    rows_meta["finish_reason"] = finish
+    return RolloutBatch.from_tokens(
+        p_ids, r_ids, p_mask, r_mask, meta=rows_meta,
+        rollout_log_probs=lps, group_ids=torch.as_tensor(flat_gid, dtype=torch.long))
+
+
+def generate_batch(engine: RolloutEngine, prompts: Sequence[Sequence[int]], group_ids: Sequence[int],
+                   params: SamplingParams, *, max_prompt_length: int, pad_id: int,
+                   meta: dict[str, Sequence] | None = None) -> RolloutBatch:
+    """Sample ``params.n`` responses per prompt with ``engine`` and build the batch."""
+    outputs = engine.generate(prompts, params)
+    return outputs_to_batch(prompts, outputs, group_ids, max_prompt_length=max_prompt_length,
+                            max_response_length=params.max_new_tokens, pad_id=pad_id, meta=meta)

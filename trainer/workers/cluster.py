@@ -1,0 +1,133 @@
+"""The controller's view of the hardware: the actor / reference / critic megatron groups and the rollout
+fleet, placed on a Ray cluster (or in the driver process for debugging), plus the resharding manager.
+
+Ray: ``ray.init()`` with no address starts an embedded local cluster (the default); ``RAY_ADDRESS``
+joins an existing one. On CPU every rank is one CPU slot; Ray's logical CPU count is raised to the
+number of slots the layout needs, since CPU "devices" may be shared (colocated mode does exactly that).
+"""
+
+from __future__ import annotations
+
+import os
+
+from trainer.workers.group import Placement, WorkerGroup, init_ray
+from trainer.workers.megatron_worker import MegatronWorker
+from trainer.workers.resharding import Resharder
+from trainer.workers.rollout_worker import RolloutWorker
+
+
+def need_ref(cfg) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def need_critic(cfg) -> bool:
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
+def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
+    warm = o.lr_warmup_steps or int(o.lr_warmup_steps_ratio * total_steps)
+    return dict(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
+                adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=clip_grad, lr_schedule=o.lr_scheduler,
+                lr_warmup_steps=warm, lr_decay_steps=o.total_training_steps or total_steps,
+                use_distributed_optimizer=use_dist)
+
+
+class Cluster:
+    def __init__(self, cfg, total_steps: int):
+        from megatron_bridge.launch import find_free_port
+
+        self.cfg = cfg
+        t, a, r = cfg.trainer, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        world = t.nnodes * t.n_gpus_per_node
+        self.in_process = t.debug.in_process
+        self.colocated = t.placement == "colocated"
+        use_gpu = t.device == "cuda"
+        model_path = cfg.actor_rollout_ref.model.path
+        placement = None
+        if self.in_process:
+            if world != 1:
+                raise ValueError(f"trainer.debug.in_process=true runs every worker inside the driver, which holds one "
+                                 f"rank: set trainer.nnodes=1 trainer.n_gpus_per_node=1 (got a world of {world}).")
+        else:
+            n_slots = world + (0 if self.colocated else r.num_engines)
+            init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
+            placement = Placement(n_slots, use_gpu)
+        rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
+        addr = "127.0.0.1"
+
+        def mgroup(name: str, mcfg, role: str, optim: dict | None, path: str):
+            port = find_free_port()
+            kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
+                        tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
+                        pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
+                        params_dtype=mcfg.params_dtype, optim=optim, seed=mcfg.seed) for i in range(world)]
+            g = WorkerGroup(name, MegatronWorker, kws, in_process=self.in_process, placement=placement, share=0.25)
+            return g, g.call("layout")
+
+        clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
+        self.actor, self.actor_layout = mgroup(
+            "actor", a.megatron, "actor",
+            bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps, use_dist=a.megatron.use_distributed_optimizer),
+            model_path)
+        self.ref = self.ref_layout = None
+        if need_ref(cfg):
+            self.ref, self.ref_layout = mgroup("ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path)
+        self.critic = self.critic_layout = None
+        if need_critic(cfg):
+            c = cfg.critic
+            self.critic, self.critic_layout = mgroup(
+                "critic", c.megatron, "critic",
+                bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
+                             use_dist=c.megatron.use_distributed_optimizer),
+                c.model.path or model_path)
+        max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
+        rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
+                   dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
+                   engine_kwargs=dict(r.engine_kwargs))
+        self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * r.num_engines, in_process=self.in_process,
+                                   placement=placement, bundle_of=rollout_bundle, share=0.25)
+        self.resharder = Resharder(self.actor, self.rollout, r.update_weights_bucket_megabytes << 20,
+                                   engine_dtype=r.dtype)
+
+    def actor_loss_settings(self) -> dict:
+        a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
+        pl = a.policy_loss
+        norm = a.loss_scale_factor if a.loss_scale_factor is not None else (
+            cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
+        return dict(loss_mode=pl.loss_mode, loss_agg_mode=a.loss_agg_mode, clip_ratio=a.clip_ratio,
+                    clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                    entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+                    kl_loss_type=a.kl_loss_type, norm_constant=float(norm),
+                    policy_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
+                                       clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef))
+
+    # colocated: the engine gives its memory back while the trainer runs
+    def sleep_rollout(self) -> None:
+        if self.colocated and self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.rollout.call("sleep")
+
+    def wake_rollout(self) -> None:
+        if self.colocated and self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.rollout.call("wake")
+
+    def sync_weights(self) -> dict:
+        return self.resharder.sync(verify=True)
+
+    def _groups(self):
+        return [(n, g) for n, g in (("actor", self.actor), ("critic", self.critic)) if g is not None]
+
+    def save(self, ckpt_dir: str) -> None:
+        for name, g in self._groups():
+            g.call("save", [(os.path.join(ckpt_dir, name),)] * g.size)
+
+    def load(self, ckpt_dir: str) -> None:
+        for name, g in self._groups():
+            g.call("load", [(os.path.join(ckpt_dir, name),)] * g.size)
+
+    def export_hf(self, out_dir: str) -> None:
+        self.actor.call("export_hf", [(out_dir, self.cfg.actor_rollout_ref.model.path)] * self.actor.size)
+
+    def shutdown(self) -> None:
+        for g in (self.rollout, self.ref, self.critic, self.actor):
+            if g is not None:
+                g.shutdown()

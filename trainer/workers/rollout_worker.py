@@ -1,0 +1,45 @@
+"""One rollout engine of the fleet: the native torch engine on CPU (SGLang on GPU plugs in here).
+
+Thin: ``generate`` takes prompt ids and sampling settings and returns plain lists (ids, log-probs,
+finish reasons) so results cross Ray cheaply; ``update_weights`` takes one bucket of HF-named tensors
+from the resharding manager.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from trainer.rollout.engine import SamplingParams
+
+
+class RolloutWorker:
+    def __init__(self, *, model_path: str, name: str = "native", max_batch_size: int = 256,
+                 max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, engine_kwargs: dict | None = None):
+        torch.set_num_threads(max(1, num_threads))
+        if name != "native":
+            raise ValueError(f"rollout engine '{name}' is not available in this build; use actor_rollout_ref.rollout.name=native")
+        from trainer.rollout.native import NativeEngine
+
+        self.engine = NativeEngine(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                   dtype=getattr(torch, dtype), **(engine_kwargs or {}))
+
+    def generate(self, prompts: list[list[int]], params: dict) -> list[list[tuple[list[int], list[float], str]]]:
+        outs = self.engine.generate(prompts, SamplingParams(**params))
+        return [[(o.token_ids, o.logprobs, o.finish_reason) for o in per_prompt] for per_prompt in outs]
+
+    def update_weights(self, bucket) -> int:
+        return len(self.engine.update_weights(bucket))
+
+    def weights_checksum(self) -> str:
+        return self.engine.weights_checksum()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def ping(self) -> int:
+        return os.getpid()
