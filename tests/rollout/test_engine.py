@@ -1,0 +1,81 @@
+"""The engine interface's pure parts: sampling-param validation, outputs, the weight checksum."""
+
+import hashlib
+import random
+
+import pytest
+import torch
+
+from trainer.rollout.engine import GenerationOutput, SamplingParams, checksum_named_tensors, iter_buckets, tensor_digest
+
+
+def named(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [("a.weight", torch.randn(3, 4, generator=g)), ("b.bias", torch.randn(5, generator=g)),
+            ("c.weight", torch.randn(2, 2, 2, generator=g)), ("scalar", torch.tensor(1.5))]
+
+
+def test_checksum_golden_construction():
+    # The documented construction, spelled out: per-tensor sha256 over name, dtype, shape, bytes;
+    # then sha256 of the digests in sorted-name order.
+    items = named()
+    per = {}
+    for name, t in items:
+        h = hashlib.sha256()
+        h.update(name.encode())
+        h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+        h.update(t.contiguous().numpy().tobytes())
+        per[name] = h.digest()
+    expected = hashlib.sha256(b"".join(per[n] for n in sorted(per))).hexdigest()
+    assert checksum_named_tensors(items) == expected
+
+
+def test_checksum_order_and_bucket_independent_but_exact():
+    items = named()
+    ref = checksum_named_tensors(items)
+    shuffled = items[:]
+    random.Random(1).shuffle(shuffled)
+    assert checksum_named_tensors(shuffled) == ref
+    assert checksum_named_tensors(p for bucket in iter_buckets(shuffled, 40) for p in bucket) == ref
+    # One ulp in one element, a renamed tensor, a reshaped tensor or another dtype all change it.
+    bumped = [(n, t.clone()) for n, t in items]
+    bumped[0][1][1, 2] = torch.nextafter(bumped[0][1][1, 2], torch.tensor(1e9))
+    assert checksum_named_tensors(bumped) != ref
+    assert checksum_named_tensors([("z.weight" if n == "a.weight" else n, t) for n, t in items]) != ref
+    assert checksum_named_tensors([(n, t.reshape(-1)) for n, t in items]) != ref
+    assert checksum_named_tensors([(n, t.double()) for n, t in items]) != ref
+    # Non-contiguous views hash like their contiguous copies.
+    assert checksum_named_tensors([(n, t.t().contiguous().t()) if t.dim() == 2 else (n, t) for n, t in items]) == ref
+    with pytest.raises(ValueError, match="twice"):
+        checksum_named_tensors(items + items[:1])
+
+
+def test_checksum_dtype_cast_and_ignore():
+    items = named()
+    bf = [(n, t.to(torch.bfloat16)) for n, t in items]
+    assert checksum_named_tensors(items, dtype=torch.bfloat16) == checksum_named_tensors(bf)
+    assert checksum_named_tensors(items, ignore={"scalar"}) == checksum_named_tensors(items[:3])
+    assert tensor_digest("x", torch.zeros(0)) != tensor_digest("x", torch.zeros(0, 1))
+
+
+def test_iter_buckets_sizes_and_order():
+    items = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([3, 3, 10, 1, 1, 1])]  # fp32: 4 bytes each
+    buckets = list(iter_buckets(items, bucket_bytes=24))
+    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
+
+
+def test_sampling_params_validation():
+    sp = SamplingParams(stop_token_ids=[3, 4], top_k=0)
+    assert sp.stop_token_ids == (3, 4) and sp.top_k_or_zero == 0 and not sp.greedy
+    assert SamplingParams(temperature=0).greedy
+    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_generation_output_validation():
+    GenerationOutput([1, 2], [-0.1, -0.2], "stop")
+    with pytest.raises(ValueError):
+        GenerationOutput([1, 2], [-0.1], "stop")
+    with pytest.raises(ValueError):
+        GenerationOutput([1], [-0.1], "eos")

@@ -1,0 +1,168 @@
+"""The plain-torch decoder computes the same logits as transformers, through every path it has:
+full forward, right-padded prefill, prefill into the cache and per-row decode."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from trainer.rollout.hf_model import CausalLM, KVCache, ModelConfig, rope_inv_freq
+
+from .conftest import ARCHS, VOCAB, make_hf_model, save_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for arch in ARCHS:
+        hf = make_hf_model(arch)
+        path = save_model(hf, tmp_path_factory.mktemp(arch))
+        out[arch] = (hf, CausalLM.from_pretrained(path))
+    return out
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]  # [T, V]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_full_forward_matches_transformers(models, arch):
+    hf, ours = models[arch]
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert torch.allclose(ours.forward(ids), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_padded_prefill_does_not_leak(models, arch):
+    # Right-padded rows of lengths 11, 4, 7: each row's logits equal an unpadded forward of that row
+    # alone. The pad ids are garbage on purpose (random tokens), so a leak would change the numbers.
+    hf, ours = models[arch]
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
+    lengths = torch.tensor([11, 4, 7])
+    out = ours.forward(ids, lengths)
+    for r in range(3):
+        n = int(lengths[r])
+        assert torch.allclose(out[r, :n], hf_logits(hf, ids[r, :n].tolist()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cache_prefill_and_per_row_decode(models, arch):
+    # Prefill three prompts of different lengths into non-contiguous slots (2, 0, 1), one prompt twice
+    # (rows map [0, 1, 2, 1] -> slots [2, 0, 1, 3]), then decode three steps with every row at its
+    # own position. Each step's logits equal HF's full forward over that row's whole sequence.
+    hf, ours = models[arch]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 3, 6)]
+    T = max(map(len, prompts))
+    tokens = torch.zeros(3, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    cache = KVCache(ours.cfg, max_batch=4, max_len=32, dtype=torch.float32)
+    rows, slots = torch.tensor([0, 1, 2, 1]), torch.tensor([2, 0, 1, 3])
+    with torch.inference_mode():
+        last = ours.prefill(cache, tokens, torch.tensor([9, 3, 6]), slots, rows)
+    for i, p in enumerate(prompts):
+        assert torch.allclose(last[i], hf_logits(hf, p)[-1], atol=1e-5, rtol=0)
+    seqs = {s: list(prompts[r]) for r, s in zip(rows.tolist(), slots.tolist())}  # slot -> sequence so far
+    for step in range(3):
+        nxt = torch.randint(0, VOCAB, (4,), generator=g)
+        for s in range(4):
+            seqs[s].append(int(nxt[s]))
+        pos = torch.tensor([len(seqs[s]) - 1 for s in range(4)])
+        with torch.inference_mode():
+            logits = ours.decode(cache, nxt, pos)
+        for s in range(4):
+            assert torch.allclose(logits[s], hf_logits(hf, seqs[s])[-1], atol=1e-5, rtol=0), (step, s)
+
+
+def test_llama_biases_and_sharded_checkpoint(tmp_path):
+    # attention_bias + mlp_bias (every projection has a bias) saved as several shards with an index.
+    hf = make_hf_model("llama", attention_bias=True, mlp_bias=True, rope_scaling=None)
+    path = save_model(hf, tmp_path, max_shard_size="40KB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    ours = CausalLM.from_pretrained(path)
+    assert ours.cfg.qkv_bias and ours.cfg.o_bias and ours.cfg.mlp_bias
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.allclose(ours.forward(ids), hf(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"rope_type": "linear", "factor": 3.0},
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
+)
+def test_rope_inv_freq_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=512)
+    ours = ModelConfig.from_hf_dict(cfg.to_dict())
+    inv, scale = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+    if scaling is None:
+        ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    else:
+        ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg)
+    assert scale == 1.0
+    assert torch.allclose(inv, ref, rtol=1e-6, atol=0)
+    if scaling and scaling["rope_type"] == "llama3":
+        # The recipe must actually bend the spectrum: the lowest frequency is divided by `factor`,
+        # the highest is kept.
+        base = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+        assert torch.isclose(inv[-1], base[-1] / 8.0) and torch.isclose(inv[0], base[0])
+
+
+def test_config_parsing_v4_style_and_errors():
+    v4 = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, rope_theta=1234.0, rope_scaling={"type": "linear", "factor": 2.0})
+    c = ModelConfig.from_hf_dict(v4)
+    assert c.rope_theta == 1234.0 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert c.num_kv_heads == 2 and c.head_dim == 4 and not c.qkv_bias
+    q2 = ModelConfig.from_hf_dict({**v4, "model_type": "qwen2", "rope_scaling": None})
+    assert q2.qkv_bias and not q2.o_bias and q2.rope_scaling == {"rope_type": "default"}
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        ModelConfig.from_hf_dict({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope type 'dynamic'"):
+        ModelConfig.from_hf_dict({**v4, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1.0}})
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        ModelConfig.from_hf_dict({**v4, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_hf_dict({**v4, "model_type": "qwen2", "use_sliding_window": True})
+
+
+def test_load_errors(tmp_path, models):
+    hf, ours = models["llama"]
+    with pytest.raises(KeyError, match="unknown weight"):
+        ours.load_hf_tensors([("model.layers.0.self_attn.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        ours.load_hf_tensors([("model.norm.weight", torch.zeros(3))])
+    # A checkpoint missing a tensor is refused, naming it.
+    path = save_model(hf, tmp_path / "full")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    os.makedirs(tmp_path / "partial")
+    save_file(sd, str(tmp_path / "partial" / "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(tmp_path / "partial" / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="up_proj"):
+        CausalLM.from_pretrained(str(tmp_path / "partial"))
+
+
+def test_bf16_prepacked_matmuls_are_bit_identical(models):
+    # The oneDNN-prepacked path is a speed-up only: same bf16 logits as F.linear, bit for bit.
+    hf, _ = models["qwen3"]
+    plain = CausalLM(ModelConfig.from_hf_dict(hf.config.to_dict()), dtype=torch.bfloat16)
+    plain.load_hf_tensors(hf.state_dict().items())
+    packed = CausalLM(ModelConfig.from_hf_dict(hf.config.to_dict()), dtype=torch.bfloat16)
+    packed.load_hf_tensors(hf.state_dict().items())
+    packed.set_prepack(True)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(plain.forward(ids), packed.forward(ids))

@@ -1,0 +1,207 @@
+"""The rollout engine interface: what every engine (native torch, SGLang) promises the trainer.
+
+An engine turns prompts (token ids) into sampled responses and returns, for each sampled token, the
+log-probability the sampler gave it. Rollout importance sampling corrects the trainer's recomputed
+log-probs against these, so their definition must match the trainer's exactly:
+
+    logprob_t = log_softmax(logits_t / T)[y_t]            over the FULL vocabulary
+
+where ``logits_t`` are the model's raw next-token logits at step t, ``T`` the sampling temperature and
+``y_t`` the sampled token. Decisions, stated once here:
+
+* Temperature is applied before the log-softmax (the sampler's distribution, as in SGLang's
+  ``return_logprob``; vLLM's default returns the raw ``T = 1`` log-probs instead).
+* top-k / top-p truncation is NOT reflected in the returned log-probs. They only restrict which tokens
+  can be drawn; the log-prob is still taken over the full vocabulary, because that is what the trainer
+  recomputes (``log_softmax(logits / T)``). A truncated-and-renormalised log-prob would be larger than
+  the trainer's by log(kept mass) and show up as a spurious mismatch.
+* Greedy decoding (``temperature == 0``) returns ``log_softmax(logits)[y_t]``, i.e. ``T`` taken as 1,
+  since ``logits / 0`` has no distribution.
+* The stop token that ended a response IS part of ``token_ids`` (and gets a log-prob): the trainer
+  must see exactly the sequence that was sampled, or the end-of-sequence decision is never trained.
+
+Weight sync is checked with :func:`checksum_named_tensors`, a pure function that both sides compute:
+the engine over the weights it holds (:meth:`RolloutEngine.weights_checksum`), the trainer over the
+HF-named stream it sends.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Container, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the responses of one prompt.
+
+    ``top_k`` of 0 or None and ``top_p`` of 1.0 switch those filters off. ``temperature == 0`` is greedy
+    (argmax; ties go to the lowest token id, like ``torch.argmax``). ``seed`` makes sampling
+    reproducible; see the engine for how it is turned into per-request random streams.
+    """
+
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0  # logits are divided by this before softmax; 0 = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest top set whose probability reaches top_p
+    top_k: int | None = None  # keep the k most likely tokens; 0 / None = no filter
+    max_new_tokens: int = 128  # response length cap (finish_reason "length")
+    stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the response (finish_reason "stop")
+    seed: int | None = None  # None = nondeterministic
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 or None, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # Accept any iterable of ints (a list from JSON, a set) but store a hashable tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def top_k_or_zero(self) -> int:
+        return self.top_k or 0
+
+
+@dataclass
+class GenerationOutput:
+    """One sampled response.
+
+    ``token_ids[i]`` was sampled with log-probability ``logprobs[i]`` (definition in the module
+    docstring), so ``len(token_ids) == len(logprobs)`` always. On ``finish_reason == "stop"`` the last
+    token is the stop token.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+class RolloutEngine(abc.ABC):
+    """What the controller and the rollout loops may call on any engine."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[list[GenerationOutput]]:
+        """Sample ``params.n`` responses for every prompt.
+
+        ``params`` is one :class:`SamplingParams` for all prompts, or one per prompt. Returns
+        ``out[i][j]``: response ``j`` of prompt ``i``.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy (name, tensor) pairs in HF naming into the engine; returns the names written.
+
+        The stream may come in buckets and in any order; a partial stream updates only those names.
+        An unknown name or a wrong shape is an error (a silent skip would make a sync look done).
+        """
+
+    @abc.abstractmethod
+    def weights_checksum(self) -> str:
+        """:func:`checksum_named_tensors` over the weights the engine holds, in HF naming."""
+
+    def sleep(self) -> None:
+        """Release what memory the engine can (KV cache, ...) until :meth:`wake`."""
+
+    def wake(self) -> None:
+        """Take back what :meth:`sleep` released."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """End in-flight generation: unfinished responses come back with ``finish_reason == "abort"``."""
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    # Raw bytes of a contiguous CPU tensor, for any dtype (numpy has no bfloat16, so go via uint8).
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
+    """sha256 of (name, dtype, shape, raw bytes) of one tensor, after an optional cast to ``dtype``."""
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)  # round-to-nearest-even, the same rounding as copy_ into an engine buffer
+    t = t.to("cpu").contiguous()
+    h = hashlib.sha256()
+    h.update(name.encode())
+    h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+    h.update(_tensor_bytes(t))
+    return h.digest()
+
+
+def checksum_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    ignore: Container[str] = (),
+) -> str:
+    """Exact, order-independent fingerprint of a set of named tensors (hex sha256).
+
+    Each tensor is hashed on its own: ``d_name = sha256(name, dtype, shape, bytes)``; the result is
+    ``sha256(d_a || d_b || ...)`` over the names in sorted order. So it does not depend on the order
+    or bucketing of the stream, but any changed bit, shape, dtype or name changes it. Cost: one pass
+    over the bytes (sha256 runs at ~1-2 GB/s per core; about 0.2 s for a 50M-parameter fp32 model),
+    plus a device-to-host copy for GPU tensors, one tensor at a time.
+
+    ``dtype``: cast every tensor to this dtype first. The trainer passes the engine's dtype, so a bf16
+    engine and an fp32 trainer agree exactly when the sync (which casts the same way) is right.
+    ``ignore``: names to leave out, e.g. ``{"lm_head.weight"}`` for a tied-embedding model, where
+    engines hold no separate lm_head tensor.
+    """
+    digests: dict[str, bytes] = {}
+    for name, t in named_tensors:
+        if name in ignore:
+            continue
+        if name in digests:
+            raise ValueError(f"tensor {name!r} appears twice in the stream")
+        digests[name] = tensor_digest(name, t, dtype)
+    total = hashlib.sha256()
+    for name in sorted(digests):
+        total.update(digests[name])
+    return total.hexdigest()
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a (name, tensor) stream into lists of at most ``bucket_bytes`` (a lone larger tensor
+    forms its own bucket). Order is kept."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket

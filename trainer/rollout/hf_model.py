@@ -1,0 +1,494 @@
+"""A plain-torch Llama / Qwen2 / Qwen3 decoder for inference, loaded from HF checkpoints.
+
+This is the native engine's model. It needs no transformers model code and no megatron; it reads
+``config.json`` and ``*.safetensors`` from a local directory and computes the same function as the
+HF classes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``):
+
+    x_0     = E[tokens]
+    h       = x + Attn(RMSNorm(x))                 per layer, pre-norm residual
+    x'      = h + W_down( silu(W_gate h~) * W_up h~ ),  h~ = RMSNorm(h)          (SwiGLU)
+    logits  = W_head RMSNorm(x_L)                  (W_head = E when embeddings are tied)
+
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (as HF does).
+    Attn: q = W_q x (+ b_q), k, v likewise with num_kv_heads <= num_heads (GQA: query head j reads
+          kv head j // (num_heads / num_kv_heads)); Qwen3 applies an RMSNorm over head_dim to q and
+          k (before RoPE); Qwen2 has q/k/v biases; RoPE rotates q, k by position (Su et al. 2021,
+          "RoFormer"); softmax(q k^T / sqrt(head_dim)) causal.
+
+RoPE inverse frequencies: ``theta ** (-2i / d)``, then per ``rope_scaling``:
+``linear`` divides them by ``factor`` (Chen et al. 2023, position interpolation); ``llama3`` divides
+the low frequencies by ``factor``, keeps the high ones and blends in between (Meta's Llama 3.1 recipe).
+Other types (dynamic, yarn, longrope, ...) raise.
+
+Storage deviates from HF's layout for speed, not in value: q/k/v are one fused ``[(H+2K)*D, hidden]``
+matrix and gate/up one ``[2*I, hidden]`` matrix, so a layer does 4 matmuls instead of 7. The HF names
+map to row-slices (views) of the fused tensors, so loading, ``update_weights`` and checksums all
+speak HF naming (:meth:`CausalLM.hf_tensors`).
+
+KV cache: one preallocated tensor ``[layers, 2, max_batch, kv_heads, max_len, head_dim]``. Each row
+(slot) holds one sequence; its positions start at 0. A decode step writes each row's new key/value at
+that row's own position and masks keys beyond it, so rows of different lengths share a batch and
+padding never reaches a real token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., params}; {} = default
+    max_position_embeddings: int = 2048
+    eos_token_id: tuple[int, ...] = ()  # from config.json; engines use it only as a CLI default
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """Parse an HF ``config.json`` (transformers v4 or v5 field names)."""
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported by the native engine; supported: {SUPPORTED_MODEL_TYPES}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+        if d.get("use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        heads = d["num_attention_heads"]
+        kv = d.get("num_key_value_heads") or heads
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        if heads % kv:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+        # transformers v5 keeps rope_theta inside rope_parameters; v4 has rope_theta + rope_scaling.
+        rp = dict(d.get("rope_parameters") or {})
+        if "full_attention" in rp and isinstance(rp["full_attention"], dict):  # per-layer-type v5 form
+            rp = dict(rp["full_attention"])
+        rs = dict(d.get("rope_scaling") or {})
+        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = {**rs, **rp}
+        scaling.pop("rope_theta", None)
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported by the native engine; supported: {SUPPORTED_ROPE_TYPES}")
+        if scaling.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        if rope_type == "llama3":
+            scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+        scaling["rope_type"] = rope_type
+        attn_bias = bool(d.get("attention_bias", False))
+        eos = d.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if mt == "qwen2" else attn_bias,
+            o_bias=False if mt == "qwen2" else attn_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,
+            qk_norm=mt == "qwen3",
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale (1.0 for these types)."""
+    rope_type = scaling.get("rope_type", "default")
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
+    if rope_type == "default":
+        return inv, 1.0
+    if rope_type == "linear":
+        return inv / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths (low frequencies, beyond old_len / lo) are interpolated by `factor`; short
+        # ones (below old_len / hi) are kept; in between, a linear blend in old_len / wavelen.
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, blended, scaled), 1.0
+    raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # fp32 statistics, cast back before the weight multiply: the order HF's LlamaRMSNorm uses.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's "rotate_half" layout: pairs (i, i + D/2) rotate together.
+
+    x ``[..., D]``; cos and ``sin_signed = [-sin_lo, sin_hi]`` broadcast to it. HF computes
+    ``x * cos + cat(-x_hi, x_lo) * sin``; ``roll(x, D/2) * sin_signed`` is the same product with the
+    sign moved onto the table (exact in IEEE arithmetic), one kernel fewer per call.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class KVCache:
+    """Preallocated keys/values ``[layers, 2, max_batch, kv_heads, max_len, head_dim]``.
+
+    Zero-initialised: masked-out slots still flow through softmax(..) @ V with weight 0, and
+    uninitialised memory could hold NaN (0 * NaN = NaN).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_len: int, dtype: torch.dtype, device="cpu"):
+        self.max_batch, self.max_len = max_batch, max_len
+        self.data = torch.zeros(
+            cfg.num_layers, 2, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype=dtype, device=device
+        )
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy slot ``src``'s first ``length`` positions into slot ``dst`` (all layers)."""
+        self.data[:, :, dst, :, :length].copy_(self.data[:, :, src, :, :length])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class _Layer:
+    __slots__ = ("ln1", "wqkv", "bqkv", "q_norm", "k_norm", "qk_norm", "wo", "bo", "ln2", "w_gu", "b_gu", "w_down", "b_down", "packed")
+
+
+def _onednn_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    """oneDNN-prepacked copy of a bf16/fp16 CPU weight, or None where that is unavailable or inexact.
+
+    ``torch.ops.mkldnn._linear_pointwise`` on a prepacked weight is the kernel torch.compile's CPU
+    freezing pass uses; with AMX it runs bf16 decode matmuls 2-3x faster than ``F.linear``. The
+    result is checked bit-for-bit against ``F.linear`` once, so packing never changes outputs.
+    """
+    if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), F.linear(x, w)):
+            return None
+        return pw
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+class CausalLM:
+    """Weights and forward passes (full, prefill-into-cache, decode) of one decoder."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        H, K, D, h, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        kw = dict(dtype=dtype, device=self.device)
+        self.embed = torch.zeros(cfg.vocab_size, h, **kw)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else torch.zeros(cfg.vocab_size, h, **kw)
+        self.norm = torch.ones(h, **kw)
+        self.layers: list[_Layer] = []
+        hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not cfg.tie_word_embeddings:
+            hf["lm_head.weight"] = self.lm_head
+        qkv_rows = ((0, H * D), (H * D, (H + K) * D), ((H + K) * D, (H + 2 * K) * D))
+        for i in range(cfg.num_layers):
+            L = _Layer()
+            p = f"model.layers.{i}."
+            L.ln1, L.ln2 = torch.ones(h, **kw), torch.ones(h, **kw)
+            L.wqkv = torch.zeros((H + 2 * K) * D, h, **kw)  # rows: q | k | v
+            L.bqkv = torch.zeros((H + 2 * K) * D, **kw) if cfg.qkv_bias else None
+            L.wo = torch.zeros(h, H * D, **kw)
+            L.bo = torch.zeros(h, **kw) if cfg.o_bias else None
+            L.q_norm = torch.ones(D, **kw) if cfg.qk_norm else None
+            L.k_norm = torch.ones(D, **kw) if cfg.qk_norm else None
+            L.w_gu = torch.zeros(2 * inter, h, **kw)  # rows: gate | up
+            L.b_gu = torch.zeros(2 * inter, **kw) if cfg.mlp_bias else None
+            L.w_down = torch.zeros(h, inter, **kw)
+            L.b_down = torch.zeros(h, **kw) if cfg.mlp_bias else None
+            hf[p + "input_layernorm.weight"] = L.ln1
+            hf[p + "post_attention_layernorm.weight"] = L.ln2
+            for proj, (a, b) in zip("qkv", qkv_rows):
+                hf[p + f"self_attn.{proj}_proj.weight"] = L.wqkv[a:b]
+                if L.bqkv is not None:
+                    hf[p + f"self_attn.{proj}_proj.bias"] = L.bqkv[a:b]
+            hf[p + "self_attn.o_proj.weight"] = L.wo
+            if L.bo is not None:
+                hf[p + "self_attn.o_proj.bias"] = L.bo
+            if cfg.qk_norm:
+                hf[p + "self_attn.q_norm.weight"] = L.q_norm
+                hf[p + "self_attn.k_norm.weight"] = L.k_norm
+            hf[p + "mlp.gate_proj.weight"] = L.w_gu[:inter]
+            hf[p + "mlp.up_proj.weight"] = L.w_gu[inter:]
+            hf[p + "mlp.down_proj.weight"] = L.w_down
+            if cfg.mlp_bias:
+                hf[p + "mlp.gate_proj.bias"] = L.b_gu[:inter]
+                hf[p + "mlp.up_proj.bias"] = L.b_gu[inter:]
+                hf[p + "mlp.down_proj.bias"] = L.b_down
+            self.layers.append(L)
+        self._hf = hf
+        self.packed_head = None
+        self.prepack = False
+        self._set_rope(max_len or cfg.max_position_embeddings)
+        for L in self.layers:
+            L.packed = (None, None, None, None)
+        self._repack()
+
+    def set_prepack(self, enabled: bool = True) -> bool:
+        """Keep oneDNN-prepacked copies of the matmul weights (bf16/fp16 on CPU only; doubles their
+        memory). Re-packed after every weight load. Returns whether packing is in effect."""
+        self.prepack = enabled
+        self._repack()
+        return self.packed_head is not None
+
+    def _repack(self) -> None:
+        # Everything derived from the weights: the joint q/k norm weight and the packed matmuls.
+        H, K, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        for L in self.layers:
+            if L.q_norm is not None:
+                L.qk_norm = torch.cat((L.q_norm.expand(H, D), L.k_norm.expand(K, D)))  # [H+K, D]
+        on = self.prepack
+        for L in self.layers:
+            L.packed = tuple(_onednn_pack(w) if on else None for w in (L.wqkv, L.wo, L.w_gu, L.w_down))
+        self.packed_head = _onednn_pack(self.lm_head) if on else None
+
+    # ---- rope tables -------------------------------------------------------------------------
+    def _set_rope(self, max_len: int) -> None:
+        inv, scale = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        pos = torch.arange(max_len, dtype=torch.int64).float()  # [L]
+        freqs = pos[:, None] * inv[None, :]  # [L, D/2], fp32 like HF
+        emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+        self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [L, D]
+        sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)  # [L, D]
+        half = sin.shape[-1] // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [L, D] signed, see apply_rope
+        self.rope_len = max_len
+
+    def ensure_rope(self, max_len: int) -> None:
+        if max_len > self.rope_len:
+            self._set_rope(max_len)
+
+    # ---- weights in HF naming ----------------------------------------------------------------
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, view into this model's storage) for every weight. Tied models have no lm_head."""
+        return iter(self._hf.items())
+
+    def hf_names(self) -> list[str]:
+        return list(self._hf)
+
+    def load_hf_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy HF-named tensors into storage (casting to this model's dtype). Returns names written.
+
+        ``lm_head.weight`` of a tied model is skipped (the embedding is the head, as in HF loading),
+        as are rotary ``inv_freq`` buffers that old checkpoints carry. Unknown names or shapes raise.
+        """
+        written = []
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                    continue
+                dst = self._hf.get(name)
+                if dst is None:
+                    raise KeyError(f"unknown weight {name!r} for a {self.cfg.model_type} model")
+                if tuple(dst.shape) != tuple(t.shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {tuple(dst.shape)}")
+                dst.copy_(t)
+                written.append(name)
+        if written:
+            self._repack()
+        return written
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None) -> "CausalLM":
+        cfg = ModelConfig.from_pretrained(path)
+        model = cls(cfg, dtype=dtype, device=device, max_len=max_len)
+        written = set(model.load_hf_tensors(iter_checkpoint_tensors(path)))
+        missing = [n for n in model.hf_names() if n not in written]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:5]}")
+        return model
+
+    # ---- forward passes ----------------------------------------------------------------------
+    def _qkv(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x [..., h] -> q [..., H, D], k/v [..., K, D], with q/k norm (Qwen3) and RoPE applied.
+        # q and k are normed and rotated together as H+K heads (the norm weight is per head).
+        c = self.cfg
+        H, K, D = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = linear(rms_norm(x, L.ln1, c.rms_norm_eps), L.wqkv, L.bqkv, L.packed[0])  # [..., (H+2K)D]
+        lead = qkv.shape[:-1]
+        qk = qkv[..., : (H + K) * D].view(*lead, H + K, D)
+        v = qkv[..., (H + K) * D :].view(*lead, K, D)
+        if L.q_norm is not None:
+            qk = rms_norm(qk, L.qk_norm, c.rms_norm_eps)
+        qk = apply_rope(qk, cos, sin)  # [..., H+K, D]
+        return qk[..., :H, :], qk[..., H:, :], v
+
+    def _mlp_residual(self, L: _Layer, h: torch.Tensor) -> torch.Tensor:
+        inter = self.cfg.intermediate_size
+        gu = linear(rms_norm(h, L.ln2, self.cfg.rms_norm_eps), L.w_gu, L.b_gu, L.packed[2])  # [..., 2I]
+        return h + linear(F.silu(gu[..., :inter]) * gu[..., inter:], L.w_down, L.b_down, L.packed[3])
+
+    def _prefill_layers(self, tokens: torch.Tensor, lengths: torch.Tensor | None, kv_sink=None) -> torch.Tensor:
+        """Run every layer over right-padded prompts starting at position 0; returns hidden ``[n, T, h]``.
+
+        ``kv_sink(layer_idx, k [n, K, T, D], v)`` receives each layer's keys/values (cache writes).
+        Row r attends to keys ``< lengths[r]`` only (and causally), so its padding tail never leaks in.
+        """
+        c = self.cfg
+        n, T = tokens.shape
+        self.ensure_rope(T)
+        x = F.embedding(tokens, self.embed)  # [n, T, h]
+        cos = self.cos[:T, None, :]  # [T, 1, D] broadcast over heads
+        sin = self.sin[:T, None, :]
+        mask = None
+        if lengths is not None and bool((lengths != T).any()):
+            ar = torch.arange(T, device=tokens.device)
+            causal = ar[None, :] <= ar[:, None]  # [T(q), T(k)]
+            mask = (causal[None] & (ar[None, None, :] < lengths[:, None, None]))[:, None]  # [n, 1, T, T]
+        for li, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, x, cos, sin)  # [n, T, H|K, D]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [n, H|K, T, D]
+            if kv_sink is not None:
+                kv_sink(li, k, v)
+            if mask is None:
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [n, H, T, D]
+            else:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            a = a.transpose(1, 2).reshape(n, T, c.num_heads * c.head_dim)  # [n, T, HD]
+            x = self._mlp_residual(L, x + linear(a, L.wo, L.bo, L.packed[1]))
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.lm_head, None, self.packed_head).float()  # [..., V] fp32 for log-softmax
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Full forward without a cache: logits ``[n, T, V]`` (fp32) of right-padded ``tokens [n, T]``."""
+        return self.logits(self._prefill_layers(tokens, lengths))
+
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Prefill prompts into the cache; returns last-token logits ``[n, V]`` (fp32).
+
+        tokens ``[n, T]`` right-padded, lengths ``[n]``; cache slot ``slots[j]`` receives the keys/values
+        of prompt row ``rows[j]`` (a prompt sampled n times is computed once and copied to n slots).
+        """
+        T = tokens.shape[1]
+        same = rows.numel() == tokens.shape[0] and bool((rows == torch.arange(rows.numel(), device=rows.device)).all())
+
+        def sink(li, k, v):  # k, v [n, K, T, D]
+            kv = cache.data[li]  # [2, B, K, Lmax, D]
+            kv[0, :, :, :T].index_copy_(0, slots, (k if same else k.index_select(0, rows)).to(kv.dtype))
+            kv[1, :, :, :T].index_copy_(0, slots, (v if same else v.index_select(0, rows)).to(kv.dtype))
+
+        hidden = self._prefill_layers(tokens, lengths, kv_sink=sink)  # [n, T, h]
+        last = hidden[torch.arange(tokens.shape[0], device=tokens.device), lengths - 1]  # [n, h]
+        return self.logits(last)
+
+    def decode(
+        self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+        max_position: int | None = None, min_position: int | None = None,
+    ) -> torch.Tensor:
+        """One decode step for cache slots ``0..B-1``: token ``tokens[b]`` sits at ``positions[b]``.
+
+        Writes each row's key/value at its own position, attends to keys ``<= positions[b]``, and
+        returns next-token logits ``[B, V]`` (fp32). ``max_position`` / ``min_position`` (of
+        ``positions``, known to the caller) save host syncs.
+        """
+        c = self.cfg
+        B = tokens.shape[0]
+        H, K, G, D = c.num_heads, c.num_kv_heads, c.num_groups, c.head_dim
+        Lk = (int(positions.max()) if max_position is None else max_position) + 1  # keys needed this step
+        self.ensure_rope(Lk)
+        dev = tokens.device
+        x = F.embedding(tokens, self.embed)  # [B, h]
+        cos = self.cos[positions][:, None, :]  # [B, 1, D]
+        sin = self.sin[positions][:, None, :]
+        # Rows at the same position need no mask (and SDPA runs its unmasked path, as HF's does then).
+        uniform = max_position is not None and min_position == max_position
+        mask = None if uniform else (torch.arange(Lk, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, Lk]
+        # Flat row index of (slot b, kv head j, position p) in a [max_batch*K*max_len, D] view of one
+        # layer's K (or V) buffer: every layer shares it, so it is built once per step.
+        flat = ((torch.arange(B, device=dev)[:, None] * K + torch.arange(K, device=dev)[None, :]) * cache.max_len + positions[:, None]).reshape(-1)  # [B*K]
+        for li, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, x, cos, sin)  # [B, H, D], [B, K, D], [B, K, D]
+            kc, vc = cache.data[li, 0], cache.data[li, 1]  # [maxB, K, maxL, D]
+            kc.view(-1, D).index_copy_(0, flat, k.reshape(B * K, D).to(kc.dtype))
+            vc.view(-1, D).index_copy_(0, flat, v.reshape(B * K, D).to(kc.dtype))
+            # GQA without repeating K/V: the G query heads that share kv head j become G "query
+            # positions" of one head, [B, K, G, D] against [B, K, Lk, D].
+            a = F.scaled_dot_product_attention(q.view(B, K, G, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk], attn_mask=mask)  # [B, K, G, D]
+            a = a.to(x.dtype)
+            x = self._mlp_residual(L, x + linear(a.reshape(B, H * D), L.wo, L.bo, L.packed[1]))
+        return self.logits(rms_norm(x, self.norm, c.rms_norm_eps))
+
+
+def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from a local HF checkpoint dir: ``model.safetensors``, a sharded
+    ``model.safetensors.index.json``, or (fallback) ``pytorch_model*.bin``."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        for fname in files:
+            with safe_open(os.path.join(path, fname), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        return
+    bins = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    for fname in bins:
+        yield from torch.load(os.path.join(path, fname), map_location="cpu", weights_only=True).items()

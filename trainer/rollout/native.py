@@ -1,0 +1,413 @@
+"""The native rollout engine: pure torch, CPU by default, and the reference the other engines match.
+
+Scheduling (continuous batching). Every (prompt, sample) pair is a request. Up to ``max_batch_size``
+requests are active, each owning one row ("slot") of a preallocated KV cache
+(:class:`~trainer.rollout.hf_model.KVCache`). The loop is
+
+    1. retire finished requests; their slots become free;
+    2. admit waiting requests into free slots: prefill their prompts (a prompt sampled n times is
+       computed once and its keys/values copied to n slots) and sample each one's first token;
+    3. compact: move the highest slots into holes so that the active rows are slots 0..B-1 and the
+       decode step can read the cache as plain slices (one row copy per finished request, instead
+       of a gather of the whole cache every step);
+    4. one decode step for all B active rows, each at its own position; sample; check stops.
+
+So one long response does not stall the batch: the rows around it are refilled as they finish.
+
+Sampling, for a row with temperature T, top-k k and top-p p (see :func:`sample_tokens`):
+
+    z = logits / T;   logprob(y) = log_softmax(z)[y]        (full vocabulary, what the trainer recomputes)
+    draw y from softmax(z) restricted to the k largest z (k = 0: all), renormalised, then restricted to
+    the smallest prefix (by descending probability) whose mass reaches p (the HF / vLLM order:
+    top-k, then top-p on the renormalised top-k distribution); T = 0 is argmax with logprob at T = 1.
+
+The draw is inverse-CDF sampling with ONE uniform number per token: y = the first token whose
+cumulative (float64) probability exceeds u * total, the CDF running over token ids in id order when
+no filter is on, and over the kept tokens in descending-probability order when top-k/top-p is. The uniforms of request (prompt i, sample j)
+come from its own ``random.Random`` stream seeded with ``(seed, i, j)``, so a sample depends on the
+seed, the prompt's position in the call and the sample index -- not on ``max_batch_size``, on
+which other requests share its batch, or on scheduling order. (A per-row stream is also what makes
+one uniform per token cheap: no per-row ``torch.Generator`` call, and the rest is vectorised.)
+Finite-precision caveat: rows are computed in batches of varying size, so logits can differ in the
+last bits between schedules; a draw can flip only when u falls within that rounding of a CDF
+boundary (probability ~1e-7 per token).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, checksum_named_tensors
+from trainer.rollout.hf_model import CausalLM, KVCache
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling: pure functions over tensors
+# --------------------------------------------------------------------------------------------------
+def filter_probs_sorted(sorted_logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities over descending-sorted (temperature-scaled) logits ``[R, M]`` after top-k then
+    top-p; unnormalised after top-p (zeros for dropped tokens).
+
+    top-k keeps ranks < k; top-p keeps a token when the mass of strictly more likely tokens (of the
+    top-k-renormalised distribution) is < p, so the first token is always kept.
+    """
+    M = sorted_logits.shape[-1]
+    if 0 < top_k < M:
+        sorted_logits = sorted_logits.masked_fill(torch.arange(M, device=sorted_logits.device) >= top_k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)  # [R, M] renormalised over the top-k
+    if top_p < 1.0:
+        before = probs.cumsum(-1) - probs  # [R, M] mass of the strictly better-ranked tokens
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    return probs
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index of the first entry whose cumulative (float64) mass exceeds ``u * total``, per row.
+
+    probs ``[R, M]`` nonnegative (need not sum to 1), uniforms ``[R]`` in [0, 1). A zero-probability
+    entry is never returned: its cumulative mass equals its predecessor's. The clamp to the first
+    index reaching the total guards ``u * total`` rounding up to the total.
+    """
+    cdf = probs.double().cumsum(-1)  # [R, M]
+    total = cdf[:, -1:].contiguous()  # [R, 1]
+    target = uniforms.to(cdf.dtype)[:, None] * total  # [R, 1]
+    idx = torch.searchsorted(cdf, target, right=True)  # [R, 1] first cdf > target
+    last = torch.searchsorted(cdf, total, right=False)  # [R, 1] first cdf == total
+    return torch.minimum(idx, last).squeeze(1)  # [R]
+
+
+@functools.lru_cache(maxsize=64)
+def _block_size(V: int) -> int:
+    # Largest divisor of V in [64, 1024] so that [R, V] views as [R, V / bs, bs] without a copy.
+    for bs in range(1024, 63, -1):
+        if V % bs == 0:
+            return bs
+    return 0
+
+
+def blocked_max_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x.amax(-1)``, ``x.argmax(-1)``) for ``[R, V]``, argmax = first index of the max.
+
+    Same result as torch.argmax, 5-10x faster on CPU, where argmax over a long row is not vectorised
+    but amax is: find the first block holding the row max, then argmax inside that block.
+    """
+    R, V = x.shape
+    bs = _block_size(V)
+    if not bs or V // bs < 2:
+        m, i = x.max(-1)
+        return m, i
+    v = x.view(R, V // bs, bs)  # [R, nb, bs]
+    bmax = v.amax(-1)  # [R, nb]
+    m, b = bmax.max(-1)  # [R] row max and the first block holding it
+    rows = torch.arange(R, device=x.device)
+    return m, b * bs + v[rows, b].argmax(-1)  # [R]
+
+
+def blocked_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """:func:`inverse_cdf` over ``[R, V]`` without a float64 cumsum of the whole row.
+
+    Two levels: block sums -> first block whose cumulative mass exceeds ``u * total`` -> inverse CDF
+    inside that block with the remaining mass. The same draw as :func:`inverse_cdf` except within
+    float rounding of a boundary.
+    """
+    R, V = weights.shape
+    bs = _block_size(V)
+    if not bs or V // bs < 2:
+        return inverse_cdf(weights, uniforms)
+    w = weights.view(R, V // bs, bs)  # [R, nb, bs]
+    bsum = w.sum(-1).double()  # [R, nb]
+    cdf = bsum.cumsum(-1)  # [R, nb]
+    total = cdf[:, -1:].contiguous()  # [R, 1]
+    target = uniforms.to(cdf.dtype)[:, None] * total  # [R, 1]
+    b = torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, total, right=False)).squeeze(1)  # [R]
+    before = torch.cat([torch.zeros_like(cdf[:, :1]), cdf[:, :-1]], dim=1).gather(1, b[:, None]).squeeze(1)  # [R] mass before block b
+    rows = torch.arange(R, device=weights.device)
+    j = inverse_cdf_remaining(w[rows, b], uniforms.to(cdf.dtype) * total.squeeze(1) - before)  # [R]
+    return b * bs + j
+
+
+def inverse_cdf_remaining(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    # First index whose cumulative mass exceeds ``mass`` (absolute, not a fraction), clamped to the
+    # first index that reaches the row total (so never a zero-mass entry).
+    cdf = probs.double().cumsum(-1)  # [R, M]
+    idx = torch.searchsorted(cdf, mass[:, None].to(cdf.dtype), right=True)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
+    return torch.minimum(idx, last).squeeze(1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits [R, V]`` (fp32); returns (tokens ``[R]``, logprobs ``[R]``).
+
+    ``logprobs = log_softmax(logits / T)[token]`` over the full vocabulary (T = 1 when greedy), see the
+    module docstring; ``uniforms [R]`` in [0, 1) drive the draw (ignored when greedy).
+    The log-softmax is never materialised: logprob = z[y] - max(z) - log(sum(exp(z - max(z)))).
+    """
+    R, V = logits.shape
+    greedy = temperature == 0
+    z = logits if greedy or temperature == 1.0 else logits / temperature  # [R, V]
+    if greedy:
+        m, tokens = blocked_max_argmax(z)  # [R], [R]
+        m = m[:, None]  # [R, 1]
+    else:
+        m = z.amax(-1, keepdim=True)  # [R, 1]
+    e = torch.sub(z, m).exp_()  # [R, V] unnormalised softmax(z)
+    log_total = e.sum(-1).double().log()  # [R]
+    if greedy:
+        pass
+    elif (top_k == 0 or top_k >= V) and top_p >= 1.0:
+        tokens = blocked_inverse_cdf(e, uniforms)  # [R]
+    else:
+        if 0 < top_k < V:
+            vals, idx = torch.topk(z, top_k, dim=-1)  # [R, k] sorted descending
+        else:
+            vals, idx = torch.sort(z, dim=-1, descending=True)  # [R, V]
+        probs = filter_probs_sorted(vals, top_k=top_k, top_p=top_p)
+        tokens = idx.gather(1, inverse_cdf(probs, uniforms)[:, None]).squeeze(1)  # [R]
+    z_tok = z.gather(1, tokens[:, None]).squeeze(1)  # [R]
+    logprobs = (z_tok - m.squeeze(1)).double() - log_total  # [R]
+    return tokens, logprobs.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine
+# --------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Request:
+    prompt_idx: int
+    sample_idx: int
+    prompt: list[int]
+    params: SamplingParams
+    rng: random.Random
+    stop: frozenset
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    slot: int = -1
+
+    @property
+    def cached(self) -> int:
+        # Positions held in the cache: the prompt and every sampled token but the last (the next input).
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class NativeEngine(RolloutEngine):
+    """In-process torch engine with a preallocated KV cache and continuous batching.
+
+    ``model``: an HF checkpoint dir (Llama / Qwen2 / Qwen3) or a :class:`CausalLM`.
+    ``max_seq_len`` bounds prompt + response (a response reaching it ends with "length").
+    ``num_threads``: if given, ``torch.set_num_threads`` (process-wide); the default leaves torch's
+    choice (one thread per physical core), which suits a dedicated rollout process.
+    ``prefill_tokens``: padded-token budget of one prefill forward (bounds activation memory).
+    ``prepack``: keep oneDNN-prepacked copies of bf16/fp16 matmul weights (bit-identical outputs,
+    2-3x faster decode matmuls on CPUs with AMX/AVX512-BF16; doubles weight memory). fp32 ignores it.
+    ``kv_dtype``: KV-cache dtype; default fp32 on CPU (faster attention there), the model's on GPU.
+    """
+
+    def __init__(
+        self,
+        model: str | CausalLM,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        num_threads: int | None = None,
+        prefill_tokens: int = 8192,
+        prepack: bool = True,
+        kv_dtype: torch.dtype | None = None,
+    ):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if isinstance(model, CausalLM):
+            self.model = model
+        else:
+            self.model = CausalLM.from_pretrained(model, dtype=dtype, device=device, max_len=max_seq_len)
+        self.model.ensure_rope(max_seq_len)
+        self.model.set_prepack(prepack)  # bf16/fp16 CPU weights only; a no-op for fp32
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.prefill_tokens = prefill_tokens
+        # CPU: keep keys/values in fp32 even for a bf16 model. torch's CPU flash-attention kernel runs
+        # fp32 decode attention ~1.5x faster than bf16, and bf16 values are exact in fp32.
+        self.kv_dtype = kv_dtype or (torch.float32 if self.model.device.type == "cpu" else self.model.dtype)
+        self.device = self.model.device
+        self.cache: KVCache | None = None
+        self._abort = threading.Event()
+        self.stats: dict = {}
+
+    @property
+    def config(self):
+        return self.model.cfg
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _ensure_cache(self) -> KVCache:
+        if self.cache is None:
+            self.cache = KVCache(self.model.cfg, self.max_batch_size, self.max_seq_len, self.kv_dtype, self.device)
+        return self.cache
+
+    def sleep(self) -> None:
+        """Free the KV cache (weights stay, so ``update_weights`` works while asleep)."""
+        self.cache = None
+
+    def wake(self) -> None:
+        self._ensure_cache()
+
+    # ---- weights -----------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        # The cache holds keys/values of the old weights only for finished work; nothing to flush
+        # because every generate() call prefills its prompts afresh.
+        return self.model.load_hf_tensors(named_tensors)
+
+    def weights_checksum(self) -> str:
+        return checksum_named_tensors(self.model.hf_tensors())
+
+    def abort(self) -> None:
+        """Make the running :meth:`generate` (called from another thread) return at its next step."""
+        self._abort.set()
+
+    # ---- generation --------------------------------------------------------------------------
+    def _make_requests(self, prompts, params) -> list[_Request]:
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        V = self.model.cfg.vocab_size
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            p = [int(t) for t in p]
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; max_seq_len {self.max_seq_len} leaves no room to generate")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} has token ids outside [0, {V})")
+            seed = sp.seed if sp.seed is not None else secrets.randbits(62)
+            stop = frozenset(sp.stop_token_ids)
+            for j in range(sp.n):
+                reqs.append(_Request(i, j, p, sp, random.Random(f"coxswain:{seed}:{i}:{j}"), stop))
+        return reqs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> None:
+        """Sample each row's next token, append it with its log-prob, and mark finished requests."""
+        # Group rows by sampling params (one group in the usual one-params call).
+        groups: dict[tuple, list[int]] = {}
+        for r_i, r in enumerate(reqs):
+            sp = r.params
+            groups.setdefault((sp.temperature, sp.top_k_or_zero, sp.top_p), []).append(r_i)
+        toks = [0] * len(reqs)
+        lps = [0.0] * len(reqs)
+        for (temp, top_k, top_p), rows in groups.items():
+            sub = logits if len(rows) == len(reqs) else logits[torch.tensor(rows, device=logits.device)]
+            u = torch.tensor([reqs[r].rng.random() for r in rows], dtype=torch.float64, device=logits.device)
+            t, lp = sample_tokens(sub, u, temperature=temp, top_k=top_k, top_p=top_p)
+            for r, tt, ll in zip(rows, t.tolist(), lp.tolist()):
+                toks[r], lps[r] = tt, ll
+        for r, t, lp in zip(reqs, toks, lps):
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            if t in r.stop:
+                r.finish = "stop"  # the stop token stays in r.tokens
+            elif len(r.tokens) >= r.params.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_seq_len:
+                r.finish = "length"
+
+    def _prefill(self, cache: KVCache, admitted: list[_Request]) -> None:
+        # One forward per distinct prompt; chunks bounded by the padded-token budget.
+        by_prompt: dict[int, list[_Request]] = {}
+        for r in admitted:
+            by_prompt.setdefault(r.prompt_idx, []).append(r)
+        groups = sorted(by_prompt.values(), key=lambda g: len(g[0].prompt))
+        dev = self.device
+        start = 0
+        while start < len(groups):
+            end = start + 1
+            while end < len(groups) and (end + 1 - start) * len(groups[end][0].prompt) <= self.prefill_tokens:
+                end += 1
+            chunk = groups[start:end]
+            start = end
+            T = len(chunk[-1][0].prompt)  # sorted by length: the last is the longest
+            tokens = torch.zeros(len(chunk), T, dtype=torch.long)
+            for g_i, g in enumerate(chunk):
+                tokens[g_i, : len(g[0].prompt)] = torch.tensor(g[0].prompt)
+            lengths = torch.tensor([len(g[0].prompt) for g in chunk])
+            reqs = [r for g in chunk for r in g]
+            rows = torch.tensor([g_i for g_i, g in enumerate(chunk) for _ in g])
+            slots = torch.tensor([r.slot for r in reqs])
+            logits = self.model.prefill(cache, tokens.to(dev), lengths.to(dev), slots.to(dev), rows.to(dev))  # [n_u, V]
+            self.stats["prefill_forwards"] += 1
+            self.stats["prefill_tokens"] += int(lengths.sum())
+            self._sample(logits.index_select(0, rows.to(dev)), reqs)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    ) -> list[list[GenerationOutput]]:
+        self._abort.clear()
+        t0 = time.perf_counter()
+        reqs = self._make_requests(prompt_token_ids, params)
+        cache = self._ensure_cache()
+        self.stats = dict(decode_steps=0, prefill_forwards=0, prefill_tokens=0, max_active=0, row_moves=0)
+        waiting = deque(reqs)
+        active: list[_Request] = []  # sorted by slot
+        while True:
+            active = [r for r in active if r.finish is None]
+            if self._abort.is_set():
+                break
+            # Admit waiting requests into the lowest free slots.
+            if waiting and len(active) < self.max_batch_size:
+                used = {r.slot for r in active}
+                free = [s for s in range(self.max_batch_size) if s not in used]
+                admitted = []
+                for s in free:
+                    if not waiting:
+                        break
+                    r = waiting.popleft()
+                    r.slot = s
+                    admitted.append(r)
+                self._prefill(cache, admitted)
+                active = sorted([r for r in active + admitted if r.finish is None], key=lambda r: r.slot)
+                if waiting and len(active) < self.max_batch_size:
+                    continue  # some finished at their first token: refill before decoding
+            if not active:
+                if waiting:
+                    continue
+                break
+            # Compact: rows must be slots 0..B-1.
+            B = len(active)
+            holes = iter(sorted({*range(B)} - {r.slot for r in active}))
+            for r in active:
+                if r.slot >= B:
+                    dst = next(holes)
+                    cache.move_row(r.slot, dst, r.cached)
+                    r.slot = dst
+                    self.stats["row_moves"] += 1
+            active.sort(key=lambda r: r.slot)
+            self.stats["max_active"] = max(self.stats["max_active"], B)
+            # Decode one token for every active row.
+            tokens = torch.tensor([r.tokens[-1] for r in active], device=self.device)
+            pos_list = [r.cached for r in active]
+            positions = torch.tensor(pos_list, device=self.device)
+            logits = self.model.decode(cache, tokens, positions, max_position=max(pos_list), min_position=min(pos_list))  # [B, V]
+            self.stats["decode_steps"] += 1
+            self._sample(logits, active)
+
+        for r in reqs:
+            if r.finish is None:
+                r.finish = "abort"
+        self._abort.clear()
+        out: list[list[GenerationOutput]] = [[] for _ in prompt_token_ids]
+        for r in reqs:  # reqs are in (prompt, sample) order
+            out[r.prompt_idx].append(GenerationOutput(r.tokens, r.logprobs, r.finish))
+        self.stats["generated_tokens"] = sum(len(r.tokens) for r in reqs)
+        self.stats["seconds"] = time.perf_counter() - t0
+        return out
