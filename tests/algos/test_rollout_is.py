@@ -419,6 +419,27 @@ def test_bracket_miss_falls_back_exactly(monkeypatch):
         assert met[f"mismatch/rollout_is_p{q}"] == pytest.approx(want, rel=1e-12)
 
 
+def test_sampled_percentiles_are_close_and_change_nothing_else():
+    # percentile_sample_size: estimates from ~n sampled tokens; everything else is unchanged.
+    old, roll, mask = random_batch(128, 600, seed=8, scale=0.2)
+    _, _, exact = compute_rollout_is_weights(old, roll, mask)
+    _, _, est = compute_rollout_is_weights(old, roll, mask, percentile_sample_size=8192)
+    v = np.sort((old.float() - roll.float()).clamp(-20, 20)[mask].double().exp().numpy())
+    n = v.size
+    for q in R.PERCENTILES:
+        k = f"mismatch/rollout_is_p{q}"
+        assert est[k] != exact[k]  # it is an estimate (a sample of ~8k of ~38k tokens)
+        # within 5 binomial standard deviations of the sample rank (~8k sampled tokens)
+        half = 5 * math.sqrt(q / 100 * (1 - q / 100) / 8000) * n + 1
+        lo, hi = v[max(int(q / 100 * (n - 1) - half), 0)], v[min(int(q / 100 * (n - 1) + half), n - 1)]
+        assert lo <= est[k] <= hi, (q, lo, est[k], hi)
+    assert {k: v for k, v in est.items() if "_p" not in k} == {k: v for k, v in exact.items() if "_p" not in k}
+    # small batches (<= 2n positions) stay exact
+    _, _, small = compute_rollout_is_weights(old, roll, mask, percentile_sample_size=10**6)
+    assert small == exact
+
+
+@pytest.mark.slow  # one torch.compile of the fused pass: ~30 s of C++ compilation on a cold cache
 def test_compiled_path_matches_eager(monkeypatch):
     # the torch.compile'd fused pass (used on big inputs) against the eager one, brackets included
     old, roll, mask = random_batch(48, 300, seed=9, scale=0.4)
