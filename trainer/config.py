@@ -43,7 +43,7 @@ class DataConfig:
     prompt_key: str = "prompt"  # column holding the chat messages (verl row format)
     reward_fn_key: str = "data_source"  # column that selects the scorer
     max_prompt_length: int = 64  # prompts longer than this are filtered or truncated (see truncation)
-    max_response_length: int = 32  # response budget in tokens (also the overlong-shaping max length)
+    max_response_length: int = 8  # response budget in tokens (also the overlong-shaping max length)
     train_batch_size: int = 16  # prompts per training step
     gen_batch_size: Optional[int] = None  # prompts per generation batch (DAPO); None = train_batch_size
     val_batch_size: Optional[int] = None  # prompts per validation batch; None = the whole val set
@@ -122,7 +122,7 @@ class ActorConfig:
     strategy: str = "megatron"  # megatron | deepspeed
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size: Optional[int] = None  # legacy global micro-batch; use ppo_micro_batch_size_per_gpu
-    ppo_micro_batch_size_per_gpu: int = 8  # responses per forward/backward on one DP rank
+    ppo_micro_batch_size_per_gpu: int = 32  # responses per forward/backward on one DP rank
     use_dynamic_bsz: bool = False  # pack micro-batches by token budget instead of count
     ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1  # passes over each step's batch
@@ -139,7 +139,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl (k1 | k2 | k3 aliases)
     grad_clip: Optional[float] = None  # alias of optim.clip_grad kept for verl scripts; None = optim.clip_grad
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # policy-loss variant
-    optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # actor optimizer (lr tuned for the tiny CPU recipe; real models use ~1e-6)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor parallelism
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # checkpoint contents
 
@@ -190,7 +190,7 @@ class RolloutConfig:
     max_num_seqs: int = 256  # engine batch slots (continuous batching)
     max_num_batched_tokens: int = 8192  # SGLang chunked-prefill budget
     enable_chunked_prefill: bool = True  # SGLang chunked prefill
-    log_prob_micro_batch_size_per_gpu: int = 16  # responses per old-log-prob forward on one rank
+    log_prob_micro_batch_size_per_gpu: int = 64  # responses per old-log-prob forward on one rank
     log_prob_use_dynamic_bsz: bool = False  # pack old-log-prob micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = 16384  # token budget per old-log-prob micro-batch
     update_weights_bucket_megabytes: int = 512  # resharding bucket size in MiB
@@ -356,12 +356,12 @@ class TrainerConfig:
     logger: List[str] = field(default_factory=lambda: ["console", "mlflow"])  # console | mlflow
     device: str = "cpu"  # cpu | cuda
     nnodes: int = 1  # nodes in the Ray cluster
-    n_gpus_per_node: int = 1  # devices (GPUs, or CPU slots on CPU) per node
+    n_gpus_per_node: int = 2  # devices (GPUs, or CPU slots on CPU) per node
     placement: str = "colocated"  # colocated | split
     total_epochs: int = 1  # passes over the training prompts
-    total_training_steps: Optional[int] = None  # stop after this many steps; None = epochs x batches
+    total_training_steps: Optional[int] = 40  # stop after this many steps; None = epochs x batches
     critic_warmup: int = 0  # critic-only steps before the actor trains
-    test_freq: int = -1  # eval every N steps (-1 = never)
+    test_freq: int = 5  # eval every N steps (-1 = never)
     val_before_train: bool = True  # eval at step 0
     save_freq: int = -1  # checkpoint every N steps (-1 = never)
     max_actor_ckpt_to_keep: Optional[int] = None  # prune older checkpoints; None = keep all

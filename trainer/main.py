@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from trainer.config import ConfigError, all_keys, load_config, save_resolved, to_yaml
 
 
-def sampling_params(cfg, step: int, gen_batch: int, val: bool = False) -> dict:
+def sampling_params(cfg, step: int, gen_batch: int, val: bool = False, stop_token_ids=()) -> dict:
     r = cfg.actor_rollout_ref.rollout
     src = r.val_kwargs if val else r
     greedy = (not src.do_sample) or src.temperature == 0
@@ -33,7 +33,35 @@ def sampling_params(cfg, step: int, gen_batch: int, val: bool = False) -> dict:
     # The seed is a function of (step, generation batch): a resumed run samples exactly the same.
     return dict(n=(src.n if not val else r.val_kwargs.n), temperature=0.0 if greedy else float(src.temperature),
                 top_p=float(src.top_p), top_k=top_k, max_new_tokens=int(r.response_length or cfg.data.max_response_length),
-                stop_token_ids=[], seed=int(r.seed) * 1_000_003 + step * 1009 + gen_batch)
+                stop_token_ids=list(stop_token_ids), seed=int(r.seed) * 1_000_003 + step * 1009 + gen_batch)
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    except OSError:  # no generation_config.json
+        pass
+    return sorted(ids)
+
+
+def resolve_model_paths(cfg) -> None:
+    """A relative model path that does not exist from the working directory is looked up from the
+    repository root, so ``python -m trainer.main`` finds the shipped tiny model from anywhere."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for key in ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path"):
+        val = OmegaConf.select(cfg, key)
+        if val and not os.path.isabs(val) and not os.path.exists(val) and os.path.exists(os.path.join(root, val)):
+            OmegaConf.update(cfg, key, os.path.join(root, val))
+    path = cfg.actor_rollout_ref.model.path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"actor_rollout_ref.model.path='{path}' is not a Hugging Face model directory (no "
+                                f"config.json). Point it at a local HF checkpoint; nothing is downloaded.")
 
 
 def train(cfg) -> dict:
@@ -51,6 +79,7 @@ def train(cfg) -> dict:
     from trainer.workers.cluster import Cluster
 
     t_start = time.time()
+    resolve_model_paths(cfg)
     a, r, al = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
     run_dir = cfg.trainer.default_local_dir
     save_resolved(cfg, run_dir)
@@ -58,6 +87,9 @@ def train(cfg) -> dict:
 
     tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path)
     train_ds, val_ds = build_dataset(cfg.data, tok, "train"), build_dataset(cfg.data, tok, "val")
+    # The sampler stops at the tokenizer's EOS (and the model's generation_config EOS ids); the stop
+    # token is part of the response, so the trainer learns to end.
+    stop_ids = stop_token_ids(tok, cfg.actor_rollout_ref.model.path)
     sampler = PromptSampler(len(train_ds), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     steps_per_epoch = len(train_ds) // cfg.data.train_batch_size
     total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -92,7 +124,7 @@ def train(cfg) -> dict:
         history.append({"step": step, **metrics})
         tracker.log_metrics(metrics, step)
 
-    val_params = sampling_params(cfg, 0, 0, val=True)
+    val_params = sampling_params(cfg, 0, 0, val=True, stop_token_ids=stop_ids)
     vkw = dict(max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.data.val_batch_size)
     if start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq != 0:
         log(validate(cluster.rollout, reward_mgr, tok, val_ds, val_params, **vkw), 0)
@@ -105,7 +137,7 @@ def train(cfg) -> dict:
         with timer(m, "gen"):
             cluster.wake_rollout()
             batch, gm, next_group_id = collect_batch(
-                cluster.rollout, reward_mgr, tok, train_ds, sampler, lambda g: sampling_params(cfg, step, g),
+                cluster.rollout, reward_mgr, tok, train_ds, sampler, lambda g: sampling_params(cfg, step, g, stop_token_ids=stop_ids),
                 train_batch_size=cfg.data.train_batch_size, gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,
                 n=r.n, filter_cfg=OmegaConf.to_container(al.filter_groups), max_prompt_length=cfg.data.max_prompt_length,
                 overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer), next_group_id=next_group_id)
