@@ -647,7 +647,7 @@ def validate(cfg: DictConfig) -> None:
                 errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x "
                             f"actor_rollout_ref.rollout.n={r.n} = {mini} responses do not split over the data-parallel "
                             f"size {dp} (world {ws} / (TP {tp} x PP {pp} x CP {cp})).")
-            elif (mini // dp) % a.ppo_micro_batch_size_per_gpu:
+            elif mini // dp > a.ppo_micro_batch_size_per_gpu and (mini // dp) % a.ppo_micro_batch_size_per_gpu:
                 errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
                             f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
                             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
