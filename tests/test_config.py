@@ -190,7 +190,7 @@ def test_dapo_recipe_overrides_are_accepted(tmp_path):
 
 def test_main_prints_and_writes_resolved_config(tmp_path):
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "trainer.main", f"trainer.default_local_dir={run_dir}",
+    p = subprocess.run([sys.executable, "-m", "trainer.main", "--print-config", f"trainer.default_local_dir={run_dir}",
                         "algorithm.gamma=0.97"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "gamma: 0.97" in p.stdout

@@ -252,8 +252,10 @@ def cli(argv: list[str] | None = None) -> int:
         return 0
     if "-h" in argv or "--help" in argv:
         print(__doc__)
-        print("All keys: python -m trainer.main --help-keys")
+        print("All keys: python -m trainer.main --help-keys; resolve and print only: --print-config")
         return 0
+    dry = "--print-config" in argv  # resolve, print and write the config, then stop
+    argv = [x for x in argv if x != "--print-config"]
     try:
         cfg = load_config(argv)
     except ConfigError as e:
@@ -262,7 +264,8 @@ def cli(argv: list[str] | None = None) -> int:
     print(to_yaml(cfg))
     path = save_resolved(cfg, cfg.trainer.default_local_dir)
     print(f"resolved config written to {path}", flush=True)
-    train(cfg)
+    if not dry:
+        train(cfg)
     return 0
 
 
