@@ -166,3 +166,34 @@ def test_bf16_prepacked_matmuls_are_bit_identical(models):
     packed.set_prepack(True)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
     assert torch.equal(plain.forward(ids), packed.forward(ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_cache_decode_matches_bf16_forward(models, arch):
+    # bf16 decode runs another attention layout (one query per head, native GQA) than fp32. Its
+    # logits must match a bf16 full forward of the same sequences up to bf16 rounding (a wrong head
+    # grouping would be off by O(1)); and both must be near the fp32 reference.
+    hf, _ = models[arch]
+    m = CausalLM(ModelConfig.from_hf_dict(hf.config.to_dict()), dtype=torch.bfloat16)
+    m.load_hf_tensors(hf.state_dict().items())
+    m.set_prepack(True)
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 8)]
+    T = 8
+    tokens = torch.zeros(2, T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.tensor(s)
+    cache = KVCache(m.cfg, max_batch=2, max_len=16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        m.prefill(cache, tokens, torch.tensor([5, 8]), torch.tensor([0, 1]), torch.tensor([0, 1]))
+        for _ in range(3):
+            nxt = torch.randint(0, VOCAB, (2,), generator=g)
+            for i in range(2):
+                seqs[i].append(int(nxt[i]))
+            logits = m.decode(cache, nxt, torch.tensor([len(s) - 1 for s in seqs]))
+            for i, s in enumerate(seqs):
+                full = m.forward(torch.tensor([s]))[0, -1]
+                ref = hf_logits(hf, s)[-1]
+                scale = ref.abs().max()
+                assert (logits[i] - full).abs().max() < 0.03 * scale
+                assert (logits[i] - ref).abs().max() < 0.05 * scale

@@ -462,9 +462,14 @@ class CausalLM:
             kc, vc = cache.data[li, 0], cache.data[li, 1]  # [maxB, K, maxL, D]
             kc.view(-1, D).index_copy_(0, flat, k.reshape(B * K, D).to(kc.dtype))
             vc.view(-1, D).index_copy_(0, flat, v.reshape(B * K, D).to(kc.dtype))
-            # GQA without repeating K/V: the G query heads that share kv head j become G "query
-            # positions" of one head, [B, K, G, D] against [B, K, Lk, D].
-            a = F.scaled_dot_product_attention(q.view(B, K, G, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk], attn_mask=mask)  # [B, K, G, D]
+            if kc.dtype == torch.float32:
+                # GQA without repeating K/V: the G query heads that share kv head j become G "query
+                # positions" of one head, [B, K, G, D] against [B, K, Lk, D]. (torch's CPU kernel is
+                # fastest this way in fp32.)
+                a = F.scaled_dot_product_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk], attn_mask=mask)  # [B, K, G, D]
+            else:
+                # bf16/fp16: the kernel's one-query path with native GQA is ~2x faster than the above.
+                a = F.scaled_dot_product_attention(q.reshape(B, H, 1, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk], attn_mask=mask, enable_gqa=True)  # [B, H, 1, D]
             a = a.to(x.dtype)
             x = self._mlp_residual(L, x + linear(a.reshape(B, H * D), L.wo, L.bo, L.packed[1]))
         return self.logits(rms_norm(x, self.norm, c.rms_norm_eps))
