@@ -43,7 +43,7 @@ class Cluster:
         self.colocated = t.placement == "colocated"
         use_gpu = t.device == "cuda"
         model_path = cfg.actor_rollout_ref.model.path
-        placement = None
+        placement = self.placement = None
         if self.in_process:
             if world != 1:
                 raise ValueError(f"trainer.debug.in_process=true runs every worker inside the driver, which holds one "
@@ -52,6 +52,7 @@ class Cluster:
             n_slots = world + (0 if self.colocated else r.num_engines)
             init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
             placement = Placement(n_slots, use_gpu)
+        self.placement = placement
         rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
         addr = "127.0.0.1"
 
@@ -131,3 +132,5 @@ class Cluster:
         for g in (self.rollout, self.ref, self.critic, self.actor):
             if g is not None:
                 g.shutdown()
+        if self.placement is not None:
+            self.placement.remove()

@@ -47,6 +47,11 @@ class Placement:
         self.use_gpu = use_gpu
         self.n = n_bundles
 
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
     def options(self, i: int, share: float) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
