@@ -21,12 +21,13 @@ The first token of every sequence, and pad positions, get 0.
 
 Batches. Right- or left-padded ``input_ids [B, S]`` + ``attention_mask [B, S]``, or packed rows
 ``input_ids [1, T]`` + ``cu_seqlens [N+1]`` (THD: sequences back to back, no padding). Position ids
-restart at 0 at each sequence's first real token, and the attention mask is causal *and*
-block-diagonal over sequences *and* excludes pad keys, so neither pads nor neighbouring packed
-sequences leak into a token. Deviation, documented: megatron's local (CPU) attention has no THD
-kernel, so a packed row runs as one sequence with a block-diagonal causal mask (same numbers, the
-attention cost is that of the whole row). With the TE spec on GPU, packed rows go through
-megatron's real THD path (``PackedSeqParams``) instead.
+restart at 0 at each sequence's first real token, and attention is causal *and* confined to the
+token's own sequence *and* never sees pad keys, so neither pads nor neighbouring packed sequences
+leak into a token. Packed rows run through megatron's THD path (``PackedSeqParams``): TE's kernels
+on GPU, :class:`megatron_bridge.attention.TorchSDPAttention` (one causal SDPA per sequence) on CPU.
+With megatron's own ``DotProductAttention`` (``build_model(attention="megatron")``), which has no
+THD support, a packed row instead runs as one sequence under a block-diagonal causal mask (same
+numbers, attention cost of the whole row).
 
 CLI (to recompute trainer-side log-probs of a dumped rollout)::
 
@@ -155,7 +156,10 @@ def padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Mode
     B, S = input_ids.shape
     pos = (real.long().cumsum(-1) - 1).clamp_min(0)  # [B, S]
     causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()  # [S, S] allowed
-    allowed = causal[None] & real[:, None, :]  # [B, S(q), S(k)] only real keys, causal
+    eye = torch.eye(S, dtype=torch.bool, device=input_ids.device)
+    # causal over real keys, plus the diagonal: a pad query always sees itself, so no row is fully masked
+    # (a fully masked row is NaN under SDPA, and a NaN pad value would reach real rows as 0 * NaN)
+    allowed = (causal[None] & real[:, None, :]) | eye[None]  # [B, S(q), S(k)]
     masked = ~allowed[:, None]  # [B, 1, S, S]
     next_valid = torch.zeros_like(real)
     next_valid[:, :-1] = real[:, :-1] & real[:, 1:]
@@ -167,8 +171,12 @@ def padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Mode
     return ModelInputs(input_ids, pos, masked, labels, next_valid, token_valid, real=real)
 
 
-def packed_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> ModelInputs:
-    """Inputs for one packed row ``[T]`` or ``[1, T]`` holding sequences at ``cu_seqlens``."""
+def packed_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, dense_mask: bool = False) -> ModelInputs:
+    """Inputs for one packed row ``[T]`` or ``[1, T]`` holding sequences at ``cu_seqlens``.
+
+    The ``[1, 1, T, T]`` block-diagonal mask is only built with ``dense_mask`` (the fallback for an
+    attention without THD support); the THD path needs none.
+    """
     ids = input_ids.reshape(1, -1)  # [1, T]
     T = ids.shape[1]
     cu = cu_seqlens.to(torch.long).cpu()
@@ -178,9 +186,11 @@ def packed_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> ModelInp
     seg = torch.repeat_interleave(torch.arange(len(lens)), lens).to(ids.device)  # [T] sequence id
     starts = cu[:-1].to(ids.device)
     pos = (torch.arange(T, device=ids.device) - starts[seg])[None]  # [1, T] restarts per sequence
-    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-    allowed = causal & (seg[:, None] == seg[None, :])  # [T, T] block-diagonal causal
-    masked = ~allowed[None, None]  # [1, 1, T, T]
+    masked = None
+    if dense_mask:
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal & (seg[:, None] == seg[None, :])  # [T, T] block-diagonal causal
+        masked = ~allowed[None, None]  # [1, 1, T, T]
     same_next = torch.zeros(1, T, dtype=torch.bool, device=ids.device)
     same_next[0, :-1] = seg[:-1] == seg[1:]
     labels = torch.zeros_like(ids)
@@ -267,18 +277,21 @@ def _thd_params(inp: ModelInputs):
 def run_model(model, inp: ModelInputs):
     """One forward of a (possibly DDP-wrapped) bridge model chunk on prepared inputs.
 
-    Local spec: dense masks (works everywhere). TE spec (GPU): THD packed attention; a padded batch
+    Packed rows: THD (``PackedSeqParams``) when the attention supports it, else a dense
+    block-diagonal mask. Padded batches: the dense mask on the local spec; on the TE spec the batch
     is first unpadded into one packed row (TE's causal kernels ignore an arbitrary mask, so running
     it padded would let left pads leak) and the last stage's output is scattered back to ``[B, S]``.
     """
     from megatron_bridge.model import unwrap
 
     m = unwrap(model)
-    if not getattr(m, "uses_te", False):
-        return model(inp.input_ids, inp.position_ids, inp.attention_mask)
-    if inp.packed:
+    if inp.packed and getattr(m, "supports_thd", False):
         # THD: [1, T] tokens, positions restart from cu_seqlens inside megatron's RoPE.
         return model(inp.input_ids, None, None, packed_seq_params=_thd_params(inp))
+    if not getattr(m, "uses_te", False):
+        if inp.packed:  # attention without THD: dense block-diagonal causal mask
+            inp = packed_inputs(inp.input_ids, inp.cu_seqlens, dense_mask=True)
+        return model(inp.input_ids, inp.position_ids, inp.attention_mask)
     real = inp.real  # [B, S]
     lens = real.sum(1)  # [B]
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)

@@ -1,7 +1,9 @@
 """Build a megatron-core ``GPTModel`` for a HF Llama / Qwen2 / Qwen3 config on this rank's TP/PP slice.
 
 Layer spec: megatron's TransformerEngine spec when CUDA and transformer-engine are present, the
-local (pure torch) spec otherwise — the local spec is what runs on CPU in CI.
+local (pure torch) spec otherwise — the local spec is what runs on CPU in CI. In the local spec the
+core attention is :class:`megatron_bridge.attention.TorchSDPAttention` (torch SDPA, real THD packing)
+unless ``attention="megatron"`` asks for megatron's ``DotProductAttention`` (dense masks only).
 
 Two changes to the stock ``GPTModel``, both small and local to this file:
 
@@ -130,6 +132,7 @@ def build_model(
     use_te: bool | None = None,
     vocab_multiple: int = 128,
     value_head_seed: int = 0,
+    attention: str = "sdpa",
 ) -> BridgeGPTModel:
     """This rank's model chunk for the current megatron parallel state (TP, PP from ``ps``).
 
@@ -153,6 +156,12 @@ def build_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm")
+        if attention == "sdpa":
+            from megatron_bridge.attention import TorchSDPAttention
+
+            spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+        elif attention != "megatron":
+            raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'megatron'")
     vocab = padded_vocab_size(hf.vocab_size, tp, vocab_multiple)
     tie = hf.tie_word_embeddings and not value_head
     model = BridgeGPTModel(
@@ -179,6 +188,7 @@ def build_model(
     model.padded_vocab_size = vocab
     model.is_critic = value_head
     model.uses_te = use_te
+    model.supports_thd = use_te or attention == "sdpa"  # packed rows run as real THD
     n_local = len(model.decoder.layers)
     assert n_local == layout[pp_rank], (n_local, layout)
     if n_local:

@@ -15,7 +15,9 @@ from bridge_tiny import CASES, VOCAB, gather_hf, hf_reference, make_case, random
 
 LENGTHS = [9, 3, 14, 6]  # ragged on purpose
 TEMP = 0.7
-LAYOUTS = [("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)]
+# (name, tp, pp, core attention): torch SDPA with real THD packing (the default), and megatron's own
+# DotProductAttention, where packed rows fall back to a dense block-diagonal mask
+LAYOUTS = [("tp1", 1, 1, "sdpa"), ("tp2", 2, 1, "sdpa"), ("pp2", 1, 2, "sdpa"), ("tp2_mcore_attn", 2, 1, "megatron")]
 
 
 def _extract(lp, mb_mask_or_cu, seqs, packed):
@@ -38,12 +40,12 @@ def parity_job(dirs: dict, seqs: list):
     from megatron_bridge.model import build_model
 
     out, roundtrip = {}, {}
-    for lname, tp, pp in LAYOUTS:
+    for lname, tp, pp, attention in LAYOUTS:
         set_parallel(tp=tp, pp=pp)
         for case, d in dirs.items():
             hf = read_hf_config(d)
             pp_layers = None if hf.num_layers % pp == 0 else [2, 1]  # 3 layers at PP=2: uneven split
-            model = build_model(hf, pp_layers=pp_layers)
+            model = build_model(hf, pp_layers=pp_layers, attention=attention)
             load_hf_weights(model, d)
             right = pad_sequences(seqs, side="right")
             left = pad_sequences(seqs, side="left", multiple=4)  # extra left padding on every row
@@ -69,7 +71,7 @@ def parity_job(dirs: dict, seqs: list):
                                          for a, b in zip(modes["left"], modes["right"]))
             if dist.get_rank() == 0:
                 out[(lname, case)] = modes
-            if lname != "tp1":
+            if lname in ("tp2", "pp2"):
                 # HF -> megatron (this layout) -> HF must reproduce every tensor bit for bit
                 back = gather_hf(model)
                 ref = load_file(f"{d}/model.safetensors")

@@ -234,9 +234,10 @@ def test_padded_inputs_positions_and_mask_match_loop(lens, side, extra):
     for b in range(B):
         real = [t for t in range(S) if mb["attention_mask"][b, t]]
         assert [int(inp.position_ids[b, t]) for t in real] == list(range(len(real)))
-        for q in real:
-            for k in range(S):  # allowed iff k is a real token at or before q
-                assert bool(inp.attention_mask[b, 0, q, k]) == (not (k in real and k <= q))
+        for q in range(S):
+            for k in range(S):  # allowed iff k is a real token at or before q, or k is q itself
+                ok = (k in real and k <= q) or k == q  # (the diagonal only matters for pad rows)
+                assert bool(inp.attention_mask[b, 0, q, k]) == (not ok)
         # next-token labels inside the sequence; the first token of each sequence scores nothing
         assert [int(inp.labels[b, t]) for t in real[:-1]] == seqs[b][1:]
         assert [bool(inp.token_valid[b, t]) for t in real] == [False] + [True] * (len(real) - 1)
@@ -253,7 +254,7 @@ def test_packing_roundtrip_and_block_diagonal_mask(lens, cap):
         parts = unpack(r["input_ids"], r["cu_seqlens"])
         assert [p.tolist() for p in parts] == [seqs[i] for i in r["index"].tolist()]
         assert r["input_ids"].shape[1] <= cap or len(parts) == 1
-        inp = packed_inputs(r["input_ids"], r["cu_seqlens"])
+        inp = packed_inputs(r["input_ids"], r["cu_seqlens"], dense_mask=True)
         cu = r["cu_seqlens"].tolist()
         seg = [s for s in range(len(cu) - 1) for _ in range(cu[s], cu[s + 1])]
         T = len(seg)

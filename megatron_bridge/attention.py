@@ -1,0 +1,84 @@
+"""Core attention for the local (non-TE) layer spec on torch's ``scaled_dot_product_attention``.
+
+Replaces megatron's ``DotProductAttention`` (explicit ``baddbmm`` + masked softmax + ``bmm``, no
+packed-sequence support) in the local spec, for two reasons:
+
+* **Real THD packing on CPU.** With ``PackedSeqParams(qkv_format="thd")`` the tokens of a packed row
+  arrive as ``[T, heads, dim]`` with ``cu_seqlens``; each sequence is attended separately with a
+  causal kernel, so a row costs ``sum_i L_i^2`` instead of ``T^2`` and no mask is materialised.
+  megatron's own RoPE already restarts positions per sequence from ``cu_seqlens`` in this format.
+* **Speed and memory** on padded batches: torch's fused CPU kernel instead of the explicit score
+  tensor. The arbitrary boolean mask (causal AND real keys, see ``logprobs.padded_inputs``) is passed
+  through unchanged; every query row keeps at least its own key, so no row is fully masked (a fully
+  masked row would give NaN, which pads would then spread to real tokens through the value matmul).
+
+Math, per head with ``q, k, v`` of one sequence: ``softmax(q k^T * scale + mask) v`` with
+``scale = 1 / sqrt(head_dim)`` (megatron's default); key/value heads are repeated to the query
+heads as in GQA (query head ``h`` reads kv head ``h // (heads / kv_heads)``). Dropout is not
+supported (the bridge runs with ``attention_dropout = 0``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+
+class TorchSDPAttention(MegatronModule):
+    """Drop-in ``core_attention`` for megatron's ``SelfAttention`` (same constructor / forward)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("TorchSDPAttention does not support context parallelism")
+        p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if p:
+            raise NotImplementedError("TorchSDPAttention: attention dropout is not supported")
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        if config.apply_query_key_layer_scaling:
+            raise NotImplementedError("apply_query_key_layer_scaling is not supported")
+        self.attn_mask_type = attn_mask_type
+
+    @staticmethod
+    def _expand_kv(q: torch.Tensor, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+        rep = q.shape[head_dim] // kv.shape[head_dim]
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=head_dim)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._thd(query, key, value, packed_seq_params)
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k = self._expand_kv(query, key, 2).permute(1, 2, 0, 3)
+        v = self._expand_kv(query, value, 2).permute(1, 2, 0, 3)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            allowed = ~attention_mask  # megatron's mask marks what is masked out; SDPA wants the opposite
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [s, b, heads * d]
+
+    def _thd(self, query, key, value, psp):
+        # [T, heads, d]; one causal attention per packed sequence
+        cu = psp.cu_seqlens_q.tolist()
+        k_all = self._expand_kv(query, key, 1)
+        v_all = self._expand_kv(query, value, 1)
+        outs = []
+        for s, e in zip(cu[:-1], cu[1:]):
+            if e == s:
+                continue
+            q = query[s:e].transpose(0, 1)  # [heads, L, d]
+            k = k_all[s:e].transpose(0, 1)
+            v = v_all[s:e].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            outs.append(o.transpose(0, 1))  # [L, heads, d]
+        out = torch.cat(outs, 0)  # [T, heads, d]
+        return out.reshape(out.shape[0], -1)  # [T, heads * d]
