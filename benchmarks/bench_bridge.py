@@ -12,7 +12,7 @@
 Model: a random Llama of about 50M parameters (``--quick``: about 5M, for smoke runs). Prints a
 table, optionally writes JSON (``--json PATH``); the last line is the headline ratio.
 
-    python benchmarks/bench_bridge.py [--quick] [--json out.json] [--threads N]
+    python benchmarks/bench_bridge.py [--quick] [--json out.json] [--threads N] [--repeat N]
 """
 
 from __future__ import annotations
@@ -46,19 +46,26 @@ def machine() -> str:
             f"megatron-core {megatron.core.__version__}, python {platform.python_version()}")
 
 
-def paired(fa, fb, repeat: int) -> tuple[float, float]:
+CPU_RATIOS: dict[str, float] = {}
+
+
+def paired(fa, fb, repeat: int, key: str) -> tuple[float, float]:
     """Best-of-``repeat`` wall time of ``fa`` and ``fb``, alternated so both see the same machine load.
 
     The minimum, not the median: on a shared machine the noise is one-sided (other processes only
-    ever slow a run down), so the fastest run is the best estimate of the code's own cost.
+    ever slow a run down), so the fastest run is the best estimate of the code's own cost. The
+    process CPU-time ratio (all threads) is recorded too in ``CPU_RATIOS[key]``: it is far less
+    sensitive to other processes on the machine, and is printed next to the wall-time ratio.
     """
     fa(), fb()  # warmup (allocator, lazy init)
-    ta, tb = [], []
+    ta, tb, ca, cb = [], [], [], []
     for _ in range(repeat):
-        for fn, ts in ((fa, ta), (fb, tb)):
-            t0 = time.perf_counter()
+        for fn, ts, cs in ((fa, ta, ca), (fb, tb, cb)):
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             ts.append(time.perf_counter() - t0)
+            cs.append(time.process_time() - c0)
+    CPU_RATIOS[key] = min(ca) / min(cb)
     return min(ta), min(tb)
 
 
@@ -94,11 +101,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model and batches (smoke run)")
     ap.add_argument("--json", default=None, help="write results to this JSON file")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: on a shared machine, multi-threaded runs "
+                         "spin and stall on busy cores and their ratios swing by 3x between runs)")
     ap.add_argument("--repeat", type=int, default=None)
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
     repeat = a.repeat or 3
     B, S = (2, 64) if a.quick else (4, 256)
     tmp = tempfile.mkdtemp(prefix="bench_bridge_")
@@ -143,11 +151,12 @@ def main(argv=None) -> int:
         finally:
             cpu_shims.install()
 
-    t_hf, t_mg = paired(hf_plain, mg_step, repeat)
+    t_hf, t_mg = paired(hf_plain, mg_step, repeat, 'fwd_bwd')
     del hf_model
     tok = B * S
     rows.append(("fwd+bwd tokens/s, transformers (sdpa)", tok / t_hf, "baseline"))
-    rows.append(("fwd+bwd tokens/s, bridge megatron TP=1", tok / t_mg, f"{t_hf / t_mg:.2f}x"))
+    rows.append(("fwd+bwd tokens/s, bridge megatron TP=1", tok / t_mg,
+                 f"{t_hf / t_mg:.2f}x (cpu-time {CPU_RATIOS['fwd_bwd']:.2f}x)"))
     r_fb = t_hf / t_mg
 
     # 2. packed vs padded log-prob pass on a ragged batch (long-tailed lengths, see module docstring)
@@ -159,12 +168,12 @@ def main(argv=None) -> int:
     packs = pack_sequences(seqs, max_tokens=2 * S)
     mbs_pk = [{"input_ids": p["input_ids"], "cu_seqlens": p["cu_seqlens"]} for p in packs]
     t_pad, t_pk = paired(lambda: compute_logprobs(tr.model, mbs_pad), lambda: compute_logprobs(tr.model, mbs_pk),
-                         repeat)
+                         repeat, "packed")
     real = sum(lens)
     pad_tok = sum(m["input_ids"].numel() for m in mbs_pad)
     rows.append((f"log-prob pass real tokens/s, padded (B={B}, {pad_tok} slots)", real / t_pad, "baseline"))
     rows.append((f"log-prob pass real tokens/s, packed ({len(packs)} rows <= {2 * S})", real / t_pk,
-                 f"{t_pad / t_pk:.2f}x"))
+                 f"{t_pad / t_pk:.2f}x (cpu-time {CPU_RATIOS['packed']:.2f}x)"))
     r_pk = t_pad / t_pk
 
     # 3. streaming export vs memcpy of the same bytes
@@ -185,13 +194,14 @@ def main(argv=None) -> int:
                 send[off:off + t.numel()].copy_(t.reshape(-1))
                 off += t.numel()
 
-    t_cp, t_st = paired(memcpy, stream, repeat)
+    t_cp, t_st = paired(memcpy, stream, repeat, 'stream')
     rows.append(("weight bytes/s, memcpy (GB/s)", nbytes / t_cp / 1e9, "baseline"))
-    rows.append(("weight bytes/s, iter_hf_weights (GB/s)", nbytes / t_st / 1e9, f"{t_cp / t_st:.2f}x"))
+    rows.append(("weight bytes/s, iter_hf_weights (GB/s)", nbytes / t_st / 1e9,
+                 f"{t_cp / t_st:.2f}x (cpu-time {CPU_RATIOS['stream']:.2f}x)"))
     r_st = t_cp / t_st
 
     m = machine()
-    print(f"machine: {m}")
+    print(f"machine: {m}; load average {os.getloadavg()[0]:.1f} (shared machine: wall times are noisy)")
     print(f"model: Llama {n_params / 1e6:.1f}M params, float32; batch {B}x{S}; best of {repeat}, A/B interleaved")
     w = max(len(r[0]) for r in rows)
     print(f"{'measure'.ljust(w)}  {'value':>12}  ratio")
@@ -200,7 +210,8 @@ def main(argv=None) -> int:
     result = {"machine": m, "params": n_params, "batch": [B, S], "repeat": repeat, "quick": a.quick,
               "rows": [{"name": n, "value": v, "ratio": r} for n, v, r in rows],
               "ratios": {"fwd_bwd_vs_transformers": r_fb, "packed_vs_padded_logprobs": r_pk,
-                         "stream_vs_memcpy": r_st}}
+                         "stream_vs_memcpy": r_st},
+              "cpu_time_ratios": dict(CPU_RATIOS), "load_average": os.getloadavg()}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
