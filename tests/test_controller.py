@@ -144,3 +144,63 @@ def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
     wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))
     wb = load_file(str(cut_dir / "hf_export" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from trainer.main import resolve_model_paths
+    from trainer.workers.cluster import Cluster
+
+    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
+    resolve_model_paths(cfg)
+    c = Cluster(cfg, total_steps=1)
+    c.sync_weights()
+    yield cfg, c
+    c.shutdown()
+
+
+def _random_batch(n=16, P=6, T=6, seed=0):
+    from trainer.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(3, P + 1, (n,), generator=g)
+    rlen = torch.randint(1, T + 1, (n,), generator=g)
+    pm = torch.arange(P)[None] >= (P - plen)[:, None]
+    rm = torch.arange(T)[None] < rlen[:, None]
+    prompts = torch.randint(2, 16, (n, P), generator=g) * pm
+    resp = torch.randint(2, 16, (n, T), generator=g) * rm
+    b = RolloutBatch.from_tokens(prompts, resp, pm, rm, group_ids=torch.arange(n) // 4)
+    b.advantages = torch.randn(n, T, generator=g) * rm
+    return b
+
+
+def test_old_log_probs_stay_anchored_across_mini_batches(cluster):
+    """Two mini-batches in one step: the first sees ratio exactly 1 (weights = start of step), the
+    second sees the weights after one update against the SAME old log-probs, so its ratio moves."""
+    from trainer.phases import dp_dispatch, update_group
+
+    cfg, c = cluster
+    batch = _random_batch()
+    batch.old_log_probs = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0,
+                                      micro_batch_size=8)["log_probs"]
+    rows = update_group(c.actor, c.actor_layout, batch, "update_actor", mini_batch_size=8, epochs=1, shuffle=False,
+                        seed=0, loss_agg_mode="token-mean", loss=c.actor_loss_settings(), temperature=1.0,
+                        micro_batch_size=8, per_mini_batch=True)
+    assert len(rows) == 2
+    assert abs(rows[0]["actor/ppo_kl"]) < 1e-6 and abs(rows[0]["actor/is_ratio_max"] - 1) < 1e-5
+    assert abs(rows[1]["actor/ppo_kl"]) > 1e-6 or abs(rows[1]["actor/is_ratio_max"] - 1) > 1e-5
+    after = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8)
+    assert not torch.allclose(after["log_probs"], batch.old_log_probs)  # the policy did move
+
+
+def test_resharding_checksum_catches_a_bad_engine(cluster):
+    from trainer.workers.resharding import WeightSyncError
+
+    cfg, c = cluster
+    m = c.sync_weights()
+    assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6
+    c.rollout.call("update_weights", [([("model.norm.weight", torch.zeros(96))],)])
+    with pytest.raises(WeightSyncError, match="stale or corrupted"):
+        c.resharder.verify()
+    c.sync_weights()  # a full sync repairs it
+    c.resharder.verify()

@@ -154,7 +154,8 @@ def dp_dispatch(group, layouts: list[dict], batch: RolloutBatch, method: str, **
 
 
 def update_group(group, layouts: list[dict], batch: RolloutBatch, method: str, *, mini_batch_size: int, epochs: int,
-                 shuffle: bool, seed: int, loss: dict, loss_agg_mode: str, **kwargs) -> dict[str, float]:
+                 shuffle: bool, seed: int, loss: dict, loss_agg_mode: str, per_mini_batch: bool = False,
+                 **kwargs):
     """``epochs`` x mini-batches of ``mini_batch_size`` samples; each mini-batch is split over DP
     ranks and is one optimizer step. The global token/sequence counts of every mini-batch travel with
     it, so each rank's loss is normalised by the whole mini-batch (not its shard)."""
@@ -175,7 +176,7 @@ def update_group(group, layouts: list[dict], batch: RolloutBatch, method: str, *
     loss = dict(loss, global_counts=counts)
     res = group.call(method, [(per_rank[l["dp_rank"]],) for l in layouts], loss=loss, **kwargs)
     rows = [r for l, rr in zip(layouts, res) if l["tp_rank"] == 0 and l["dp_rank"] == 0 for r in rr]
-    return mean_metrics(rows)
+    return rows if per_mini_batch else mean_metrics(rows)
 
 
 # ----------------------------------------------------------------------------------------------

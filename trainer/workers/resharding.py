@@ -41,12 +41,16 @@ class Resharder:
         metrics = {"sync/seconds": dt, "sync/bytes": float(nbytes), "sync/buckets": float(buckets),
                    "sync/gbps": nbytes / max(dt, 1e-9) / 1e9}
         if verify:
-            want = next(c for c in self.actor.call("weights_checksum", dtype=self.engine_dtype) if c is not None)
-            got = self.rollout.call("weights_checksum")
-            bad = [i for i, c in enumerate(got) if c != want]
-            if bad:
-                raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {got[bad[0]][:12]}... "
-                                      f"but the actor's weights hash to {want[:12]}...; the engines would sample "
-                                      f"from stale or corrupted weights")
+            self.verify()
             metrics["sync/verified"] = 1.0
         return metrics
+
+    def verify(self) -> None:
+        """Raise ``WeightSyncError`` unless every engine holds exactly the actor's weights."""
+        want = next(c for c in self.actor.call("weights_checksum", dtype=self.engine_dtype) if c is not None)
+        got = self.rollout.call("weights_checksum")
+        bad = [i for i, c in enumerate(got) if c != want]
+        if bad:
+            raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {got[bad[0]][:12]}... "
+                                  f"but the actor's weights hash to {want[:12]}...; the engines would sample "
+                                  f"from stale or corrupted weights")
