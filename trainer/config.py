@@ -290,7 +290,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # in-reward KL estimator: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL controller
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO group filter
-    rollout_is_threshold: Optional[float] = None  # upper IS bound; None disables rollout IS entirely
+    rollout_is_threshold: Optional[float] = 2.0  # upper IS bound; None disables rollout IS entirely (verl's default)
     rollout_is_threshold_lower: Optional[float] = None  # lower bound for clip mode; None = 1 / upper
     rollout_is_level: str = "token"  # token | sequence | geometric
     rollout_is_mode: str = "truncate"  # truncate | clip

@@ -14,6 +14,9 @@ python -m trainer.main \
     data.max_response_length=8 \
     actor_rollout_ref.rollout.name=native \
     actor_rollout_ref.rollout.n=8 \
+    algorithm.rollout_is_threshold=2.0 \
+    algorithm.rollout_is_level=token \
+    algorithm.rollout_is_mode=truncate \
     actor_rollout_ref.actor.optim.lr=1e-4 \
     actor_rollout_ref.actor.ppo_mini_batch_size=8 \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 \
