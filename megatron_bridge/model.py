@@ -60,14 +60,14 @@ class PositionRotary(nn.Module):
         super().__init__()
         self.inv_freq = inv_freq.float()  # plain attribute: stays fp32, never in a state dict
         self.positions: torch.Tensor | None = None
+        self.device = torch.device("cpu")  # the model's device, set per call by BridgeGPTModel
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        inv = self.inv_freq
         if self.positions is None or packed_seq:
-            pos = (torch.arange(max_seq_len, device=inv.device) + offset)[:, None]  # [S, 1]
+            pos = (torch.arange(max_seq_len, device=self.device) + offset)[:, None]  # [S, 1]
         else:
-            pos = self.positions.t()  # [S, B]
-        inv = inv.to(pos.device)
+            pos = self.positions.t().to(self.device)  # [S, B]
+        inv = self.inv_freq.to(pos.device)
         freqs = pos[..., None].float() * inv  # [S, B, D/2], same product as transformers
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, B, D] non-interleaved halves, as HF
         return emb[:, :, None, :]  # [S, B, 1, D]
@@ -108,6 +108,7 @@ class BridgeGPTModel(GPTModel):
         rot = getattr(self, "rotary_pos_emb", None)
         if rot is not None:
             rot.positions = position_ids
+            rot.device = next(self.parameters()).device
         try:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
@@ -178,7 +179,8 @@ def build_model(
     )
     model.rotary_pos_emb = PositionRotary(rope_inv_freq(hf))
     if value_head and model.post_process:
-        model.output_layer = ValueHead(hf.hidden_size, params_dtype, seed=value_head_seed)
+        dev = next(model.parameters()).device
+        model.output_layer = ValueHead(hf.hidden_size, params_dtype, seed=value_head_seed).to(dev)
     layout = pipeline_layout(hf.num_layers, pp, pp_layers)
     # Bookkeeping the converter, exporter and log-prob code read back.
     model.hf_config = hf
