@@ -209,6 +209,19 @@ _MPD, _MLW, _NEG_MIN_LW = range(3)
 _K3_SERIES_BELOW = 0.25  # |log rho| below which rho - 1 - log rho comes from its Taylor series
 
 
+_LOG2E = 1.4426950408889634
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp, written as exp2(x log2 e) in float32.
+
+    Inductor's CPU heuristic materialises every re-used node that contains ``exp`` as a whole
+    [B, T] buffer (``should_realize_on_reuse``), which splits the fused pass into several passes
+    over memory; ``exp2`` is not on its list. The rounding of x log2 e costs < 2e-6 relative at
+    |x| = 20 and ~1e-7 near 0. float64 (reference precision) keeps exp."""
+    return torch.exp(x) if x.dtype == torch.float64 else torch.exp2(x * _LOG2E)
+
+
 def _k3_and_rho(log_ratio: torch.Tensor):
     """(rho - 1 - log rho, rho - 1, rho) from a (clamped) log rho, accurate in float32 near rho = 1.
 
@@ -217,7 +230,7 @@ def _k3_and_rho(log_ratio: torch.Tensor):
     omitted term, x^7/5040, is < 3e-7 of the value there (below float32 resolution). float64
     inputs use expm1, which is exact to float64 there."""
     x = log_ratio
-    rho = torch.exp(x)
+    rho = _exp(x)
     if x.dtype == torch.float64:  # float64 (reference precision): expm1 is accurate, the series is not enough
         e = torch.expm1(x)
         return e - x, e, rho
@@ -248,7 +261,7 @@ def _row_pass(old, roll, mask, brackets, *, token_level: bool, mode_fn, lower: f
     # |p_train - p_rollout| = exp(max(x, y)) (1 - exp(-|log rho|)) = exp(max(x, y)) |rho - 1| / max(rho, 1):
     # one exp instead of two, and exact near rho = 1 where exp(x) - exp(y) cancels (the clamp of
     # log rho at +-20 changes it by < 2.1e-9 of the larger probability)
-    pdiff = torch.exp(torch.maximum(x, y)) * e.abs() / w.clamp_min(1.0)  # [b, T]
+    pdiff = _exp(torch.maximum(x, y)) * e.abs() / w.clamp_min(1.0)  # [b, T]
     cat = d < log_veto if log_veto is not None else torch.zeros_like(m)  # [b, T] catastrophic tokens
     sums = [
         torch.where(m, one, zero).sum(-1), rsum(d), rsum(x), rsum(y), rsum(x * x), rsum(y * y), rsum(d * d),
@@ -271,7 +284,10 @@ def _row_pass(old, roll, mask, brackets, *, token_level: bool, mode_fn, lower: f
                 hit = (v > a) & (v < bb)
                 inside = hit if inside is None else inside | hit
             counts = torch.stack(cols, -1)  # [b, 3Q]
-            inb = inside.to(torch.uint8)  # [b, T] (inductor writes uint8 far faster than bool)
+            # uint8: inductor writes it far faster than bool. The (harmless) dependence on the row
+            # count pulls this store into the row loop that already holds the data, instead of a
+            # separate pass over [B, T].
+            inb = (inside & (sums[_N][:, None] > 0)).to(torch.uint8)  # [b, T]
         if want_weights:
             veto = (m & cat).any(-1, keepdim=True)  # [b, 1]
             weights = torch.where(m & ~veto, wm, zero)  # [b, T]
