@@ -272,6 +272,14 @@ def test_golden_mismatch_metrics():
     assert math.isnan(met["mismatch/mismatch_pearson"])
 
 
+def test_metric_names_are_the_published_ones():
+    old, roll, mask = random_batch(4, 5, seed=2)
+    for level in ("token", "sequence"):
+        _, _, met = compute_rollout_is_weights(old, roll, mask, rollout_is_level=level)
+        assert set(met) == {"mismatch/" + k for k in R.IS_METRICS + R.MISMATCH_METRICS}
+    assert set(compute_mismatch_metrics(old, roll, mask)) == {"mismatch/" + k for k in R.MISMATCH_METRICS}
+
+
 def test_disabled_and_metrics_only():
     old, roll, mask = random_batch(5, 7, seed=1)
     w, m, met = compute_rollout_is_weights(old, roll, mask, rollout_is_threshold=None)

@@ -90,6 +90,25 @@ from trainer.algos.utils import load_fn
 SAFETY_BOUND = 20.0  # |log rho| clamp before exp: exp(20) ~ 4.85e8, exp(-20) ~ 2.06e-9
 PERCENTILES = (25, 50, 75, 95, 99)
 
+# Every key compute_rollout_is_weights returns ("mismatch/" + name); compute_mismatch_metrics
+# returns the MISMATCH_METRICS ones.
+MISMATCH_METRICS = (
+    "mismatch_kl", "mismatch_k3_kl", "mismatch_training_ppl", "mismatch_training_log_ppl",
+    "mismatch_rollout_ppl", "mismatch_rollout_log_ppl", "mismatch_log_ppl_diff",
+    "mismatch_log_ppl_abs_diff", "mismatch_log_ppl_diff_max", "mismatch_log_ppl_diff_min",
+    "mismatch_ppl_ratio", "mismatch_chi2_token", "mismatch_chi2_seq", "mismatch_prob_diff",
+    "mismatch_prob_diff_max", "mismatch_pearson",
+)  # fmt: skip
+IS_METRICS = (
+    "rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max",
+    *(f"rollout_is_p{q}" for q in PERCENTILES), "rollout_is_eff_sample_size",
+    "rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction",
+    "rollout_is_clipped_fraction", "rollout_is_seq_clipped_fraction",
+    "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low",
+    "rollout_is_seq_mean", "rollout_is_seq_std", "rollout_is_seq_max", "rollout_is_seq_min",
+    "rollout_is_seq_max_deviation", "rollout_is_seq_fraction_high", "rollout_is_seq_fraction_low",
+)  # fmt: skip
+
 # ------------------------------------------------------------------------------------------------
 # dispatch tables
 # ------------------------------------------------------------------------------------------------
