@@ -1,0 +1,250 @@
+"""Resharding throughput: TP=2 megatron actor -> native rollout engine weight sync, in GB/s, against a
+plain memcpy of the same bytes in the same run.
+
+What is timed: ``Resharder.sync(verify=False)`` of the controller's own ``Cluster`` (built from the
+config: actor TP=2 over ``trainer.n_gpus_per_node=2`` CPU slots, one native engine, colocated, a real
+local Ray cluster, gloo). One sync = both actor ranks walk megatron_bridge's bucketed HF-name iterator
+(TP gather per parameter), rank 0 yields each bucket through a Ray streaming generator, the driver
+takes it and hands it to the engine's ``update_weights``. The checksum verification that the trainer
+runs after every sync (``Resharder.verify``) is timed separately.
+
+Baseline, same run, same bytes: ``dst.copy_(src)`` of one flat float32 tensor of the synced byte
+count in the driver (one memcpy: the floor any transport pays at least once). The ratio is
+sync GB/s / memcpy GB/s (so < 1; higher is better).
+
+Extra rows, to show where the time goes (same repeats, interleaved):
+  * ``stream only``: the actor's bucket stream drained into the driver, no engine update;
+  * ``gather only``: the same bucketed iterator run inside the actor processes (TP gathers over gloo,
+    the clone ``weight_buckets`` makes), nothing shipped: the actor's own share;
+  * ``ref pass-through``: a prototype loop (this file only, NOT the product) that hands the Ray
+    object ref of each bucket straight to the engine instead of materialising it in the driver
+    and re-serialising it; what ``Resharder.sync`` would gain from doing the same;
+  * bucket sizes (default 8, 64 and 512 MiB; ``--quick``: 1, 8 and 512 MiB).
+
+Model: a random-init Qwen2 built locally with ``transformers`` (config + ``save_pretrained`` into a
+temp dir; nothing is downloaded): hidden 384, 8 layers, vocab 8000 untied, 19M params = 77 MB in
+float32. ``--quick``: hidden 256, 4 layers, vocab 4000, 5M params = 20 MB.
+
+Each measurement is the best of ``--repeats`` (the noise on a shared machine is one-sided); the
+median is printed too.
+
+    python benchmarks/bench_resharding.py [--quick] [--json PATH] [--repeats N] [--buckets 8,64,512]
+        [--driver-zero-copy]
+
+``--driver-zero-copy`` sets ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`` in the driver too (the workers
+always have it): the driver then re-sends bucket tensors without pickling them.
+The last line printed is the headline: sync GB/s at the largest bucket size / memcpy GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+# Ray workers import trainer.* and megatron_bridge from the repo root, wherever this is run from.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+# The workers inherit this: their import-time warnings (no Apex / Transformer Engine, ...) are noise here.
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+import torch  # noqa: E402
+
+from _common import load_average, machine, summary, table, timed, write_json  # noqa: E402
+
+MiB = 1 << 20
+
+
+def make_model(path: str, quick: bool) -> int:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if quick:
+        kw = dict(vocab_size=4000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2)
+    else:
+        kw = dict(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                  num_attention_heads=6, num_key_value_heads=2)
+    cfg = Qwen2Config(max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0,
+                      bos_token_id=None, eos_token_id=1, pad_token_id=0, **kw)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).float()
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_cluster(model_dir: str, run_dir: str, bucket_mib: int):
+    from trainer.config import load_config
+    from trainer.workers.cluster import Cluster
+
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.placement=colocated",
+        "actor_rollout_ref.rollout.name=native", "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.update_weights_bucket_megabytes={bucket_mib}",
+        f"trainer.default_local_dir={run_dir}", "trainer.logger=[console]",
+    ])
+    return Cluster(cfg, total_steps=1)
+
+
+def stream_only(resharder) -> int:
+    """The actor's bucket stream drained into the driver; no engine update."""
+    actor = resharder.actor
+    nbytes = 0
+    for items in zip(*actor.streams("weight_buckets", resharder.bucket_bytes)):
+        bucket = actor.stream_get(items[0])
+        for other in items[1:]:
+            actor.stream_get(other)
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    return nbytes
+
+
+def _gather_in_worker(worker, bucket_bytes: int) -> float:
+    import time as _t
+
+    from megatron_bridge.export import iter_hf_weights
+
+    t0 = _t.perf_counter()
+    for bucket in iter_hf_weights(worker._module(), bucket_bytes):
+        for _, t in bucket:
+            t.detach().cpu().clone()  # what weight_buckets does before yielding
+    return _t.perf_counter() - t0
+
+
+def gather_only(resharder) -> int:
+    """Every actor rank walks the bucketed HF iterator (TP gathers over gloo, clone) inside its own
+    process; nothing leaves the workers. Uses Ray's ``__ray_call__`` to run a function on the actor."""
+    import ray
+
+    actor = resharder.actor
+    ray.get([w.__ray_call__.remote(_gather_in_worker, resharder.bucket_bytes) for w in actor.workers])
+    return 0
+
+
+def ref_pass_through(resharder) -> int:
+    """Prototype: give the engine(s) rank 0's object ref, so the bucket goes worker -> object store ->
+    engine without being deserialised and re-serialised in the driver. Not the product's code path."""
+    import ray
+
+    actor, fleet = resharder.actor, resharder.rollout
+    pending = []
+    for items in zip(*actor.streams("weight_buckets", resharder.bucket_bytes)):
+        for other in items[1:]:
+            actor.stream_get(other)
+        # a top-level ObjectRef argument is resolved by Ray inside the engine's process
+        pending = [w.update_weights.remote(items[0]) for w in fleet.workers]
+        ray.get(pending)  # one bucket in flight, as in Resharder.sync: peak memory stays ~one bucket
+    return 0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="5M-param model, 3 repeats (well under a minute)")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--repeats", type=int, default=None, help="default 5; quick 3")
+    ap.add_argument("--buckets", default=None, help="bucket sizes in MiB, comma list (default 8,64,512; quick 1,8,512)")
+    ap.add_argument("--driver-zero-copy", action="store_true",
+                    help="RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the driver as well as the workers")
+    ap.add_argument("--no-pass-through", action="store_true", help="skip the ref pass-through prototype row")
+    a = ap.parse_args(argv)
+    if a.driver_zero_copy:
+        os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"  # read when ray is first imported
+    torch.set_num_threads(1)
+    repeats = a.repeats or (3 if a.quick else 5)
+    buckets = [int(x) for x in (a.buckets or ("1,8,512" if a.quick else "8,64,512")).split(",")]
+    tmp = tempfile.mkdtemp(prefix="bench_resharding_")
+    model_dir = os.path.join(tmp, "model")
+    n_params = make_model(model_dir, a.quick)
+
+    t_start = time.perf_counter()
+    cluster = build_cluster(model_dir, os.path.join(tmp, "run"), buckets[-1])
+    t_cluster = time.perf_counter() - t_start
+    res = cluster.resharder
+    import ray  # noqa: E402  (imported by the cluster)
+
+    zero_copy_driver = ray._private.ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS
+    try:
+        # First sync, verified: proves the engine ends up with exactly the TP=2 actor's weights.
+        first = res.sync(verify=True)
+        nbytes = int(first["sync/bytes"])
+        src = torch.randn(nbytes // 4)  # same bytes, float32
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in once
+
+        def memcpy():
+            dst.copy_(src)
+
+        times: dict[str, list[float]] = {"memcpy": []}
+        verify_t: list[float] = []
+        for b in buckets:
+            times[f"sync {b} MiB"] = []
+            times[f"stream only {b} MiB"] = []
+            times[f"gather only {b} MiB"] = []
+            if not a.no_pass_through:
+                times[f"ref pass-through {b} MiB"] = []
+        n_buckets = {}
+        for _ in range(repeats):  # interleaved: every variant sees the same machine load
+            times["memcpy"].append(timed(memcpy)[0])
+            for b in buckets:
+                res.bucket_bytes = b * MiB
+                t, m = timed(lambda: res.sync(verify=False))
+                assert int(m["sync/bytes"]) == nbytes
+                n_buckets[b] = int(m["sync/buckets"])
+                times[f"sync {b} MiB"].append(t)
+                t, got = timed(lambda: stream_only(res))
+                assert got == nbytes
+                times[f"stream only {b} MiB"].append(t)
+                times[f"gather only {b} MiB"].append(timed(lambda: gather_only(res))[0])
+                if not a.no_pass_through:
+                    times[f"ref pass-through {b} MiB"].append(timed(lambda: ref_pass_through(res))[0])
+            verify_t.append(timed(res.verify)[0])  # raises on a mismatch: the last variant left a correct copy
+        res.bucket_bytes = buckets[-1] * MiB
+        res.sync(verify=True)
+    finally:
+        cluster.shutdown()
+        ray.shutdown()  # stops worker log forwarding, so the headline stays the last line
+
+    summ = {k: summary(v) for k, v in times.items()}
+    gbps = {k: nbytes / s["best"] / 1e9 for k, s in summ.items()}
+    base = gbps["memcpy"]
+    rows = [["memcpy (driver, torch copy_)", "-", summ["memcpy"]["best"] * 1e3, summ["memcpy"]["median"] * 1e3,
+             gbps["memcpy"], "1.000x (baseline)"]]
+    for b in buckets:
+        for kind in ("sync", "stream only", "gather only", "ref pass-through"):
+            k = f"{kind} {b} MiB"
+            if k not in summ:
+                continue
+            label = {"sync": "Resharder.sync(verify=False)", "stream only": "actor stream -> driver only",
+                     "gather only": "actor-side TP gather + clone only",
+                     "ref pass-through": "prototype: ref pass-through"}[kind]
+            rows.append([f"{label}, {b} MiB buckets", n_buckets[b], summ[k]["best"] * 1e3, summ[k]["median"] * 1e3,
+                         gbps[k], f"{gbps[k] / base:.4f}x"])
+    v = summary(verify_t)
+    rows.append(["Resharder.verify (checksums, both sides)", "-", v["best"] * 1e3, v["median"] * 1e3,
+                 nbytes / v["best"] / 1e9, "-"])
+
+    mach = machine(f"ray {ray.__version__}, driver zero-copy tensors {'on' if zero_copy_driver else 'off'}")
+    print(f"machine: {mach} (shared machine: wall times are noisy; best of {repeats}, variants interleaved)")
+    print(f"model: random Qwen2, {n_params / 1e6:.1f}M params, float32 = {nbytes / 1e6:.1f} MB synced; actor TP=2 "
+          f"(2 Ray CPU slots, gloo) -> 1 native engine, colocated; cluster start {t_cluster:.1f}s")
+    print(table(["measure", "buckets", "best ms", "median ms", "GB/s", "vs memcpy"], rows, "{:.3f}"))
+    hb = buckets[-1]
+    head = gbps[f"sync {hb} MiB"] / base
+    result = dict(machine=mach, quick=a.quick, params=n_params, bytes=nbytes, repeats=repeats, buckets_mib=buckets,
+                  n_buckets=n_buckets, cluster_start_s=t_cluster, times_s=summ, gbps=gbps,
+                  verify_s=v, ratios={k: g / base for k, g in gbps.items()}, load_average_end=load_average(),
+                  driver_zero_copy=bool(zero_copy_driver), headline={"bucket_mib": hb, "sync_gbps": gbps[f"sync {hb} MiB"],
+                                                                     "memcpy_gbps": base, "ratio": head})
+    write_json(a.json, result)
+    print(f"headline: TP=2 actor -> native engine sync, {hb} MiB buckets: {gbps[f'sync {hb} MiB']:.3f} GB/s = "
+          f"{head:.4f}x memcpy ({base:.2f} GB/s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
