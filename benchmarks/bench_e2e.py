@@ -1,0 +1,368 @@
+"""End-to-end GRPO throughput: Coxswain's embedded recipe against TRL's ``GRPOTrainer``, same model, same
+data, same group size and lengths, in the same run.
+
+Metric: trained tokens/s = (prompt + sampled completion tokens of the step's batch, every one of which is
+also trained on) / wall time of the step. Steady state excludes the first step of each framework (lazy
+initialisation) and everything before it (startup, reported separately); the headline uses the median
+step time over the remaining steps. The time per phase is reported for both.
+
+Setup, identical on both sides:
+  * model: a random-init Qwen2 built locally (``transformers`` config + ``save_pretrained``; nothing is
+    downloaded): hidden 192, 6 layers, 6 query / 2 kv heads, SwiGLU 512, vocab 1024, tied embeddings:
+    2.56M parameters, float32 (``--quick``: hidden 64, 2 layers, vocab 256: 0.13M);
+  * tokenizer: a byte-pair tokenizer trained here with the ``tokenizers`` library on synthetic arithmetic
+    text (1024 entries: ``<pad>`` and merged digit strings / operators), plus ``<eos>`` with id 1024, one
+    past the model's last output row. No chat template, so both sides see the raw prompt text;
+  * data: the shipped synthetic task rows (``trainer.data.synthetic.make_rows``: 2048 train problems, 1-2
+    digit addition, exactly what ``data.train_files=null`` gives Coxswain); reward
+    ``trainer.rewards.scorers.arith_score`` (Coxswain: its reward manager; TRL: a reward function
+    calling the same scorer). A random model scores 0, so GRPO advantages are 0, but both sides still run
+    the whole forward / backward / optimizer step (grad norm 0); the compute is the same;
+  * no early EOS on either side: the tokenizer's EOS id (1024) is outside the model's vocabulary (1024
+    logits), so neither sampler can ever draw it, and every completion is exactly ``max new tokens``
+    long (checked: Coxswain ``response_length/mean``, TRL ``completions/mean_length``);
+  * 64 completions per step = 8 prompts x 8 generations (``--quick``: 4 x 4), 64 new tokens (quick 16),
+    temperature 1, no top-k / top-p, one optimizer step per RL step (one mini-batch, one PPO epoch),
+    no KL term / no reference model, Adam lr 1e-4, weight decay 0.01, grad clip 1.0, token-mean loss
+    (TRL ``loss_type="dapo"``: normalised by the active tokens of the whole batch, the same thing).
+
+Coxswain: ``trainer.main.train`` with the embedded recipe's defaults (actor megatron-core TP=1 DP=2 over
+2 CPU slots, one native engine colocated, local Ray cluster, 2 scorer processes, one torch thread per
+worker) and only the keys above overridden, console logging only, no eval, no checkpoints. TRL 1.16:
+``GRPOTrainer`` on CPU (``use_cpu=True``), ``transformers`` ``generate`` for rollout, in one process
+with ``--trl-threads`` torch threads; when several thread counts are given each gets its own run and
+the FASTEST one is the baseline (the conservative choice).
+
+Each framework runs in its own subprocess (in the order given by ``--order``), so neither sees the other's
+threads, Ray processes or allocator state. Imports are outside the startup figure on both sides.
+
+    python benchmarks/bench_e2e.py [--quick] [--json PATH] [--steps N] [--trl-threads 1,2]
+
+Needs TRL (``pip install "trl==1.16.0"``, the benchmark extra; it leaves torch alone).
+The last line printed is the headline: Coxswain / TRL steady-state tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+
+SIZES = {
+    "full": dict(vocab=1024, hidden=192, layers=6, heads=6, kv=2, ffn=512, prompts=8, n=8, new=64, steps=5),
+    "quick": dict(vocab=256, hidden=64, layers=2, heads=4, kv=2, ffn=192, prompts=4, n=4, new=16, steps=3),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# assets: tokenizer, model, rows
+# ----------------------------------------------------------------------------------------------
+def _arith_corpus(n: int, seed: int = 0):
+    r = random.Random(seed)
+    for _ in range(n):
+        a, b, op = r.randint(0, 9999), r.randint(0, 999), r.choice("+-*")
+        c = a + b if op == "+" else a - b if op == "-" else a * b
+        yield f"{a}{op}{b}={c}"
+
+
+def build_assets(out_dir: str, size: dict) -> dict:
+    """Tokenizer + random Qwen2 in ``out_dir`` (an HF model directory both frameworks load)."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    V = size["vocab"]
+    tok = Tokenizer(models.BPE())
+    # operators stand alone; digit strings merge (so "37+58=" is 4 tokens)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[+\-*=]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.train_from_iterator(_arith_corpus(50_000), trainers.BpeTrainer(
+        vocab_size=V, special_tokens=["<pad>"], initial_alphabet=list("0123456789+-*="), show_progress=False))
+    if tok.get_vocab_size() != V:
+        raise RuntimeError(f"the BPE trainer made {tok.get_vocab_size()} entries, wanted {V}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+    fast.add_special_tokens({"eos_token": "<eos>"})  # id V: one past the model's last logit
+    assert fast.eos_token_id == V and fast.pad_token_id == 0
+    cfg = Qwen2Config(vocab_size=V, hidden_size=size["hidden"], intermediate_size=size["ffn"],
+                      num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                      num_key_value_heads=size["kv"], max_position_embeddings=256, tie_word_embeddings=True,
+                      rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).float()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(out_dir)
+    fast.save_pretrained(out_dir)
+    return {"params": sum(p.numel() for p in model.parameters()), "tokenizer_entries": len(fast),
+            "model_vocab": V, "eos_id": fast.eos_token_id}
+
+
+def task_rows():
+    # the same rows trainer.data.dataset.build_dataset gives Coxswain when data.train_files is null
+    from trainer.data.synthetic import make_rows
+
+    return make_rows(2048, "train", ops=("+",), max_digits=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Coxswain side (runs in its own process)
+# ----------------------------------------------------------------------------------------------
+def run_coxswain(spec: dict) -> dict:
+    import trainer.tracking as tracking
+    from trainer.config import load_config
+    from trainer.main import train
+
+    size, steps = spec["size"], spec["steps"]
+    log_times: dict[int, float] = {}
+    orig = tracking.Tracker.log_metrics
+
+    def stamped(self, metrics, step):  # when each step's metrics arrive (right after its step timer stops)
+        log_times[int(step)] = time.perf_counter()
+        return orig(self, metrics, step)
+
+    tracking.Tracker.log_metrics = stamped
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={spec['model_dir']}",
+        f"data.train_batch_size={size['prompts']}", f"actor_rollout_ref.rollout.n={size['n']}",
+        f"data.max_response_length={size['new']}", "data.max_prompt_length=16",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={size['prompts']}",  # one optimizer step per RL step
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={size['prompts'] * size['n'] // 2}",  # one micro-batch per DP rank
+        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.optim.weight_decay=0.01",
+        "actor_rollout_ref.actor.optim.clip_grad=1.0", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.logger=[console]", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={spec['run_dir']}", "trainer.experiment_name=bench_e2e",
+    ])
+    t0 = time.perf_counter()
+    out = train(cfg)
+    t_end = time.perf_counter()
+    import ray
+
+    ray.shutdown()
+    hist = [h for h in out["history"] if h["step"] >= 1]
+    step_s = [h["timing_s/step"] for h in hist]
+    first_start = log_times[1] - step_s[0]
+    phases = {}
+    for key in ("gen", "generate", "reward", "old_log_prob", "adv", "update_actor", "sync"):
+        vals = [h.get(f"timing_s/{key}", 0.0) for h in hist]
+        phases[key] = vals
+    return {
+        "framework": "coxswain", "step_s": step_s, "tokens": [h["perf/tokens"] for h in hist],
+        "completion_tokens": [h["response_length/mean"] * size["prompts"] * size["n"] for h in hist],
+        "response_length_mean": [h["response_length/mean"] for h in hist], "phases_s": phases,
+        "startup_s": first_start - t0, "teardown_s": t_end - log_times[max(log_times)], "total_s": t_end - t0,
+        "threads": "1 per worker (2 actor ranks, 1 engine) + driver",
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL side (runs in its own process)
+# ----------------------------------------------------------------------------------------------
+def run_trl(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.rewards.scorers import arith_score
+
+    size, steps = spec["size"], spec["steps"]
+    rows = task_rows()
+    ds = Dataset.from_list([{"prompt": r["prompt"][0]["content"], "ground_truth": r["reward_model"]["ground_truth"]}
+                            for r in rows])
+
+    def arith_reward(completions, ground_truth, **_):
+        return [arith_score(c, g)["score"] for c, g in zip(completions, ground_truth)]
+
+    args = GRPOConfig(
+        output_dir=spec["run_dir"], per_device_train_batch_size=size["prompts"] * size["n"],
+        gradient_accumulation_steps=1, num_generations=size["n"], max_completion_length=size["new"],
+        num_iterations=1, beta=0.0, loss_type="dapo", temperature=1.0, top_k=0, top_p=1.0,
+        learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
+        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+        disable_tqdm=True, seed=1, dataloader_num_workers=0)
+    step_begin, step_end, trl_logs = [], [], []
+    phase: dict[str, list[float]] = {k: [] for k in ("generate_and_score", "generate", "reward", "compute_loss",
+                                                     "training_step")}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, s, c, **k):
+            step_begin.append(time.perf_counter())
+
+        def on_step_end(self, a, s, c, **k):
+            step_end.append(time.perf_counter())
+
+        def on_log(self, a, s, c, logs=None, **k):
+            if logs and "num_tokens" in logs:  # the per-step log (not the end-of-training summary)
+                trl_logs.append(dict(logs))
+
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=arith_reward, args=args, train_dataset=ds,
+                          processing_class=tok, callbacks=[Clock()])
+
+    def wrap(name, key):
+        fn = getattr(trainer, name)
+
+        def timed_fn(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phase[key].append(time.perf_counter() - t)
+
+        setattr(trainer, name, timed_fn)
+
+    for name, key in (("_generate_and_score_completions", "generate_and_score"), ("_generate", "generate"),
+                      ("_calculate_rewards", "reward"), ("compute_loss", "compute_loss"),
+                      ("training_step", "training_step")):
+        wrap(name, key)
+    trainer.train()
+    t_end = time.perf_counter()
+    step_s = [e - b for b, e in zip(step_begin, step_end)]
+    # num_tokens is TRL's running count of prompt + completion tokens
+    cum = [lg["num_tokens"] for lg in trl_logs]
+    tokens = [c - p for c, p in zip(cum, [0.0] + cum[:-1])]
+    n = len(step_s)
+    gs, gen, rew = phase["generate_and_score"][:n], phase["generate"][:n], phase["reward"][:n]
+    ts, cl = phase["training_step"][:n], phase["compute_loss"][:n]
+    phases = {
+        "generate": gen, "reward": rew,
+        "score/prep (rest of generate_and_score)": [a - b - c for a, b, c in zip(gs, gen, rew)],
+        "forward+loss (compute_loss)": cl,
+        "backward (rest of training_step)": [t - a - c for t, a, c in zip(ts, gs, cl)],
+        "optimizer + bookkeeping (rest of step)": [s - t for s, t in zip(step_s, ts)],
+    }
+    return {
+        "framework": "trl", "threads": spec["threads"], "step_s": step_s, "tokens": tokens,
+        "completion_tokens": [lg["completions/mean_length"] * size["prompts"] * size["n"] for lg in trl_logs],
+        "response_length_mean": [lg["completions/mean_length"] for lg in trl_logs], "phases_s": phases,
+        "startup_s": step_begin[0] - t0, "teardown_s": t_end - step_end[-1], "total_s": t_end - t0,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def steady(res: dict) -> dict:
+    """Steady state: every step after the first."""
+    s = res["step_s"][1:] or res["step_s"]
+    tok = res["tokens"][1:] or res["tokens"]
+    ctok = res["completion_tokens"][1:] or res["completion_tokens"]
+    med = statistics.median(s)
+    per_step_tokens = statistics.median(tok)
+    return {"median_step_s": med, "best_step_s": min(s), "mean_step_s": sum(s) / len(s),
+            "tokens_per_step": per_step_tokens, "tok_s": per_step_tokens / med, "tok_s_best": per_step_tokens / min(s),
+            "tok_s_aggregate": sum(tok) / sum(s), "completion_tok_s": statistics.median(ctok) / med}
+
+
+def run_child(kind: str, spec: dict, log_path: str) -> dict:
+    out_json = spec["result_path"]
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, "--_spec", json.dumps(spec)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    with open(log_path, "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if rc != 0 or not os.path.exists(out_json):
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"{kind} run failed (exit {rc}); log {log_path}:\n{tail}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="0.13M model, 4x4 completions x 16 tokens, 3 steps")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--steps", type=int, default=None, help="steps per framework (default 5; quick 3)")
+    ap.add_argument("--trl-threads", default=None, help="comma list of torch thread counts for TRL runs "
+                    "(default 1,2; quick 2); the fastest is the baseline")
+    ap.add_argument("--order", default="coxswain,trl", help="which framework runs first")
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._child:
+        spec = json.loads(a._spec)
+        res = (run_coxswain if a._child == "coxswain" else run_trl)(spec)
+        with open(spec["result_path"], "w") as f:
+            json.dump(res, f)
+        return res
+
+    from _common import load_average, machine, table, write_json
+
+    size = dict(SIZES["quick" if a.quick else "full"])
+    steps = a.steps or size["steps"]
+    if steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is excluded from the steady state)")
+    threads = [int(x) for x in (a.trl_threads or ("2" if a.quick else "1,2")).split(",")]
+    tmp = tempfile.mkdtemp(prefix="bench_e2e_")
+    model_dir = os.path.join(tmp, "model")
+    assets = build_assets(model_dir, size)
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        raise SystemExit('bench_e2e needs TRL: pip install "trl==1.16.0" (the benchmark extra)')
+    print(f"machine: {machine(f'trl {trl_version}')} (shared machine: wall times are noisy)", flush=True)
+    print(f"model: random Qwen2, {assets['params'] / 1e6:.2f}M params, vocab {assets['model_vocab']} "
+          f"(+ unreachable <eos> id {assets['eos_id']}), float32; {size['prompts']} prompts x {size['n']} "
+          f"completions x {size['new']} new tokens per step, {steps} steps per framework", flush=True)
+
+    runs = []
+    for fw in a.order.split(","):
+        for th in (threads if fw == "trl" else [None]):
+            name = fw if th is None else f"{fw}-t{th}"
+            spec = dict(size=size, steps=steps, model_dir=model_dir, run_dir=os.path.join(tmp, name), threads=th,
+                        result_path=os.path.join(tmp, f"{name}.json"))
+            load0 = load_average()
+            t = time.perf_counter()
+            res = run_child(fw, spec, os.path.join(tmp, f"{name}.log"))
+            res.update(name=name, wall_s=time.perf_counter() - t, load_before=load0, load_after=load_average(),
+                       steady=steady(res))
+            runs.append(res)
+            print(f"  ran {name}: {res['wall_s']:.0f}s, load avg {load0:.1f} -> {res['load_after']:.1f}", flush=True)
+
+    for r in runs:  # the no-early-EOS setup really gave full-length completions everywhere
+        assert all(abs(x - size["new"]) < 1e-6 for x in r["response_length_mean"]), (r["name"], r["response_length_mean"])
+    cox = next(r for r in runs if r["framework"] == "coxswain")
+    trls = [r for r in runs if r["framework"] == "trl"]
+    best_trl = max(trls, key=lambda r: r["steady"]["tok_s"])
+
+    rows = []
+    for r in runs:
+        s = r["steady"]
+        rows.append([r["name"], s["tokens_per_step"], s["median_step_s"], s["best_step_s"], s["tok_s"],
+                     s["completion_tok_s"], r["startup_s"], f"{s['tok_s'] / best_trl['steady']['tok_s']:.2f}x"])
+    print(table(["run", "tokens/step", "median step s", "best step s", "tokens/s", "completion tok/s",
+                 "startup s", "vs TRL best"], rows, "{:.2f}"))
+    print("\ntime per phase, median over steady-state steps (s):")
+    for r in runs:
+        parts = [f"{k} {statistics.median(v[1:] or v):.3f}" for k, v in r["phases_s"].items()]
+        print(f"  {r['name']}: " + ", ".join(parts) + f"; step {r['steady']['median_step_s']:.3f}")
+    ratio = cox["steady"]["tok_s"] / best_trl["steady"]["tok_s"]
+    result = dict(machine=machine(f"trl {trl_version}"), quick=a.quick, size=size, steps=steps, assets=assets,
+                  runs=runs, headline={"coxswain_tok_s": cox["steady"]["tok_s"], "trl_tok_s": best_trl["steady"]["tok_s"],
+                                       "trl_run": best_trl["name"], "ratio": ratio})
+    write_json(a.json, result)
+    print(f"headline: Coxswain / TRL GRPOTrainer steady-state tokens/s = {cox['steady']['tok_s']:.0f} / "
+          f"{best_trl['steady']['tok_s']:.0f} ({best_trl['name']}) = {ratio:.2f}x "
+          f"({assets['params'] / 1e6:.2f}M params, {size['prompts'] * size['n']} completions x {size['new']} tokens)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
