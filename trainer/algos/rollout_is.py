@@ -261,12 +261,13 @@ def _k3_and_rho(log_ratio: torch.Tensor):
 
 def _row_pass(old, roll, mask, brackets, *, token_level: bool, mode_fn, lower: float, upper: float, log_veto, want_weights: bool):
     """The one pass over [b, T] rows. Returns (sums [b, K], maxes [b, 1 or 3], bracket counts
-    [b, 3Q] | None, weights [b, T] | None, strictly-inside-a-bracket [b, T] bool | None)."""
+    [b, 3Q] | None, weights [b, T] | None, strictly-inside-a-bracket flags [b, T] uint8 | None).
+    Row sums are float32 (counts exact below 2^24); the caller finishes them in float64."""
     m = mask if mask.dtype == torch.bool else mask != 0  # [b, T]
     x = old.float() if old.dtype != torch.float64 else old  # [b, T] log pi_train
     y = roll.to(x.dtype)  # [b, T] log pi_rollout
     d = x - y  # [b, T] log rho, raw (veto and sums of the log-ratio use it unclamped)
-    dc = d.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [b, T]
+    dc = LEVELS["token"](d, None, None)  # [b, T] clamped log rho = token-level log-weight
     k3, e, w = _k3_and_rho(dc)  # [b, T] each: rho - 1 - log rho, rho - 1 (exact near 1), rho = token weight
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     one = torch.ones((), dtype=x.dtype, device=x.device)
@@ -339,11 +340,12 @@ def _valid_log_weights(old, roll, m):
 
 
 def _stratified_sample(old, roll, m, sample_size: int):
-    """Sorted clamped log-ratios of about ``sample_size`` valid tokens, deterministic, or None.
+    """Sorted clamped log-ratios of the valid tokens among 2 * sample_size stratified positions
+    (about sample_size of them at 50% padding), deterministic; None when fewer than 1024.
 
-    One position per stratum of the flattened [B, T] grid (2 * sample_size strata), jittered inside
-    it by a Weyl sequence (j * golden ratio mod 1): the positions are increasing (a prefetch-friendly
-    gather) yet do not alias with the row length; the padding ones are dropped."""
+    One position per stratum of the flattened [B, T] grid, jittered inside it by a Weyl sequence
+    (j * golden ratio mod 1): the positions are increasing (a prefetch-friendly gather) yet do not
+    alias with the row length; the padding ones are dropped."""
     numel = m.numel()
     n_raw = min(numel, 2 * sample_size)
     j = torch.arange(n_raw, dtype=torch.float64, device=m.device)
