@@ -29,6 +29,12 @@ KV cache: one preallocated tensor ``[layers, 2, max_batch, kv_heads, max_len, he
 (slot) holds one sequence; its positions start at 0. A decode step writes each row's new key/value at
 that row's own position and masks keys beyond it, so rows of different lengths share a batch and
 padding never reaches a real token.
+
+CPU speed choices (none changes the function): bf16/fp16 matmul weights can be kept prepacked for
+oneDNN (bit-identical to ``F.linear``, checked at pack time); decode attention never repeats K/V for
+GQA: in fp32 the G query heads sharing a kv head are folded into G query rows of that head, in
+bf16/fp16 SDPA's native ``enable_gqa`` one-query path is used (each is the faster layout of torch's
+CPU kernel for its dtype).
 """
 
 from __future__ import annotations
