@@ -27,7 +27,8 @@ Setup, identical on both sides:
   * 64 completions per step = 8 prompts x 8 generations (``--quick``: 4 x 4), 64 new tokens (quick 16),
     temperature 1, no top-k / top-p, one optimizer step per RL step (one mini-batch, one PPO epoch),
     no KL term / no reference model, Adam lr 1e-4, weight decay 0.01, grad clip 1.0, token-mean loss
-    (TRL ``loss_type="dapo"``: normalised by the active tokens of the whole batch, the same thing).
+    (TRL ``loss_type="dapo"``: normalised by the active tokens of the whole batch, the same thing), no
+    activation recomputation (TRL's ``gradient_checkpointing`` defaults to True: switched off here).
 
 Coxswain: ``trainer.main.train`` with the embedded recipe's defaults (actor megatron-core TP=1 DP=2 over
 2 CPU slots, one native engine colocated, local Ray cluster, 2 scorer processes, one torch thread per
@@ -215,7 +216,8 @@ def run_trl(spec: dict) -> dict:
         num_iterations=1, beta=0.0, loss_type="dapo", temperature=1.0, top_k=0, top_p=1.0,
         learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
         max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-        disable_tqdm=True, seed=1, dataloader_num_workers=0)
+        disable_tqdm=True, seed=1, dataloader_num_workers=0,
+        gradient_checkpointing=False)  # TRL's default is True; Coxswain recomputes nothing, so neither does TRL
     step_begin, step_end, cpu_begin, cpu_end, trl_logs = [], [], [], [], []
     phase: dict[str, list[float]] = {k: [] for k in ("generate_and_score", "generate", "reward", "compute_loss",
                                                      "training_step")}
