@@ -2,7 +2,8 @@
 
     python -m trainer.serve --model DIR [--port 8000 | --port 0] [--host 127.0.0.1]
         [--api-key-env COXSWAIN_API_KEY] [--served-model-name NAME] [--max-batch-size 32]
-        [--max-seq-len N] [--batch-wait-ms 5] [--dtype float32] [--device cpu] [--threads N]
+        [--max-seq-len N] [--batch-wait-ms 5] [--batch-max-wait-ms 50] [--dtype float32] [--device cpu]
+        [--threads N]
 
 Serves any HF-format checkpoint the native engine reads (Llama / Qwen2 / Qwen3, Coxswain's own exports
 included). It is the local judge for ADCA (``trainer/rewards/judge.py``), an eval endpoint and a way to
@@ -38,8 +39,9 @@ Request fields and their meaning here:
   sampled token's log-prob).
 
 Batching. Handlers validate and tokenize, then put one item per prompt (``n`` samples each) on an
-asyncio queue and await a future. One batcher task takes the first waiting item, waits
-``--batch-wait-ms`` for more to arrive, drains the queue up to ``--max-batch-size`` samples, and runs
+asyncio queue and await a future. One batcher task takes the first waiting item, waits until no new
+item has arrived for ``--batch-wait-ms`` (at most ``--batch-max-wait-ms`` in all: a burst of requests
+arrives over many connections), drains the queue up to ``--max-batch-size`` samples, and runs
 ONE ``engine.generate`` call for them in a single worker thread (the engine is not thread-safe and
 runs one call at a time; the event loop keeps accepting requests meanwhile, and they form the next
 batch). A failing batch is re-run one item at a time so one bad request cannot fail the others.
@@ -291,10 +293,11 @@ class ServerStats:
 class Batcher:
     """Collect items for a few ms, then one ``engine.generate`` call in one worker thread."""
 
-    def __init__(self, engine, *, max_batch_samples: int, wait_s: float, stats: ServerStats):
+    def __init__(self, engine, *, max_batch_samples: int, wait_s: float, stats: ServerStats, max_wait_s: float | None = None):
         self.engine = engine
         self.max_batch_samples = max(1, max_batch_samples)
         self.wait_s = wait_s
+        self.max_wait_s = max(wait_s, max_wait_s if max_wait_s is not None else 10 * wait_s)
         self.stats = stats
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._deferred: list[_Item] = []  # seeded items pushed to a later batch, oldest first
@@ -324,7 +327,15 @@ class Batcher:
         if not pending:
             pending.append(await self.queue.get())
         if self.wait_s > 0:
-            await asyncio.sleep(self.wait_s)  # let concurrent requests arrive and share this call
+            # Let concurrent requests arrive and share this call: wait until the queue has been quiet
+            # for wait_s (a burst of N requests takes a while to arrive over N connections), but no
+            # longer than max_wait_s in all, and not once a full batch is waiting.
+            loop = asyncio.get_running_loop()
+            t_end = loop.time() + self.max_wait_s
+            seen = -1
+            while self.queue.qsize() != seen and self.queue.qsize() < self.max_batch_samples and loop.time() < t_end:
+                seen = self.queue.qsize()
+                await asyncio.sleep(min(self.wait_s, max(0.0, t_end - loop.time())))
         while not self.queue.empty():
             pending.append(self.queue.get_nowait())
         batch: list[_Item] = []
@@ -391,7 +402,8 @@ class ModelServer:
     """Everything a request needs: engine, tokenizer, batcher, key, names. ``app()`` builds the routes."""
 
     def __init__(self, engine, tokenizer, *, model_name: str, model_dir: str | None = None, eos_ids=(),
-                 api_key: str | None = None, max_batch_samples: int = 32, batch_wait_s: float = 0.005):
+                 api_key: str | None = None, max_batch_samples: int = 32, batch_wait_s: float = 0.005,
+                 batch_max_wait_s: float = 0.05):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -403,6 +415,7 @@ class ModelServer:
         self.stats = ServerStats()
         self.max_batch_samples = max_batch_samples
         self.batch_wait_s = batch_wait_s
+        self.batch_max_wait_s = batch_max_wait_s
         self.batcher: Batcher | None = None
         self.url: str | None = None  # set by serve() once bound
 
@@ -419,7 +432,7 @@ class ModelServer:
 
     async def _on_startup(self, app) -> None:
         self.batcher = Batcher(self.engine, max_batch_samples=self.max_batch_samples, wait_s=self.batch_wait_s,
-                               stats=self.stats)
+                               max_wait_s=self.batch_max_wait_s, stats=self.stats)
         self.batcher.start()
 
     async def _on_cleanup(self, app) -> None:
@@ -644,7 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch-size", type=int, default=32, help="samples per engine call (KV-cache rows)")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="prompt + response tokens (default: min(max_position_embeddings, 4096))")
-    ap.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    ap.add_argument("--batch-wait-ms", type=float, default=5.0,
+                    help="a batch closes once no request arrived for this long (0 = take what is queued)")
+    ap.add_argument("--batch-max-wait-ms", type=float, default=50.0, help="... or after this long in all")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -667,7 +682,7 @@ def build_server(a: argparse.Namespace) -> ModelServer:
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
     return ModelServer(engine, tokenizer, model_name=name, model_dir=a.model, eos_ids=_eos_ids(a.model, tokenizer),
                        api_key=os.environ.get(a.api_key_env) or None, max_batch_samples=a.max_batch_size,
-                       batch_wait_s=a.batch_wait_ms / 1000.0)
+                       batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0)
 
 
 async def serve(server: ModelServer, host: str, port: int, ready: threading.Event | None = None,
@@ -679,7 +694,7 @@ async def serve(server: ModelServer, host: str, port: int, ready: threading.Even
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port  # aiohttp keeps the listening sockets there
+    bound = runner.addresses[0][1]  # the port actually bound (port 0 = a free one)
     server.url = f"http://{host}:{bound}/v1"
     print(f"{READY_PREFIX}{server.url} (model {server.model_name})", flush=True)
     if ready is not None:
@@ -695,7 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     server = build_server(a)
     if server.api_key is None:
-        print(f"coxswain-serve: ${a.api_key_env} is not set: requests are not authenticated", file=sys.stderr, flush=True)
+        loopback = a.host in ("127.0.0.1", "localhost", "::1")
+        print(f"coxswain-serve: ${a.api_key_env} is not set: requests are not authenticated"
+              + ("" if loopback else f" (and --host {a.host} is reachable from other machines)"),
+              file=sys.stderr, flush=True)
 
     async def _main():
         stop = asyncio.Event()
