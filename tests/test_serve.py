@@ -362,3 +362,35 @@ def test_batcher_composition_in_process(engine, tok):
     res = asyncio.run(run(4))  # at most 4 samples per call, oldest first (a seeded item takes 2)
     assert calls == [[(None, 1)] * 4, [(5, 2), (None, 1)], [(6, 2)]]
     assert [[o.token_ids for o in r] for r in res] == [[o.token_ids for o in s] for s in solo]
+
+
+def test_batcher_drops_cancelled_items(engine, tok):
+    # A request whose client went away (its handler cancelled) never reaches the engine.
+    from trainer.rollout.engine import SamplingParams
+    from trainer.serve import Batcher, ServerStats
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=(EOS,))
+    seen = []
+
+    class Recording:
+        def generate(self, prompts, params):
+            seen.append([list(p) for p in prompts])
+            return engine.generate(prompts, params)
+
+        def abort(self):
+            engine.abort()
+
+    async def run():
+        b = Batcher(Recording(), max_batch_samples=32, wait_s=0.0, stats=ServerStats())
+        a = [ids_of(tok, p) for p in PROMPTS[:3]]
+        futs = [asyncio.ensure_future(b.submit(i, greedy)) for i in a]
+        await asyncio.sleep(0)
+        futs[1].cancel()
+        b.start()
+        done = await asyncio.gather(futs[0], futs[2])
+        await b.stop()
+        return a, done
+
+    a, done = asyncio.run(run())
+    assert seen == [[a[0], a[2]]]
+    assert [d[0].token_ids for d in done] == [engine.generate([a[i]], greedy)[0][0].token_ids for i in (0, 2)]

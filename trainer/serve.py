@@ -291,7 +291,8 @@ class ServerStats:
 
 
 class Batcher:
-    """Collect items for a few ms, then one ``engine.generate`` call in one worker thread."""
+    """Collect items until the queue is quiet for ``wait_s`` (at most ``max_wait_s``), then one
+    ``engine.generate`` call for them in one worker thread; see the module docstring."""
 
     def __init__(self, engine, *, max_batch_samples: int, wait_s: float, stats: ServerStats, max_wait_s: float | None = None):
         self.engine = engine
@@ -300,7 +301,7 @@ class Batcher:
         self.max_wait_s = max(wait_s, max_wait_s if max_wait_s is not None else 10 * wait_s)
         self.stats = stats
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._deferred: list[_Item] = []  # seeded items pushed to a later batch, oldest first
+        self._deferred: list[_Item] = []  # items that did not fit (sample cap, a second seeded one), oldest first
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coxswain-engine")
         self._task: asyncio.Task | None = None
 
