@@ -22,7 +22,8 @@ install_requires = [
     "pyarrow>=15",
     "tqdm",
     "rich",
-    "math-verify>=0.9",  # math answer equivalence for the math scorers (pure python, no torch)
+    "math-verify>=0.9",
+    "aiohttp>=3.9",  # OpenAI-compatible server (trainer.serve) and LLM-judge client  # math answer equivalence for the math scorers (pure python, no torch)
 ]
 
 extras = {
