@@ -142,6 +142,7 @@ def train(cfg) -> dict:
         sampler.load_state_dict(st["sampler"])
         kl_ctrl.load_state_dict(st["kl_ctrl"])
         restore_rng(st["rng"])
+        cluster.set_rng_states(st.get("worker_rng", {}))
         start_step, next_group_id, last_eval, run_id, history = (st["step"], st["next_group_id"], st["last_eval"],
                                                                  st.get("mlflow_run_id"), st.get("history", []))
         print(f"resumed from {resume_from} at step {start_step}", flush=True)
@@ -255,6 +256,7 @@ def train(cfg) -> dict:
             with timer(m, "save"):
                 log(m, step)
                 driver_state = {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": capture_rng(),
+                                "worker_rng": cluster.rng_states(),
                                 "next_group_id": next_group_id, "last_eval": last_eval, "mlflow_run_id": tracker.run_id,
                                 "history": history}
                 ckpt.save(step, driver_state, write_workers=cluster.save)

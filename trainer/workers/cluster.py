@@ -117,6 +117,15 @@ class Cluster:
     def _groups(self):
         return [(n, g) for n, g in (("actor", self.actor), ("critic", self.critic)) if g is not None]
 
+    def rng_states(self) -> dict:
+        """Every worker's RNG state, per group and rank (for exact resume)."""
+        return {name: g.call("rng_state") for name, g in self._groups() + ([("ref", self.ref)] if self.ref else [])}
+
+    def set_rng_states(self, states: dict) -> None:
+        for name, g in self._groups() + ([("ref", self.ref)] if self.ref else []):
+            if name in states:
+                g.call("set_rng_state", [(st,) for st in states[name]])
+
     def save(self, ckpt_dir: str) -> None:
         for name, g in self._groups():
             g.call("save", [(os.path.join(ckpt_dir, name),)] * g.size)
