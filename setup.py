@@ -30,6 +30,7 @@ extras = {
     "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
     "gpu": ["transformer-engine[pytorch]"],
     "sglang": ["sglang"],
+    "bench": ["trl==1.16.0"],  # only benchmarks/bench_e2e.py's baseline; never a product dependency
 }
 
 setup(

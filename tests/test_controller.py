@@ -58,7 +58,7 @@ def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
     assert [h["step"] for h in hist] == [0, 1, 2]
     assert ["val/acc" in h for h in hist] == [True, False, True]
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/update_actor",
-                "perf/tokens_per_s", "sync/verified", "reward/acc", "actor/entropy", "actor/ppo_kl"):
+                "perf/tokens_per_s", "sync/verified", "reward/acc", "actor/entropy_rollout", "actor/ppo_kl"):
         assert key in hist[1] or key in hist[2], key
     assert hist[1]["sync/verified"] == 1.0  # the checksum-verified sync ran after the update
     run_dir = Path(out["run_dir"])

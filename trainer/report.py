@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 PANELS = [("val/acc", "held-out accuracy"), ("reward/mean", "reward"), ("response_length/mean", "response length"),
-          ("actor/entropy", "entropy"), ("mismatch/mismatch_kl", "mismatch KL (rollout vs trainer)"),
+          ("actor/entropy_rollout", "entropy (start-of-step policy)"), ("mismatch/mismatch_kl", "mismatch KL (rollout vs trainer)"),
           ("mismatch/rollout_is_eff_sample_size", "IS effective sample size")]
 
 

@@ -44,13 +44,15 @@ class Cluster:
         use_gpu = t.device == "cuda"
         model_path = cfg.actor_rollout_ref.model.path
         placement = self.placement = None
+        self.owns_ray = False
         if self.in_process:
             if world != 1:
                 raise ValueError(f"trainer.debug.in_process=true runs every worker inside the driver, which holds one "
                                  f"rank: set trainer.nnodes=1 trainer.n_gpus_per_node=1 (got a world of {world}).")
         else:
             n_slots = world + (0 if self.colocated else r.num_engines)
-            init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
+            # an embedded cluster lives as long as this Cluster (a later one may need other resources)
+            self.owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
             placement = Placement(n_slots, use_gpu)
         self.placement = placement
         rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
@@ -143,3 +145,7 @@ class Cluster:
                 g.shutdown()
         if self.placement is not None:
             self.placement.remove()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()

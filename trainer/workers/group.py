@@ -15,16 +15,21 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+# Torch tensors cross Ray without pickling (numpy-backed, zero copy) in the driver too; Ray reads the
+# flag when it is first imported, so it is set at import time of this module.
+os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+
 
 class WorkerDiedError(RuntimeError):
     pass
 
 
-def init_ray(num_cpus: int | None = None) -> None:
+def init_ray(num_cpus: int | None = None) -> bool:
+    """Start (or join, with ``RAY_ADDRESS``) Ray; True when this call started an embedded cluster."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "PYTHONPATH": os.pathsep.join(
         [os.getcwd(), os.environ.get("PYTHONPATH", "")])}}
     if os.environ.get("RAY_ADDRESS"):
@@ -32,6 +37,8 @@ def init_ray(num_cpus: int | None = None) -> None:
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  configure_logging=True, logging_level="WARNING")
+        return True
+    return False
 
 
 class Placement:
@@ -43,7 +50,13 @@ class Placement:
 
         res = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([dict(res) for _ in range(n_bundles)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"Ray could not place {n_bundles} slots of {res} within 120 s; the cluster has "
+                f"{ray.cluster_resources()} ({ray.available_resources()} free). Lower trainer.n_gpus_per_node / "
+                f"trainer.nnodes, use trainer.placement=colocated, or add nodes to the Ray cluster.") from None
         self.use_gpu = use_gpu
         self.n = n_bundles
 

@@ -137,8 +137,10 @@ class MegatronWorker:
                     metrics["actor/kl_loss"] = kl_l.detach()
                 return total, metrics
 
+            # entropy only enters the graph when it is trained on (the logged entropy comes from the
+            # old-log-prob pass); at real vocab sizes it is a large [tokens, V] computation to keep
             m = train_step(self.trainer, self._micro_batches(batch, micro_batch_size, fields), loss_fn,
-                           temperature=temperature, with_entropy=True)
+                           temperature=temperature, with_entropy=bool(loss["entropy_coeff"]))
             out.append({("actor/" + k if "/" not in k else k): float(v) for k, v in m.items()})
         return out
 
