@@ -171,3 +171,13 @@ def spawn(
     if error is not None:
         raise RuntimeError(error)
     return [out[r] for r in range(world_size)]
+
+
+def parallel_layout() -> dict:
+    """This rank's place in megatron's mesh: data/tensor/pipeline ranks and the data-parallel size
+    (so callers outside the bridge never import megatron)."""
+    from megatron.core import parallel_state as ps
+
+    return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size()}

@@ -32,9 +32,7 @@ class MegatronWorker:
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
         launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, seed=seed)
-        from megatron.core import parallel_state as ps
-
-        self.ps = ps
+        self.mesh = launch.parallel_layout()
         self.hf = read_hf_config(model_path)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
         self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=dtype, value_head=(role == "critic"))
@@ -47,9 +45,7 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ layout
     def layout(self) -> dict:
-        ps = self.ps
-        return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
-                "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+        return {"rank": self.rank, **self.mesh}
 
     def _module(self):
         return self.trainer.model if self.trainer is not None else self.model
@@ -104,7 +100,7 @@ class MegatronWorker:
         from trainer.algos.losses import agg_loss, get_policy_loss_fn
 
         policy_loss = get_policy_loss_fn(loss["loss_mode"])
-        dp = self.ps.get_data_parallel_world_size()
+        dp = self.mesh["dp_size"]
         mode = loss["loss_agg_mode"]
         fields = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_probs")
         out = []
@@ -149,7 +145,7 @@ class MegatronWorker:
 
         from trainer.algos.losses import value_loss
 
-        dp = self.ps.get_data_parallel_world_size()
+        dp = self.mesh["dp_size"]
         out = []
         for i, mb_np in enumerate(mini_batches):
             batch = RolloutBatch.from_numpy_dict(mb_np)
