@@ -92,6 +92,19 @@ def test_tp2_actor_split_placement_and_critic(tmp_path, monkeypatch):
     assert h["sync/verified"] == 1.0 and "critic/vf_loss" in h and "critic/grad_norm" in h
 
 
+def nan_estimator(*, token_level_rewards, response_mask, **kw):
+    """A user plug-in estimator gone wrong: NaN advantages."""
+    adv = torch.full_like(token_level_rewards, float("nan")) * response_mask
+    return adv, adv
+
+
+def test_nan_loss_stops_the_run_with_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    with pytest.raises(FloatingPointError, match="NaN/inf.*resume_mode=auto"):
+        run(tmp_path, "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            "algorithm.adv_estimator=test_controller:nan_estimator")
+
+
 def test_should_eval_once_per_boundary():
     calls = [s for s in range(1, 11) if should_eval(s, 3, 10, None)]
     assert calls == [3, 6, 9, 10]

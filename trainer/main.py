@@ -15,6 +15,7 @@ One step, in order (``train`` below is the whole loop; each phase is one call):
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -127,153 +128,162 @@ def train(cfg) -> dict:
     kl_ctrl = make_kl_controller(al.kl_ctrl.type, kl_coef=al.kl_ctrl.kl_coef, target_kl=al.kl_ctrl.target_kl,
                                  horizon=al.kl_ctrl.horizon)
     cluster = Cluster(cfg, total_steps)  # Ray (or in-process) worker groups, placement, resharder
-    ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), cfg.trainer.max_actor_ckpt_to_keep)
+    try:
+        ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), cfg.trainer.max_actor_ckpt_to_keep)
 
-    start_step, next_group_id, last_eval, run_id, history = 0, 0, None, None, []
-    resume_from = None
-    if cfg.trainer.resume_mode == "auto":
-        ckpt.clean_stale()
-        resume_from = ckpt.find_latest()
-    elif cfg.trainer.resume_mode == "resume_path":
-        resume_from = cfg.trainer.resume_from_path
-    if resume_from:
-        st = load_driver_state(resume_from)
-        cluster.load(resume_from)
-        sampler.load_state_dict(st["sampler"])
-        kl_ctrl.load_state_dict(st["kl_ctrl"])
-        restore_rng(st["rng"])
-        cluster.set_rng_states(st.get("worker_rng", {}))
-        start_step, next_group_id, last_eval, run_id, history = (st["step"], st["next_group_id"], st["last_eval"],
-                                                                 st.get("mlflow_run_id"), st.get("history", []))
-        print(f"resumed from {resume_from} at step {start_step}", flush=True)
-    tracker = Tracker(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger,
-                      config=OmegaConf.to_container(cfg, resolve=True), total_steps=total_steps, run_id=run_id)
-    sync_m = cluster.sync_weights()
+        start_step, next_group_id, last_eval, run_id, history = 0, 0, None, None, []
+        resume_from = None
+        if cfg.trainer.resume_mode == "auto":
+            ckpt.clean_stale()
+            resume_from = ckpt.find_latest()
+        elif cfg.trainer.resume_mode == "resume_path":
+            resume_from = cfg.trainer.resume_from_path
+        if resume_from:
+            st = load_driver_state(resume_from)
+            cluster.load(resume_from)
+            sampler.load_state_dict(st["sampler"])
+            kl_ctrl.load_state_dict(st["kl_ctrl"])
+            restore_rng(st["rng"])
+            cluster.set_rng_states(st.get("worker_rng", {}))
+            start_step, next_group_id, last_eval, run_id, history = (st["step"], st["next_group_id"], st["last_eval"],
+                                                                     st.get("mlflow_run_id"), st.get("history", []))
+            print(f"resumed from {resume_from} at step {start_step}", flush=True)
+        tracker = Tracker(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger,
+                          config=OmegaConf.to_container(cfg, resolve=True), total_steps=total_steps, run_id=run_id)
+        sync_m = cluster.sync_weights()
 
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        tracker.log_metrics(metrics, step)
+        def log(metrics: dict, step: int):
+            history.append({"step": step, **metrics})
+            tracker.log_metrics(metrics, step)
 
-    val_params = sampling_params(cfg, 0, 0, val=True, stop_token_ids=stop_ids)
-    vkw = dict(max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.data.val_batch_size)
-    if start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq != 0:
-        log(validate(cluster.rollout, reward_mgr, tok, val_ds, val_params, **vkw), 0)
-        last_eval = 0
+        val_params = sampling_params(cfg, 0, 0, val=True, stop_token_ids=stop_ids)
+        vkw = dict(max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.data.val_batch_size)
+        if start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq != 0:
+            log(validate(cluster.rollout, reward_mgr, tok, val_ds, val_params, **vkw), 0)
+            last_eval = 0
 
-    for step in range(start_step + 1, total_steps + 1):
-        m: dict[str, float] = dict(sync_m) if step == start_step + 1 else {}
-        t_step = time.perf_counter()
-        # 1-3. rollout, reward, overlong shaping, dynamic sampling
-        with timer(m, "gen"):
-            cluster.wake_rollout()
-            batch, gm, next_group_id = collect_batch(
-                cluster.rollout, reward_mgr, tok, train_ds, sampler, lambda g: sampling_params(cfg, step, g, stop_token_ids=stop_ids),
-                train_batch_size=cfg.data.train_batch_size, gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,
-                n=r.n, filter_cfg=OmegaConf.to_container(al.filter_groups), max_prompt_length=cfg.data.max_prompt_length,
-                overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer), next_group_id=next_group_id)
-            cluster.sleep_rollout()
-        m.update(gm)
-        # 4. old log-probs: computed once, so several mini-batch updates all use the start-of-step policy
-        with timer(m, "old_log_prob"):
-            out = dp_dispatch(cluster.actor, cluster.actor_layout, batch, "compute_log_prob", temperature=r.temperature,
-                              micro_batch_size=r.log_prob_micro_batch_size_per_gpu, with_entropy=True)
-            batch.old_log_probs = out["log_probs"]
-            ent = out["entropy"]
-        # 5. reference log-probs
-        if cluster.ref is not None:
-            with timer(m, "ref"):
-                batch.ref_log_probs = dp_dispatch(cluster.ref, cluster.ref_layout, batch, "compute_log_prob",
-                                                  temperature=r.temperature,
-                                                  micro_batch_size=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)["log_probs"]
-        with timer(m, "adv"):
-            # 6. rollout IS (and rejection sampling) against the sampler's own log-probs
-            if al.rollout_rs is not None:
-                batch.response_mask, rs_m = compute_rejection_mask(
-                    batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, divergence=al.rollout_rs_divergence,
-                    agg=al.rollout_rs, lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold)
-                m.update(to_float_metrics(rs_m))
-            if al.rollout_is_threshold is not None:
-                w, mask, is_m = compute_rollout_is_weights(
-                    batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rollout_is_level=al.rollout_is_level,
-                    rollout_is_mode=al.rollout_is_mode, rollout_is_threshold=al.rollout_is_threshold,
-                    rollout_is_threshold_lower=al.rollout_is_threshold_lower,
-                    rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=al.rollout_is)
-                batch.rollout_is_weights = w
-                m.update(to_float_metrics(is_m))
-            # KL in reward
-            if al.use_kl_in_reward:
-                batch.token_level_rewards, kl_m = apply_kl_in_reward(
-                    batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
-                    kl_coef=kl_ctrl.value, kl_penalty=al.kl_penalty)
-                kl_m = to_float_metrics(kl_m)
-                kl_ctrl.update(kl_m["actor/reward_kl_penalty"], n_steps=batch.batch_size[0])
-                m.update(kl_m)
-            else:
-                batch.token_level_rewards = batch.token_level_scores
-            # 7. advantages
-            if cluster.critic is not None:
-                batch.values = dp_dispatch(cluster.critic, cluster.critic_layout, batch, "compute_values",
-                                           micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
-            batch.advantages, batch.returns, adv_m = compute_advantage(
-                al.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
-                index=batch.group_ids, values=batch.values, gamma=al.gamma, lam=al.lam,
-                norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
-            m.update(to_float_metrics(adv_m, "adv/"))
-        # 8. critic, then actor
-        if cluster.critic is not None:
-            with timer(m, "update_critic"):
-                m.update(update_group(cluster.critic, cluster.critic_layout, batch, "update_critic",
-                                      mini_batch_size=(cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * r.n,
-                                      epochs=cfg.critic.ppo_epochs or a.ppo_epochs, shuffle=a.shuffle, seed=step,
-                                      loss_agg_mode=cfg.critic.loss_agg_mode,
-                                      loss={"cliprange_value": cfg.critic.cliprange_value, "loss_agg_mode": cfg.critic.loss_agg_mode},
-                                      micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu))
-        if step > cfg.trainer.critic_warmup:
-            with timer(m, "update_actor"):
-                m.update(update_group(cluster.actor, cluster.actor_layout, batch, "update_actor",
-                                      mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
-                                      seed=step, loss_agg_mode=a.loss_agg_mode, loss=cluster.actor_loss_settings(),
-                                      temperature=r.temperature, micro_batch_size=a.ppo_micro_batch_size_per_gpu))
-            # 9. resharding sync, verified by checksum
-            with timer(m, "sync"):
-                m.update(cluster.sync_weights())
-        # 10. eval, checkpoint, log
-        if should_eval(step, cfg.trainer.test_freq, total_steps, last_eval):
-            with timer(m, "eval"):
+        for step in range(start_step + 1, total_steps + 1):
+            m: dict[str, float] = dict(sync_m) if step == start_step + 1 else {}
+            t_step = time.perf_counter()
+            # 1-3. rollout, reward, overlong shaping, dynamic sampling
+            with timer(m, "gen"):
                 cluster.wake_rollout()
-                m.update(validate(cluster.rollout, reward_mgr, tok, val_ds, val_params, **vkw))
-                last_eval = step
-        mask = batch.response_mask.bool()
-        n_tokens = int(batch.attention_mask.sum())
-        m.update({"reward/mean": float(batch.scores.mean()), "reward/acc": float(batch.acc.mean()),
-                  "response_length/mean": float(batch.response_length.float().mean()),
-                  "response_length/clip_fraction": float((batch.response_length >= batch.responses.shape[1]).float().mean()),
-                  "actor/entropy_rollout": float((ent * mask).sum() / mask.sum().clamp_min(1)),
-                  "perf/tokens": float(n_tokens), "kl_ctrl/coef": float(kl_ctrl.value)})
-        m["timing_s/step"] = time.perf_counter() - t_step
-        m["perf/tokens_per_s"] = n_tokens / m["timing_s/step"]
-        if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
-            with timer(m, "save"):
+                batch, gm, next_group_id = collect_batch(
+                    cluster.rollout, reward_mgr, tok, train_ds, sampler, lambda g: sampling_params(cfg, step, g, stop_token_ids=stop_ids),
+                    train_batch_size=cfg.data.train_batch_size, gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,
+                    n=r.n, filter_cfg=OmegaConf.to_container(al.filter_groups), max_prompt_length=cfg.data.max_prompt_length,
+                    overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer), next_group_id=next_group_id)
+                cluster.sleep_rollout()
+            m.update(gm)
+            # 4. old log-probs: computed once, so several mini-batch updates all use the start-of-step policy
+            with timer(m, "old_log_prob"):
+                out = dp_dispatch(cluster.actor, cluster.actor_layout, batch, "compute_log_prob", temperature=r.temperature,
+                                  micro_batch_size=r.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+                batch.old_log_probs = out["log_probs"]
+                ent = out["entropy"]
+            # 5. reference log-probs
+            if cluster.ref is not None:
+                with timer(m, "ref"):
+                    batch.ref_log_probs = dp_dispatch(cluster.ref, cluster.ref_layout, batch, "compute_log_prob",
+                                                      temperature=r.temperature,
+                                                      micro_batch_size=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)["log_probs"]
+            with timer(m, "adv"):
+                # 6. rollout IS (and rejection sampling) against the sampler's own log-probs
+                if al.rollout_rs is not None:
+                    batch.response_mask, rs_m = compute_rejection_mask(
+                        batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, divergence=al.rollout_rs_divergence,
+                        agg=al.rollout_rs, lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold)
+                    m.update(to_float_metrics(rs_m))
+                if al.rollout_is_threshold is not None:
+                    w, mask, is_m = compute_rollout_is_weights(
+                        batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rollout_is_level=al.rollout_is_level,
+                        rollout_is_mode=al.rollout_is_mode, rollout_is_threshold=al.rollout_is_threshold,
+                        rollout_is_threshold_lower=al.rollout_is_threshold_lower,
+                        rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=al.rollout_is)
+                    batch.rollout_is_weights = w
+                    m.update(to_float_metrics(is_m))
+                # KL in reward
+                if al.use_kl_in_reward:
+                    batch.token_level_rewards, kl_m = apply_kl_in_reward(
+                        batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                        kl_coef=kl_ctrl.value, kl_penalty=al.kl_penalty)
+                    kl_m = to_float_metrics(kl_m)
+                    kl_ctrl.update(kl_m["actor/reward_kl_penalty"], n_steps=batch.batch_size[0])
+                    m.update(kl_m)
+                else:
+                    batch.token_level_rewards = batch.token_level_scores
+                # 7. advantages
+                if cluster.critic is not None:
+                    batch.values = dp_dispatch(cluster.critic, cluster.critic_layout, batch, "compute_values",
+                                               micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
+                batch.advantages, batch.returns, adv_m = compute_advantage(
+                    al.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+                    index=batch.group_ids, values=batch.values, gamma=al.gamma, lam=al.lam,
+                    norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
+                m.update(to_float_metrics(adv_m, "adv/"))
+            # 8. critic, then actor
+            if cluster.critic is not None:
+                with timer(m, "update_critic"):
+                    m.update(update_group(cluster.critic, cluster.critic_layout, batch, "update_critic",
+                                          mini_batch_size=(cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * r.n,
+                                          epochs=cfg.critic.ppo_epochs or a.ppo_epochs, shuffle=a.shuffle, seed=step,
+                                          loss_agg_mode=cfg.critic.loss_agg_mode,
+                                          loss={"cliprange_value": cfg.critic.cliprange_value, "loss_agg_mode": cfg.critic.loss_agg_mode},
+                                          micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu))
+            if step > cfg.trainer.critic_warmup:
+                with timer(m, "update_actor"):
+                    m.update(update_group(cluster.actor, cluster.actor_layout, batch, "update_actor",
+                                          mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                                          seed=step, loss_agg_mode=a.loss_agg_mode, loss=cluster.actor_loss_settings(),
+                                          temperature=r.temperature, micro_batch_size=a.ppo_micro_batch_size_per_gpu))
+                bad = [k for k in ("actor/loss", "actor/grad_norm") if k in m and not math.isfinite(m[k])]
+                if bad or m.get("actor/skipped", 0.0) > 0:
+                    raise FloatingPointError(
+                        f"step {step}: the actor's {', '.join(bad) or 'gradient'} is NaN/inf, so the update was not "
+                        f"applied. Check the rewards and advantages (adv/*, reward/* above), lower "
+                        f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on; the last checkpoint is intact and "
+                        f"trainer.resume_mode=auto continues from it.")
+                # 9. resharding sync, verified by checksum
+                with timer(m, "sync"):
+                    m.update(cluster.sync_weights())
+            # 10. eval, checkpoint, log
+            if should_eval(step, cfg.trainer.test_freq, total_steps, last_eval):
+                with timer(m, "eval"):
+                    cluster.wake_rollout()
+                    m.update(validate(cluster.rollout, reward_mgr, tok, val_ds, val_params, **vkw))
+                    last_eval = step
+            mask = batch.response_mask.bool()
+            n_tokens = int(batch.attention_mask.sum())
+            m.update({"reward/mean": float(batch.scores.mean()), "reward/acc": float(batch.acc.mean()),
+                      "response_length/mean": float(batch.response_length.float().mean()),
+                      "response_length/clip_fraction": float((batch.response_length >= batch.responses.shape[1]).float().mean()),
+                      "actor/entropy_rollout": float((ent * mask).sum() / mask.sum().clamp_min(1)),
+                      "perf/tokens": float(n_tokens), "kl_ctrl/coef": float(kl_ctrl.value)})
+            m["timing_s/step"] = time.perf_counter() - t_step
+            m["perf/tokens_per_s"] = n_tokens / m["timing_s/step"]
+            if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
+                with timer(m, "save"):
+                    log(m, step)
+                    driver_state = {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": capture_rng(),
+                                    "worker_rng": cluster.rng_states(),
+                                    "next_group_id": next_group_id, "last_eval": last_eval, "mlflow_run_id": tracker.run_id,
+                                    "history": history}
+                    ckpt.save(step, driver_state, write_workers=cluster.save)
+            else:
                 log(m, step)
-                driver_state = {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": capture_rng(),
-                                "worker_rng": cluster.rng_states(),
-                                "next_group_id": next_group_id, "last_eval": last_eval, "mlflow_run_id": tracker.run_id,
-                                "history": history}
-                ckpt.save(step, driver_state, write_workers=cluster.save)
-        else:
-            log(m, step)
 
-    final = {k: v for k, v in (history[-1] if history else {}).items()}
-    export_dir = os.path.join(run_dir, "hf_export")
-    cluster.export_hf(export_dir)
-    report = write_report(history, run_dir)
-    for p in [os.path.join(run_dir, "config.yaml"), report, export_dir]:
-        tracker.log_artifact(p)
-    tracker.finish()
-    cluster.shutdown()
-    reward_mgr.close() if hasattr(reward_mgr, "close") else None
-    print(f"done: {total_steps} steps in {time.time() - t_start:.0f}s; run dir {run_dir}", flush=True)
-    return {"history": history, "final": final, "run_dir": run_dir}
+        final = {k: v for k, v in (history[-1] if history else {}).items()}
+        export_dir = os.path.join(run_dir, "hf_export")
+        cluster.export_hf(export_dir)
+        report = write_report(history, run_dir)
+        for p in [os.path.join(run_dir, "config.yaml"), report, export_dir]:
+            tracker.log_artifact(p)
+        tracker.finish()
+        print(f"done: {total_steps} steps in {time.time() - t_start:.0f}s; run dir {run_dir}", flush=True)
+        return {"history": history, "final": final, "run_dir": run_dir}
+    finally:  # a failed run must not leave workers, placement groups or scorer processes behind
+        cluster.shutdown()
+        reward_mgr.close()
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -107,7 +107,7 @@ def collect_batch(fleet, reward_mgr, tokenizer, dataset, sampler, params_for, *,
         items = [dataset[i] for i in idx]
         gids = list(range(next_group_id, next_group_id + bs))
         next_group_id += bs
-        batch, gm = generate_scored(fleet, reward_mgr, tokenizer, items, gids, params_for(gen_batches), 
+        batch, gm = generate_scored(fleet, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
                                     max_prompt_length=max_prompt_length, overlong=overlong)
         for k, v in gm.items():
             m[k] = m.get(k, 0.0) + v if k.startswith("timing_s/") else v
