@@ -48,20 +48,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.rollout.engine import SamplingParams  # noqa: E402
 from trainer.rollout.hf_model import CausalLM, ModelConfig  # noqa: E402
 from trainer.rollout.native import NativeEngine  # noqa: E402
+from benchmarks._common import cpu_model  # noqa: E402
 
 VOCAB = 32000
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_model()
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -29,6 +29,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.fsutil import replace_dir
+
 MARKER = "coxswain_ckpt.json"
 
 
@@ -140,13 +142,7 @@ def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, ext
         if dist.get_rank() == 0:
             with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
                 json.dump({"complete": True, "world_size": dist.get_world_size(), "time": time.time()}, f)
-            if os.path.exists(ckpt_dir):
-                old = f"{tmp}.old"
-                os.replace(ckpt_dir, old)
-                os.replace(tmp, ckpt_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, ckpt_dir)
+            replace_dir(tmp, ckpt_dir)
         ok = True
     finally:
         if not ok and dist.get_rank() == 0:

@@ -26,6 +26,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.fsutil import replace_dir
+
 from megatron_bridge.convert import canonical_names, canonical_to_hf, local_name, stage_of_layers, tp_kind, tp_merge
 from megatron_bridge.hf_config import HFModelConfig
 
@@ -217,13 +219,7 @@ def export_hf(model, out_dir: str, *, source_dir: str | None = None, max_shard_b
                     src = os.path.join(source_dir, fn)
                     if os.path.exists(src):
                         shutil.copy2(src, os.path.join(tmp, fn))
-            if os.path.exists(out_dir):
-                old = f"{tmp}.old"
-                os.replace(out_dir, old)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out_dir)
+            replace_dir(tmp, out_dir)
             tmp = None
     finally:
         if tmp is not None:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from megatron_bridge.fsutil import replace_dir
+
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MARKER = "COMPLETE"
 DRIVER_STATE = "driver_state.pt"
@@ -104,13 +106,7 @@ class CheckpointManager:
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write(str(step))
             _fsync_tree(tmp)
-            if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it whole
-                old = final + f".old-{os.getpid()}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            replace_dir(tmp, final)  # re-saving the same step (after a resume) replaces it whole
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

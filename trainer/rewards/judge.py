@@ -543,23 +543,21 @@ class JudgeClient:
             counted = True
             tag = {"trajectory": i, "global_step": global_step, "kind": "judge"}
             kw = dict(success_threshold=self.success_threshold, max_step_chars=self.max_step_chars)
-            r = await self._ask(build_judge_messages(t.query, t.steps, t.score, **kw), counts, tag)
-            if r.ok:
+            problem = None
+            for strict in (False, True):  # a badly formatted answer gets one retry with a stricter prompt
+                if strict:
+                    counts.format_retries += 1
+                    tag = dict(tag, kind="judge_strict")
+                msgs = build_judge_messages(t.query, t.steps, t.score, **kw) if not strict else \
+                    build_judge_messages(t.query, t.steps, t.score, strict=True, problem=problem, **kw)
+                r = await self._ask(msgs, counts, tag)
+                if not r.ok:  # transport failure after its own retries: no format retry
+                    break
                 flags, problem = parse_step_flags(r.text, k)
                 self.client._log({"event": "parsed", "ts": time.time(), **tag, "num_steps": k, "flags": flags,
                                   "problem": problem})
                 if flags is not None:
                     return flags
-                counts.format_retries += 1
-                tag = dict(tag, kind="judge_strict")
-                r = await self._ask(build_judge_messages(t.query, t.steps, t.score, strict=True, problem=problem, **kw),
-                                    counts, tag)
-                if r.ok:
-                    flags, problem = parse_step_flags(r.text, k)
-                    self.client._log({"event": "parsed", "ts": time.time(), **tag, "num_steps": k, "flags": flags,
-                                      "problem": problem})
-                    if flags is not None:
-                        return flags
             counts.fallbacks += 1
             return None
         except Exception as e:  # noqa: BLE001 - a bad trajectory or a bug here must not stop training
