@@ -324,7 +324,7 @@ def test_batcher_composition_in_process(engine, tok):
     deterministic: a seeded sampled item goes to position 0 (a second one waits for the next call),
     the sample cap splits batches, and every result equals the item's solo engine call."""
     from trainer.rollout.engine import SamplingParams
-    from trainer.serve import Batcher, ServerStats
+    from trainer.rollout.async_engine import Batcher, EngineStats as ServerStats
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(EOS,))
     seeded = {s: SamplingParams(n=2, temperature=2.0, seed=s, max_new_tokens=10, stop_token_ids=(EOS,)) for s in (5, 6)}
@@ -367,7 +367,7 @@ def test_batcher_composition_in_process(engine, tok):
 def test_batcher_drops_cancelled_items(engine, tok):
     # A request whose client went away (its handler cancelled) never reaches the engine.
     from trainer.rollout.engine import SamplingParams
-    from trainer.serve import Batcher, ServerStats
+    from trainer.rollout.async_engine import Batcher, EngineStats as ServerStats
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=(EOS,))
     seen = []

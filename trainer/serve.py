@@ -38,7 +38,7 @@ Request fields and their meaning here:
   ``token_logprobs`` and ``text_offset``; ``top_logprobs`` is null (the engine returns only the
   sampled token's log-prob).
 
-Batching. Handlers validate and tokenize, then put one item per prompt (``n`` samples each) on an
+Batching (:mod:`trainer.rollout.async_engine`). Handlers validate and tokenize, then put one item per prompt (``n`` samples each) on an
 asyncio queue and await a future. One batcher task takes the first waiting item, waits until no new
 item has arrived for ``--batch-wait-ms`` (at most ``--batch-max-wait-ms`` in all: a burst of requests
 arrives over many connections), drains the queue up to ``--max-batch-size`` samples, and runs
@@ -67,13 +67,14 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from trainer.rollout.async_engine import Batcher, EngineStats as ServerStats
 from trainer.rollout.engine import GenerationOutput, SamplingParams
+from trainer.rollout.generate import eos_token_ids
 
 DEFAULT_API_KEY_ENV = "COXSWAIN_API_KEY"
 READY_PREFIX = "coxswain-serve: listening on "
@@ -267,138 +268,8 @@ def apply_stop_strings(pieces: list[str], stop: tuple[str, ...]) -> tuple[int, s
 
 
 # --------------------------------------------------------------------------------------------------
-# the batcher
-# --------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Item:
-    prompt: list[int]
-    params: SamplingParams
-    future: asyncio.Future
-    seeded: bool = False  # a seeded sampled item: must sit at position 0 of its engine call
-
-
-@dataclass
-class ServerStats:
-    requests: int = 0
-    prompts: int = 0
-    engine_calls: int = 0
-    batched_prompts: int = 0
-    max_batch_prompts: int = 0
-    generated_tokens: int = 0
-    engine_seconds: float = 0.0
-    errors: int = 0
-    started: float = field(default_factory=time.time)
-
-
-class Batcher:
-    """Collect items until the queue is quiet for ``wait_s`` (at most ``max_wait_s``), then one
-    ``engine.generate`` call for them in one worker thread; see the module docstring."""
-
-    def __init__(self, engine, *, max_batch_samples: int, wait_s: float, stats: ServerStats, max_wait_s: float | None = None):
-        self.engine = engine
-        self.max_batch_samples = max(1, max_batch_samples)
-        self.wait_s = wait_s
-        self.max_wait_s = max(wait_s, max_wait_s if max_wait_s is not None else 10 * wait_s)
-        self.stats = stats
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._deferred: list[_Item] = []  # items that did not fit (sample cap, a second seeded one), oldest first
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coxswain-engine")
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        self.engine.abort()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    async def submit(self, prompt: list[int], params: SamplingParams) -> list[GenerationOutput]:
-        fut = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(_Item(prompt, params, fut, seeded=params.seed is not None and not params.greedy))
-        return await fut
-
-    async def _collect(self) -> list[_Item]:
-        pending, self._deferred = self._deferred, []
-        if not pending:
-            pending.append(await self.queue.get())
-        if self.wait_s > 0:
-            # Let concurrent requests arrive and share this call: wait until the queue has been quiet
-            # for wait_s (a burst of N requests takes a while to arrive over N connections), but no
-            # longer than max_wait_s in all, and not once a full batch is waiting.
-            loop = asyncio.get_running_loop()
-            t_end = loop.time() + self.max_wait_s
-            seen = -1
-            while self.queue.qsize() != seen and self.queue.qsize() < self.max_batch_samples and loop.time() < t_end:
-                seen = self.queue.qsize()
-                await asyncio.sleep(min(self.wait_s, max(0.0, t_end - loop.time())))
-        while not self.queue.empty():
-            pending.append(self.queue.get_nowait())
-        batch: list[_Item] = []
-        size, seeded = 0, False
-        for it in pending:  # oldest first: deferred items lead
-            if it.future.done():  # the request was cancelled (client gone) before generation
-                continue
-            if (batch and size + it.params.n > self.max_batch_samples) or (it.seeded and seeded):
-                self._deferred.append(it)
-                continue
-            if it.seeded:
-                batch.insert(0, it)  # position 0: its random stream is the one a solo call would use
-                seeded = True
-            else:
-                batch.append(it)
-            size += it.params.n
-        return batch
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = await self._collect()
-            if not batch:
-                continue
-            t0 = time.perf_counter()
-            try:
-                outs = await loop.run_in_executor(self._pool, self.engine.generate,
-                                                  [b.prompt for b in batch], [b.params for b in batch])
-                results: list[Any] = list(outs)
-                self.stats.engine_calls += 1
-            except Exception:
-                # Isolate the failing item(s): one call per item, each failure goes to its own request.
-                results = []
-                for b in batch:
-                    try:
-                        results.append((await loop.run_in_executor(self._pool, self.engine.generate, [b.prompt], [b.params]))[0])
-                        self.stats.engine_calls += 1
-                    except Exception as e:  # noqa: BLE001 - delivered to that request as a 500/400
-                        results.append(e)
-            self.stats.engine_seconds += time.perf_counter() - t0
-            self.stats.batched_prompts += len(batch)
-            self.stats.max_batch_prompts = max(self.stats.max_batch_prompts, len(batch))
-            for b, r in zip(batch, results):
-                if b.future.done():
-                    continue
-                if isinstance(r, Exception):
-                    b.future.set_exception(r)
-                else:
-                    self.stats.generated_tokens += sum(len(o.token_ids) for o in r)
-                    b.future.set_result(r)
-
-
-# --------------------------------------------------------------------------------------------------
 # the server
 # --------------------------------------------------------------------------------------------------
-def _eos_ids(model_dir: str, tokenizer) -> list[int]:
-    # generation_config.json, then config.json, then the tokenizer (the generate CLI's order).
-    from trainer.rollout.generate import _eos_ids as eos_ids
-
-    return eos_ids(model_dir, tokenizer)
-
-
 class ModelServer:
     """Everything a request needs: engine, tokenizer, batcher, key, names. ``app()`` builds the routes."""
 
@@ -681,7 +552,7 @@ def build_server(a: argparse.Namespace) -> ModelServer:
                           dtype=getattr(torch, a.dtype), device=a.device, num_threads=a.threads)
     engine.wake()  # allocate the KV cache now: an out-of-memory shows at start, not at the first request
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
-    return ModelServer(engine, tokenizer, model_name=name, model_dir=a.model, eos_ids=_eos_ids(a.model, tokenizer),
+    return ModelServer(engine, tokenizer, model_name=name, model_dir=a.model, eos_ids=eos_token_ids(a.model, tokenizer),
                        api_key=os.environ.get(a.api_key_env) or None, max_batch_samples=a.max_batch_size,
                        batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0)
 

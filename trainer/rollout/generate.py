@@ -25,7 +25,7 @@ from trainer.rollout.engine import SamplingParams
 from trainer.rollout.native import NativeEngine
 
 
-def _eos_ids(model_dir: str, tokenizer) -> list[int]:
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
     for fname in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, fname)
         if os.path.exists(path):
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise SystemExit(f"line {i + 1}: needs 'prompt_ids' or 'prompt'")
     if a.stop_token_ids is None:
-        stop = _eos_ids(a.model, tokenizer)
+        stop = eos_token_ids(a.model, tokenizer)
     else:
         stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(
