@@ -209,15 +209,18 @@ def test_concurrent_requests_batched_and_exact(server, engine, tok):
     want = {p: reference(engine, tok, ids_of(tok, p), max_new_tokens=12)[0][0] for p in PROMPTS}
     want_s = {s: reference(engine, tok, ids_of(tok, "12+34="), max_new_tokens=12, temperature=2.0, n=2, seed=s)[0]
               for s in (5, 6)}
-    # Precondition that gives the seeded check its teeth: at another position of an engine call the
-    # same seed draws different samples, so the server must place a seeded request at position 0.
-    moved = {}
+    # Precondition that gives the seeded check its teeth: with one params object for a call (the
+    # positional key), the same seed at another position draws different samples; with per-prompt
+    # params (what the batcher passes) the engine keys a request by its own seed, at any position.
+    moved, listed = {}, {}
     for s in (5, 6):
         sp = SamplingParams(n=2, temperature=2.0, seed=s, max_new_tokens=12, stop_token_ids=(EOS,))
         greedy = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(EOS,))
-        outs = engine.generate([ids_of(tok, "7*8=")] * 5 + [ids_of(tok, "12+34=")], [greedy] * 5 + [sp])[5]
+        outs = engine.generate([ids_of(tok, "12+34=")] * 6, sp)[5]
         moved[s] = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    assert moved != want_s
+        outs = engine.generate([ids_of(tok, "7*8=")] * 5 + [ids_of(tok, "12+34=")], [greedy] * 5 + [sp])[5]
+        listed[s] = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    assert moved != want_s and listed == want_s
     _, h0 = get(server, "/../health", key=None)
 
     async def run():
@@ -331,8 +334,10 @@ def test_batcher_composition_in_process(engine, tok):
     g_ids = [ids_of(tok, p) for p in PROMPTS[:5]]
     s_ids = ids_of(tok, "12+34=")
     solo = [engine.generate([i], greedy)[0] for i in g_ids] + [engine.generate([s_ids], seeded[s])[0] for s in (5, 6)]
-    # teeth: at position 5 of a call, seed 5 draws other samples than alone
-    at5 = engine.generate(g_ids + [s_ids], [greedy] * 5 + [seeded[5]])[5]
+    # teeth: at position 5 of a call with one params object (positional key), seed 5 draws other
+    # samples than alone; the Recording wrapper below has no `request_keyed_seeds`, so the batcher
+    # treats it as such a positional engine and must place a seeded item at position 0.
+    at5 = engine.generate([s_ids] * 6, seeded[5])[5]
     assert [o.token_ids for o in at5] != [o.token_ids for o in solo[5]]
 
     calls = []

@@ -10,12 +10,14 @@ event loop keeps accepting requests meanwhile, and they form the next batch). Th
 continuous batching inside that call. A failing batch is re-run one item at a time so one bad request
 cannot fail the others. Items whose caller has gone away (cancelled future) are dropped.
 
-Seeds. The native engine draws the samples of prompt i of a call from a stream keyed by
-``(seed, i, j)``, so a seeded sample depends on the prompt's position in the call. To make a seeded
-request reproducible whatever else is in flight, a batch holds at most one seeded sampled item (not
-greedy), always at position 0: its samples equal ``engine.generate([prompt], SamplingParams(seed=s,
-n=n, ...))``. Seeded sampled requests are therefore not batched with each other (unseeded and greedy
-ones are).
+Seeds. The batcher calls ``engine.generate`` with one params object per item. An engine with
+``request_keyed_seeds`` (the native engine) then keys each item's random stream by the item's own seed,
+not its position, so a seeded request's samples equal ``engine.generate([prompt], SamplingParams(
+seed=s, n=n, ...))`` whatever shares its call, and seeded requests batch freely (the multi-turn loop
+gives every turn its own seed and relies on this). For an engine without it, where a sample depends on
+the prompt's position in the call, a batch holds at most one seeded sampled item (not greedy), always
+at position 0, which gives the same guarantee; seeded sampled requests are then not batched with each
+other (unseeded and greedy ones are).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class _Item:
     prompt: list[int]
     params: SamplingParams
     future: asyncio.Future
-    seeded: bool = False  # a seeded sampled item: must sit at position 0 of its engine call
+    seeded: bool = False  # a seeded sampled item for a positional-seed engine: must sit at position 0
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Batcher:
         self._deferred: list[_Item] = []  # items that did not fit (sample cap, a second seeded one), oldest first
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coxswain-engine")
         self._task: asyncio.Task | None = None
+        # Position-independent seeds: no placement rule needed for seeded items (module docstring).
+        self.request_keyed_seeds = bool(getattr(engine, "request_keyed_seeds", False))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -80,7 +84,8 @@ class Batcher:
 
     async def submit(self, prompt: list[int], params: SamplingParams) -> list[GenerationOutput]:
         fut = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(_Item(prompt, params, fut, seeded=params.seed is not None and not params.greedy))
+        seeded = params.seed is not None and not params.greedy and not self.request_keyed_seeds
+        self.queue.put_nowait(_Item(prompt, params, fut, seeded=seeded))
         return await fut
 
     async def _collect(self) -> list[_Item]:

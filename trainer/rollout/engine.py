@@ -102,6 +102,12 @@ class GenerationOutput:
 class RolloutEngine(abc.ABC):
     """What the controller and the rollout loops may call on any engine."""
 
+    # True when ``generate`` with a per-prompt params LIST draws each prompt's samples from a stream
+    # keyed by that prompt's own ``seed`` alone (not by its position in the call), so a seeded request
+    # gives the same samples whatever it is batched with. The async batcher and the multi-turn loop
+    # rely on it to batch seeded requests together; an engine without it gets one seeded item per call.
+    request_keyed_seeds: bool = False
+
     @abc.abstractmethod
     def generate(
         self,
@@ -110,8 +116,9 @@ class RolloutEngine(abc.ABC):
     ) -> list[list[GenerationOutput]]:
         """Sample ``params.n`` responses for every prompt.
 
-        ``params`` is one :class:`SamplingParams` for all prompts, or one per prompt. Returns
-        ``out[i][j]``: response ``j`` of prompt ``i``.
+        ``params`` is one :class:`SamplingParams` for all prompts, or one per prompt (see
+        ``request_keyed_seeds`` for what a seed means then). Returns ``out[i][j]``: response ``j`` of
+        prompt ``i``.
         """
 
     @abc.abstractmethod

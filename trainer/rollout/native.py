@@ -26,7 +26,11 @@ cumulative (float64) probability exceeds u * total, the CDF running over token i
 no filter is on, and over the kept tokens in descending-probability order when top-k/top-p is. The uniforms of request (prompt i, sample j)
 come from its own ``random.Random`` stream seeded with ``(seed, i, j)``, so a sample depends on the
 seed, the prompt's position in the call and the sample index -- not on ``max_batch_size``, on
-which other requests share its batch, or on scheduling order. (A per-row stream is also what makes
+which other requests share its batch, or on scheduling order. With a per-prompt params LIST, each
+prompt is its own request: its stream is keyed by ``(its params' seed, 0, j)``, whatever its position,
+so ``generate(P, [.., sp, ..])[k] == generate([P[k]], sp)[0]`` and a seeded request draws the same
+samples however a batcher composes the call (``request_keyed_seeds``). One params object for all
+prompts keeps the positional key, so a seeded step's prompts draw distinct streams. (A per-row stream is also what makes
 one uniform per token cheap: no per-row ``torch.Generator`` call, and the rest is vectorised.)
 Finite-precision caveat: rows are computed in batches of varying size, so logits can differ in the
 last bits between schedules; a draw can flip only when u falls within that rounding of a CDF
@@ -214,6 +218,8 @@ class NativeEngine(RolloutEngine):
     ``kv_dtype``: KV-cache dtype; default the model's.
     """
 
+    request_keyed_seeds = True  # a per-prompt params list keys prompt i by its own seed, not by i
+
     def __init__(
         self,
         model: str | CausalLM,
@@ -275,7 +281,8 @@ class NativeEngine(RolloutEngine):
 
     # ---- generation --------------------------------------------------------------------------
     def _make_requests(self, prompts, params) -> list[_Request]:
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        per_prompt = not isinstance(params, SamplingParams)
+        plist = list(params) if per_prompt else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         V = self.model.cfg.vocab_size
@@ -290,8 +297,9 @@ class NativeEngine(RolloutEngine):
                 raise ValueError(f"prompt {i} has token ids outside [0, {V})")
             seed = sp.seed if sp.seed is not None else secrets.randbits(62)
             stop = frozenset(sp.stop_token_ids)
+            key = 0 if per_prompt else i  # per-prompt params: position-independent (module docstring)
             for j in range(sp.n):
-                reqs.append(_Request(i, j, p, sp, random.Random(f"coxswain:{seed}:{i}:{j}"), stop))
+                reqs.append(_Request(i, j, p, sp, random.Random(f"coxswain:{seed}:{key}:{j}"), stop))
         return reqs
 
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> None:
