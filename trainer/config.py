@@ -335,6 +335,9 @@ class AdcaConfig:
     rate_limit_per_s: Optional[float] = None  # token-bucket rate; None = unlimited
     llm_evaluation_log_dir: Optional[str] = None  # JSONL log of every judge request/response
     skip_type: str = "skip_small_adv"  # skip_small_adv | skip_all_neg | none
+    judge_max_tokens: Optional[int] = 256  # max_tokens of each judge answer (None = the server's default)
+    local_model_path: Optional[str] = None  # evaluation_type=local: HF dir served as the judge (None = the actor's model)
+    local_max_seq_len: int = 4096  # evaluation_type=local: the judge server's context length
     adca_grpo: AdcaGrpoConfig = field(default_factory=AdcaGrpoConfig)  # fusion settings
 
 

@@ -74,9 +74,6 @@ def check_supported(cfg) -> None:
     no-op would train something other than what the user asked for."""
     r, t = cfg.actor_rollout_ref.rollout, cfg.trainer
     gaps = []
-    if cfg.algorithm.adv_estimator == "adca_grpo" or cfg.attribution_driven_credit_assignment.enable:
-        gaps.append("ADCA-GRPO in the loop (algorithm.adv_estimator=adca_grpo / attribution_driven_credit_assignment."
-                    "enable): the math is in trainer/algos/adca.py but the judge path is not wired into the loop yet")
     if r.multi_turn.enable:
         gaps.append("actor_rollout_ref.rollout.multi_turn.enable=true: the multi-turn agent loop is not wired in yet")
     if r.name != "native":
@@ -100,6 +97,7 @@ def train(cfg) -> dict:
     from trainer.algos.kl import apply_kl_in_reward, make_kl_controller
     from trainer.algos.rollout_is import compute_rejection_mask, compute_rollout_is_weights
     from trainer.checkpoint import CheckpointManager, capture_rng, load_driver_state, restore_rng
+    from trainer.credit import adca_active, adca_advantages, make_judge
     from trainer.data.dataset import PromptSampler, build_dataset
     from trainer.phases import collect_batch, dp_dispatch, should_eval, timer, to_float_metrics, update_group, validate
     from trainer.report import write_report
@@ -128,7 +126,10 @@ def train(cfg) -> dict:
     kl_ctrl = make_kl_controller(al.kl_ctrl.type, kl_coef=al.kl_ctrl.kl_coef, target_kl=al.kl_ctrl.target_kl,
                                  horizon=al.kl_ctrl.horizon)
     cluster = Cluster(cfg, total_steps)  # Ray (or in-process) worker groups, placement, resharder
+    judge_server = None
     try:
+        # ADCA-GRPO: the LLM judge of step-level credit (a local trainer.serve subprocess or an API)
+        judge, judge_server = make_judge(cfg, run_dir) if adca_active(cfg) else (None, None)
         ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), cfg.trainer.max_actor_ckpt_to_keep)
 
         start_step, next_group_id, last_eval, run_id, history = 0, 0, None, None, []
@@ -216,11 +217,15 @@ def train(cfg) -> dict:
                 if cluster.critic is not None:
                     batch.values = dp_dispatch(cluster.critic, cluster.critic_layout, batch, "compute_values",
                                                micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
-                batch.advantages, batch.returns, adv_m = compute_advantage(
-                    al.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
-                    index=batch.group_ids, values=batch.values, gamma=al.gamma, lam=al.lam,
-                    norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
-                m.update(to_float_metrics(adv_m, "adv/"))
+                if judge is not None:  # ADCA-GRPO: the judge's step flags fused with the outcome
+                    batch.advantages, batch.returns, adv_m = adca_advantages(
+                        batch, tok, judge, cfg.attribution_driven_credit_assignment, global_step=step)
+                else:
+                    batch.advantages, batch.returns, adv_m = compute_advantage(
+                        al.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+                        index=batch.group_ids, values=batch.values, gamma=al.gamma, lam=al.lam,
+                        norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
+                m.update(to_float_metrics(adv_m, "adv/" if judge is None else ""))  # ADCA's are adca/*
             # 8. critic, then actor
             if cluster.critic is not None:
                 with timer(m, "update_critic"):
@@ -284,6 +289,8 @@ def train(cfg) -> dict:
     finally:  # a failed run must not leave workers, placement groups or scorer processes behind
         cluster.shutdown()
         reward_mgr.close()
+        if judge_server is not None:
+            judge_server.close()
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -1,0 +1,229 @@
+"""ADCA-GRPO in the loop: ask an LLM judge about the steps of each trajectory, then fuse its GOOD/BAD
+flags with the outcome scores into token advantages.
+
+The math is :func:`trainer.algos.adca.compute_adca_grpo_advantage` (AgentEvolver, Zhai et al. 2025,
+arXiv:2511.10395; see that module's docstring for every formula). This module is the I/O around it,
+one call per step from ``trainer/main.py``:
+
+  1. outcome scores R_i = sum of the token-level rewards (after overlong shaping / KL-in-reward);
+  2. o_i = per-group z-score of R (:func:`outcome_zscore`) decides, with ``skip_type``, which samples
+     the judge is asked about (:func:`select_judge_samples`); after ``prm_steps`` training steps
+     nobody is asked (:func:`prm_active`);
+  3. each asked trajectory becomes ``(query, steps, score)``: the steps are the assistant turns, in
+     order, each with the environment's answer as its observation (multi-turn: from the conversation
+     the agent loop kept in ``meta["messages"]``; single-turn: the response is the one step). The
+     number of steps is ``K_i = max(step_ids) + 1``, the same K the advantage broadcast uses, so a
+     turn cut by the token budget is still judged;
+  4. :meth:`trainer.rewards.judge.JudgeClient.judge_batch` returns per-trajectory flags, or None when
+     the judge failed (after its transport retries and one stricter-prompt retry): that sample falls
+     back to outcome-only credit (``use_prm=False``);
+  5. the advantages.
+
+``evaluation_type=local`` serves a local HF model as the judge with ``python -m trainer.serve`` in a
+subprocess (:class:`LocalJudgeServer`): by default the actor's own initial checkpoint, or
+``attribution_driven_credit_assignment.local_model_path``. ``api`` talks to ``base_url`` with the key
+from the environment variable ``api_key_env`` (``DASHSCOPE_API_KEY`` as the seed recipe sets it).
+
+Metrics: the judge's (``adca/judge_*``; ``adca/judge_fallback_fraction`` = fallbacks / trajectories the
+judge was asked about) and the fusion's (``adca/good_fraction``, ``adca/prm_fraction``,
+``adca/skipped_fraction`` = samples not asked / batch, ``adca/prm_abs_mean``, ``adca/orm_abs_mean``,
+``adca/flag_outcome_corr``, ...), logged when ``adca_grpo.enable_adca_metric``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+
+from trainer.algos.adca import (compute_adca_grpo_advantage, num_steps_from_step_ids, outcome_zscore, prm_active,
+                                select_judge_samples)
+from trainer.batch import RolloutBatch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def adca_active(cfg) -> bool:
+    """ADCA runs when asked for either way: the seed recipes set ``attribution_driven_credit_assignment.enable``
+    (next to ``adv_estimator=grpo``); ``algorithm.adv_estimator=adca_grpo`` says the same."""
+    return bool(cfg.attribution_driven_credit_assignment.enable) or cfg.algorithm.adv_estimator == "adca_grpo"
+
+
+# --------------------------------------------------------------------------------------------------
+# trajectories for the judge
+# --------------------------------------------------------------------------------------------------
+def steps_from_messages(messages: Sequence[dict], k: int) -> tuple[str, list[dict]]:
+    """``(query, steps)`` from a conversation: the query is the text of the user messages before the
+    first assistant turn; step j is the j-th assistant message with everything the environment or
+    tools said after it (up to the next assistant turn) as its observation. Exactly ``k`` steps: a
+    conversation with fewer assistant messages (cannot happen with the agent loop's step ids) is padded
+    with empty steps so the flags still line up with the step ids."""
+    query_parts, steps = [], []
+    for msg in messages:
+        role, content = msg.get("role"), msg.get("content") or ""
+        if role == "assistant":
+            steps.append({"action": content, "observation": ""})
+        elif not steps:
+            if role == "user":
+                query_parts.append(content)
+        else:
+            obs = steps[-1]["observation"]
+            steps[-1]["observation"] = (obs + "\n" if obs else "") + (f"[{role}] " if role != "user" else "") + content
+    steps = steps[:k] + [{"action": "", "observation": ""}] * max(0, k - len(steps))
+    return "\n".join(query_parts), steps
+
+
+def judge_trajectories(batch: RolloutBatch, tokenizer, rows: Sequence[int], scores: torch.Tensor,
+                       num_steps: torch.Tensor) -> list[dict]:
+    """The judge's view of the given rows: ``{"query", "steps", "score"}`` each."""
+    has_messages = batch.meta is not None and "messages" in batch.meta.keys()
+    msgs = batch.get_meta("messages") if has_messages else None
+    out = []
+    for i in rows:
+        k = int(num_steps[i])
+        if msgs is not None:
+            query, steps = steps_from_messages(msgs[i], k)
+        else:  # single-turn: the response is the one step
+            p = batch.prompts[i][batch.attention_mask[i, :batch.prompt_width].bool()]
+            n = int(batch.response_length[i])
+            query = tokenizer.decode(p.tolist(), skip_special_tokens=True)
+            steps = [{"action": tokenizer.decode(batch.responses[i, :n].tolist(), skip_special_tokens=True),
+                      "observation": ""}][:k]
+        out.append({"query": query, "steps": steps, "score": float(scores[i])})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the phase
+# --------------------------------------------------------------------------------------------------
+def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_step: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """``(advantages [B, T], returns [B, T], metrics)`` for ``batch`` (needs ``token_level_rewards``,
+    ``group_ids``, ``step_ids``). ``judge`` has ``judge_batch(trajectories, global_step=) -> (flags, metrics)``."""
+    g = adca_cfg.adca_grpo
+    mask = batch.response_mask.bool()  # [B, T]
+    if batch.step_ids is None:  # single-turn: every response token belongs to step 0
+        batch.step_ids = torch.where(mask, 0, -1).to(torch.int64)  # [B, T]
+    step_ids = torch.where(mask, batch.step_ids, -1)  # [B, T]; a masked-out token belongs to no step
+    scores = (batch.token_level_rewards.double() * mask).sum(-1)  # [B]
+    k = num_steps_from_step_ids(step_ids)  # [B]
+
+    ask = select_judge_samples(outcome_zscore(scores, batch.group_ids), scores, adca_cfg.skip_type)  # [B]
+    ask &= k > 0
+    if not prm_active(global_step, g.prm_steps):
+        ask[:] = False
+    rows = ask.nonzero().flatten().tolist()
+    flags: list = [None] * len(scores)
+    judge_m: dict[str, float] = {}
+    if rows:
+        got, judge_m = judge.judge_batch(judge_trajectories(batch, tokenizer, rows, scores, k), global_step=global_step)
+        for i, f in zip(rows, got):
+            flags[i] = f
+    use_prm = torch.tensor([f is not None and len(f) > 0 for f in flags], dtype=torch.bool)  # [B]
+    padded = [f if f is not None else [] for f in flags]
+    extra = {}
+    if g.prm_scheme == "allocation":
+        extra = dict(consistent_scale=g.consistent_scale, pos_unconsistent_scale=g.pos_unconsistent_scale,
+                     neg_unconsistent_scale=g.neg_unconsistent_scale)
+    adv, ret, m = compute_adca_grpo_advantage(
+        step_flags=padded, index=batch.group_ids, step_ids=step_ids, response_mask=batch.response_mask,
+        outcome_scores=scores, num_steps=k, use_prm=use_prm, prm_scheme=g.prm_scheme, fix_base=g.fix_base,
+        alpha=g.alpha, beta=g.beta, do_batch_norm=g.do_batch_norm, equal_trajectory_weight=g.equal_trajectory_weight,
+        orm_distribution=g.orm_distribution, enable_length_normalization=g.enable_length_normalization,
+        num_skipped=len(scores) - len(rows), num_judge_calls=int(judge_m.get("adca/judge_calls", 0)),
+        dtype=torch.float32, **extra)
+    metrics = {key: float(v) for key, v in m.items()}
+    metrics.update(judge_m)  # the judge's fallback fraction (over asked trajectories) is the one logged
+    metrics["adca/asked_fraction"] = len(rows) / max(len(scores), 1)
+    if not g.enable_adca_metric:
+        metrics = {}
+    return adv, ret, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# the judge
+# --------------------------------------------------------------------------------------------------
+class LocalJudgeServer:
+    """``python -m trainer.serve`` in a subprocess on 127.0.0.1 (a free port), for ``evaluation_type=local``.
+
+    Started before the first step; ``close()`` (or the ``with`` block) terminates it. Its output goes
+    to ``log_path`` so a failed start can be explained."""
+
+    def __init__(self, model_dir: str, *, log_path: str, max_seq_len: int = 4096, threads: int = 1,
+                 start_timeout: float = 180.0):
+        from trainer.serve import READY_PREFIX
+
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("COXSWAIN_API_KEY", None)  # a local judge: no key, bound to 127.0.0.1 only
+        cmd = [sys.executable, "-m", "trainer.serve", "--model", model_dir, "--port", "0", "--host", "127.0.0.1",
+               "--threads", str(threads), "--max-seq-len", str(max_seq_len), "--served-model-name", "local-judge"]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.base_url = None
+        deadline = time.monotonic() + start_timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self._log.write(line)
+            if line.startswith(READY_PREFIX):
+                self.base_url = line[len(READY_PREFIX):].split()[0]
+                break
+        self._log.flush()
+        if self.base_url is None:
+            self.close()
+            raise RuntimeError(f"the local judge server (trainer.serve --model {model_dir}) did not start within "
+                               f"{start_timeout:.0f}s; its output is in {log_path}")
+        # Keep draining its output into the log so the pipe never fills.
+        import threading
+
+        threading.Thread(target=self._drain, daemon=True, name="coxswain-judge-log").start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self._log.write(line)
+                self._log.flush()
+            except ValueError:  # closed
+                return
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        try:
+            self._log.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_judge(cfg, run_dir: str) -> tuple[Any, LocalJudgeServer | None]:
+    """``(JudgeClient, server or None)`` from the config; the caller closes the server."""
+    from trainer.rewards.judge import JudgeClient
+
+    ac = cfg.attribution_driven_credit_assignment
+    kw: dict[str, Any] = dict(max_tokens=ac.judge_max_tokens)
+    server = None
+    if ac.evaluation_type == "local":
+        model = ac.local_model_path or cfg.actor_rollout_ref.model.path
+        server = LocalJudgeServer(model, log_path=os.path.join(run_dir, "judge_server.log"),
+                                  max_seq_len=ac.local_max_seq_len)
+        kw.update(base_url=server.base_url, model="local-judge", api_key_env=None)
+    return JudgeClient.from_config(ac, **kw), server
