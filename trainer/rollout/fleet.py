@@ -1,0 +1,730 @@
+"""The rollout fleet over HTTP: N engine servers behind the real ``sglang-router``, and a client that is a
+:class:`~trainer.rollout.engine.RolloutEngine`.
+
+    with Fleet("recipes/cpu/tiny_model", num_servers=2, threads_per_server=1) as fleet:
+        outs = fleet.client.generate(prompts, SamplingParams(n=4, max_new_tokens=64, seed=7))
+        fleet.client.update_weights(actor_hf_named_tensors)       # drained, bucketed, checksummed
+        outs = await fleet.client.agenerate(prompt_ids, params)     # one prompt, from any event loop
+
+API (what the controller calls):
+
+``Fleet(model, *, num_servers=2, threads_per_server=1, max_batch_size=32, max_seq_len=None,
+dtype="float32", policy="round_robin", health_interval_s=1.0, server_args=(), router_args=(),
+log_dir=None, startup_timeout_s=180, **client_kwargs)``
+    ``start()`` (or ``with``) launches ``num_servers`` ``python -m trainer.rollout.native_server``
+    processes on free loopback ports (``--threads threads_per_server``, ``OMP_NUM_THREADS`` likewise),
+    waits for each one's ready line, then launches ``python -m sglang_router.launch_router`` (sglang-router
+    0.3.2) with ``--worker-urls`` and ``--policy``, and waits until the router lists every worker as
+    healthy. ``fleet.client`` is the :class:`FleetClient`; ``fleet.server_urls``, ``fleet.router_url``;
+    ``fleet.stats`` (:class:`FleetStats`, ``as_metrics()`` gives ``fleet/*`` keys). ``close()`` (also at
+    exit) kills every process group it started. A monitor thread health-checks the servers every
+    ``health_interval_s`` (process alive, and ``GET /health`` answering), and at once when the client
+    reports a failed request; a dead or hung server is restarted (:meth:`Fleet.restart_server`).
+
+``FleetClient(router_url, worker_urls, *, max_concurrency=64, request_timeout_s=600, max_retries=4,
+retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None)``
+    Usable without a :class:`Fleet`, e.g. against real SGLang servers behind a router on GPU: the
+    generate path speaks only SGLang's native ``/generate`` (v0.5.8 shapes, see
+    :mod:`trainer.rollout.native_server`).
+    * ``generate(prompts, params)``: one ``/generate`` request per prompt (``n`` samples each) through
+      the router, at most ``max_concurrency`` in flight; returns ``out[i][j]``. Blocking; call it from
+      a thread that is not running an event loop.
+    * ``await agenerate(prompt_ids, params) -> list[GenerationOutput]``: one prompt, from any asyncio
+      loop (the multi-turn agent loop); requests run on the client's own loop thread.
+    * ``update_weights(named_tensors, *, dtype=None, ignore=None, weight_version=None)``: drain (new
+      requests wait, in-flight ones finish), push the (HF name, tensor) stream in buckets of
+      ``bucket_bytes`` to every worker (``POST /update_weights_from_tensor``, a safetensors blob), then
+      check that every worker's ``GET /weights_checksum`` equals :func:`checksum_named_tensors` of the
+      stream (cast to the workers' dtype; ``lm_head.weight`` ignored for tied models); raises
+      :class:`WeightSyncError` naming the worker otherwise. Returns the names pushed.
+    * ``weights_checksum()``: the workers' common checksum (:class:`WeightSyncError` if they differ).
+    * ``abort()``: ``/abort_request {"abort_all": true}`` on every worker. ``sleep``/``wake``: no-ops.
+    * ``stats``: requests, prompts, retries (``fleet/retries``), failures, generated tokens.
+    * ``close()``.
+
+Failures and retries. The router runs with ``--disable-retries`` so a failure reaches the client and is
+counted: a connection error, a timeout, or an HTTP 5xx / 408 / 429 (the router answers 500
+``call_upstream_request_error`` when its worker dies mid-request) is retried up to ``max_retries``
+times, with exponential backoff, directly on the next worker (round-robin order) that answers
+``GET /health``, and counts one ``fleet/retries`` each. Other 4xx are the request's fault: raised, not
+retried. The client then pokes the fleet (``on_failure``), whose monitor restarts a dead server on a
+new port, removes the old URL from the router (``DELETE /workers/{id}``) and registers the new one
+(``POST /workers {"url": ...}``; 0.3.2 has no ``/add_worker``), after copying a live peer's weights into
+it when weights were pushed since start (``GET /weights_safetensors``) and checking its checksum.
+
+Seeds. ``SamplingParams.seed`` travels as SGLang's ``sampling_params.sampling_seed``. With a per-prompt
+params list, each prompt's own seed is sent as is, so ``client.generate(P, plist)`` equals
+``NativeEngine.generate(P, plist)`` (the engine keys such streams by the request's seed, not its
+position). With ONE params object for all prompts, prompt ``i`` is sent with :func:`prompt_seed`
+``(seed, i)``, so the prompts of a seeded step draw distinct streams (as in the engine), and
+``client.generate(P, sp) == NativeEngine.generate(P, [replace(sp, seed=prompt_seed(sp.seed, i)) ...])``;
+it is not bit-equal to ``NativeEngine.generate(P, sp)``, whose positional key has no HTTP spelling.
+On real SGLang a seed is honoured only with ``--enable-deterministic-inference``, and its n parallel
+samples of one seeded request come out identical (it hashes seed and position only): use ``seed=None``
+with ``n > 1`` there.
+
+Stops. ``stop_token_ids`` are sent as is, with ``ignore_eos = not stop_token_ids``: an empty set means
+"no stop" on any server. A non-empty set also stops on the model's EOS ids (SGLang's rule), so pass
+the EOS ids in it, as the controller does; then outputs equal the in-process engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, checksum_named_tensors,
+                                    iter_buckets)
+
+log = logging.getLogger(__name__)
+
+SERVER_READY_PREFIX = "coxswain-native-server: listening on "  # trainer.rollout.native_server.READY_PREFIX
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class FleetError(RuntimeError):
+    """A request the fleet could not serve (retries spent, or the request itself was refused)."""
+
+
+class WeightSyncError(FleetError):
+    """A weight push failed, or a worker's weights differ from the source's after it."""
+
+
+# --------------------------------------------------------------------------------------------------
+# the SGLang /generate protocol, client side: pure functions
+# --------------------------------------------------------------------------------------------------
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed prompt ``index`` of a one-params call is sent with: 62 bits of sha256("seed:index")."""
+    return int.from_bytes(hashlib.sha256(f"coxswain-fleet:{int(seed)}:{int(index)}".encode()).digest()[:8], "big") >> 2
+
+
+def sglang_sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
+    """The engine's :class:`SamplingParams` as SGLang ``sampling_params`` (``seed`` overrides params.seed)."""
+    seed = params.seed if seed is None else seed
+    sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+          "top_k": params.top_k if params.top_k else -1, "n": params.n,
+          "stop_token_ids": list(params.stop_token_ids), "ignore_eos": not params.stop_token_ids}
+    if seed is not None:
+        sp["sampling_seed"] = int(seed)
+    return sp
+
+
+def generate_payload(prompt_ids: Sequence[int], params: SamplingParams, seed: int | None = None) -> dict:
+    """One SGLang ``/generate`` body for one prompt, asking for the sampled tokens' log-probs."""
+    return {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sglang_sampling_params(params, seed),
+            "return_logprob": True, "logprob_start_len": -1, "stream": False}
+
+
+def parse_output(item: dict) -> GenerationOutput:
+    """One SGLang output object -> :class:`GenerationOutput` (tokens from ``meta_info.output_token_logprobs``,
+    checked against ``output_ids``)."""
+    try:
+        meta = item["meta_info"]
+        triples = meta["output_token_logprobs"]
+        fr = meta["finish_reason"]
+    except (KeyError, TypeError) as e:
+        raise FleetError(f"not an SGLang /generate output with log-probs (missing {e}): {str(item)[:300]}") from e
+    ids = [int(t[1]) for t in triples]
+    lps = [float(t[0]) for t in triples]
+    if "output_ids" in item and [int(t) for t in item["output_ids"]] != ids:
+        raise FleetError(f"output_ids {item['output_ids']} disagree with output_token_logprobs' ids {ids}")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind not in ("stop", "length", "abort"):
+        raise FleetError(f"unknown finish_reason {fr!r}")
+    return GenerationOutput(ids, lps, kind)
+
+
+def parse_generate_response(body: Any, n: int) -> list[GenerationOutput]:
+    """A ``/generate`` response for one prompt sampled ``n`` times: one object (n == 1) or a list of n."""
+    items = body if isinstance(body, list) else [body]
+    if len(items) != n:
+        raise FleetError(f"expected {n} outputs, got {len(items)}")
+    return [parse_output(it) for it in items]
+
+
+# --------------------------------------------------------------------------------------------------
+# the client
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class FleetStats:
+    requests: int = 0  # /generate requests that succeeded
+    prompts: int = 0
+    retries: int = 0  # failed attempts that were retried (fleet/retries)
+    failures: int = 0  # requests given up on
+    generated_tokens: int = 0
+    weight_pushes: int = 0
+    restarts: int = 0  # servers the Fleet restarted
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"fleet/{k}": float(v) for k, v in self.__dict__.items()}
+
+
+class FleetClient(RolloutEngine):
+    """SGLang-protocol client over a router (and its workers); see the module docstring."""
+
+    def __init__(self, router_url: str, worker_urls: Sequence[str], *, max_concurrency: int = 64,
+                 request_timeout_s: float = 600.0, max_retries: int = 4, retry_backoff_s: float = 0.1,
+                 bucket_bytes: int = 64 << 20, on_failure: Callable[[str], None] | None = None,
+                 stats: FleetStats | None = None):
+        self.router_url = router_url.rstrip("/")
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.bucket_bytes = bucket_bytes
+        self.on_failure = on_failure
+        self.stats = stats if stats is not None else FleetStats()
+        self.expected_checksum: str | None = None  # the workers' weights since the last verified push
+        self.weights_lock = threading.RLock()  # held through a push; a Fleet restart copies weights under it
+        self._rr = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="coxswain-fleet-client", daemon=True)
+        self._thread.start()
+        self._session = None
+        self._sem: asyncio.Semaphore | None = None
+        self._open: asyncio.Event | None = None  # cleared while draining for a weight push
+        self._idle: asyncio.Event | None = None  # set when nothing is in flight
+        self._inflight = 0
+        self._call(self._setup())
+
+    # ---- loop plumbing ----------------------------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a blocking FleetClient method was called from its own loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _setup(self) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        self._sem = asyncio.Semaphore(self.max_concurrency)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self._session is not None:
+            try:
+                self._call(self._session.close(), timeout=10)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def set_workers(self, urls: Sequence[str]) -> None:
+        """Replace the worker list (a Fleet does this when it restarts a server)."""
+        self.worker_urls = [u.rstrip("/") for u in urls]
+
+    # ---- HTTP helpers (on the loop) -------------------------------------------------------------------
+    def _timeout(self, seconds: float):
+        import aiohttp
+
+        return aiohttp.ClientTimeout(total=seconds)
+
+    async def _get_json(self, url: str, timeout: float = 30.0) -> Any:
+        async with self._session.get(url, timeout=self._timeout(timeout)) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise FleetError(f"GET {url}: HTTP {r.status}: {body[:300]!r}")
+            return json.loads(body)
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            async with self._session.get(url + "/health", timeout=self._timeout(2.0)) as r:
+                return r.status == 200
+        except Exception:  # noqa: BLE001 - any failure is "not healthy"
+            return False
+
+    async def _live_worker(self) -> str | None:
+        urls = list(self.worker_urls)
+        for k in range(len(urls)):
+            url = urls[(self._rr + k) % len(urls)]
+            if await self._healthy(url):
+                self._rr = (self._rr + k + 1) % len(urls)
+                return url
+        return None
+
+    async def _post_generate(self, payload: dict) -> Any:
+        import aiohttp
+
+        url, last = self.router_url, ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._session.post(url + "/generate", json=payload,
+                                              timeout=self._timeout(self.request_timeout_s)) as r:
+                    body = await r.read()
+                    if r.status == 200:
+                        return json.loads(body)
+                    last = f"HTTP {r.status} from {url}: {body[:500].decode(errors='replace')}"
+                    if r.status not in RETRYABLE_STATUS:
+                        self.stats.failures += 1
+                        raise FleetError(f"/generate refused: {last}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+                last = f"{type(e).__name__} from {url}: {e}"
+            if attempt == self.max_retries:
+                break
+            self.stats.retries += 1
+            log.warning("fleet: /generate failed (%s); retry %d/%d", last, attempt + 1, self.max_retries)
+            if self.on_failure is not None:
+                self.on_failure(last)
+            await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
+            url = await self._live_worker() or self.router_url
+        self.stats.failures += 1
+        raise FleetError(f"/generate failed after {self.max_retries} retries: {last}")
+
+    async def _one(self, prompt_ids: Sequence[int], params: SamplingParams, seed: int | None) -> list[GenerationOutput]:
+        while not self._open.is_set():  # a weight push is draining the fleet: wait for it
+            await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            async with self._sem:
+                body = await self._post_generate(generate_payload(prompt_ids, params, seed))
+            outs = parse_generate_response(body, params.n)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        self.stats.requests += 1
+        self.stats.prompts += 1
+        self.stats.generated_tokens += sum(len(o.token_ids) for o in outs)
+        return outs
+
+    async def _many(self, prompts, plist, seeds) -> list[list[GenerationOutput]]:
+        return list(await asyncio.gather(*(self._one(p, sp, s) for p, sp, s in zip(prompts, plist, seeds))))
+
+    # ---- RolloutEngine ---------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[GenerationOutput]]:
+        prompts = [list(p) for p in prompt_token_ids]
+        if isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+            seeds = [None if params.seed is None else prompt_seed(params.seed, i) for i in range(len(prompts))]
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+            seeds = [None] * len(prompts)  # each params' own seed, as is
+        return self._call(self._many(prompts, plist, seeds))
+
+    async def agenerate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
+        """One prompt's ``params.n`` responses, awaitable from any event loop (its seed sent as is)."""
+        fut = asyncio.run_coroutine_threadsafe(self._one(list(prompt_ids), params, None), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    def abort(self) -> None:
+        async def _abort_all():
+            for url in self.worker_urls:
+                try:
+                    async with self._session.post(url + "/abort_request", json={"abort_all": True},
+                                                  timeout=self._timeout(10)) as r:
+                        await r.read()
+                except Exception:  # noqa: BLE001 - a dead worker has nothing to abort
+                    pass
+        self._call(_abort_all())
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    async def _reopen(self) -> None:
+        self._open.set()
+
+    async def _post_blob(self, url: str, blob: bytes, weight_version: str | None) -> None:
+        q = f"?weight_version={weight_version}" if weight_version is not None else ""
+        async with self._session.post(url + "/update_weights_from_tensor" + q, data=blob,
+                                      headers={"Content-Type": "application/octet-stream"},
+                                      timeout=self._timeout(self.request_timeout_s)) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise WeightSyncError(f"weight push to {url} failed: HTTP {r.status}: {body[:500]!r}")
+
+    async def _push(self, urls: Sequence[str], blob: bytes, weight_version: str | None) -> None:
+        await asyncio.gather(*(self._post_blob(u, blob, weight_version) for u in urls))
+
+    async def _checksums(self, urls: Sequence[str]) -> dict[str, str]:
+        sums = await asyncio.gather(*(self._get_json(u + "/weights_checksum", timeout=self.request_timeout_s) for u in urls))
+        return {u: s["checksum"] for u, s in zip(urls, sums)}
+
+    def _encode(self, bucket: list[tuple[str, torch.Tensor]]) -> bytes:
+        from trainer.rollout.native_server import tensors_to_safetensors
+
+        return tensors_to_safetensors(bucket)
+
+    def server_info(self, url: str | None = None) -> dict:
+        return self._call(self._get_json((url or self.worker_urls[0]) + "/server_info"))
+
+    def verify_weights(self, expected: str, urls: Sequence[str] | None = None) -> None:
+        """Raise :class:`WeightSyncError` unless every worker's checksum equals ``expected``."""
+        urls = list(urls or self.worker_urls)
+        sums = self._call(self._checksums(urls))
+        bad = {u: s for u, s in sums.items() if s != expected}
+        if bad:
+            raise WeightSyncError(
+                f"weight sync check failed on {len(bad)} of {len(urls)} workers: expected checksum {expected}, got "
+                + ", ".join(f"{u} -> {s}" for u, s in bad.items())
+                + " (a tensor was lost, corrupted or cast differently in transit)")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
+                       ignore: Iterable[str] | None = None, weight_version: str | None = None) -> list[str]:
+        with self.weights_lock:
+            urls = list(self.worker_urls)
+            info = self.server_info(urls[0])
+            if dtype is None:
+                dtype = getattr(torch, str(info.get("dtype", "float32")))
+            if ignore is None:
+                ignore = {"lm_head.weight"} if info.get("tie_word_embeddings") else set()
+            ignore = set(ignore)
+            names: list[str] = []
+
+            def pushed():
+                # Each bucket goes to every worker, then its tensors are hashed: one bucket in memory.
+                for bucket in iter_buckets(((n, t) for n, t in named_tensors if n not in ignore), self.bucket_bytes):
+                    self._call(self._push(urls, self._encode(bucket), weight_version))
+                    names.extend(n for n, _ in bucket)
+                    yield from bucket
+
+            self._call(self._drain())
+            try:
+                source = checksum_named_tensors(pushed(), dtype=dtype)
+                self.verify_weights(source, urls)
+            finally:
+                self._call(self._reopen())
+            self.expected_checksum = source
+            self.stats.weight_pushes += 1
+            return names
+
+    def weights_checksum(self) -> str:
+        sums = self._call(self._checksums(list(self.worker_urls)))
+        if len(set(sums.values())) != 1:
+            raise WeightSyncError(f"the workers hold different weights: {sums}")
+        return next(iter(sums.values()))
+
+
+# --------------------------------------------------------------------------------------------------
+# the fleet: processes
+# --------------------------------------------------------------------------------------------------
+# Runs a command as a child and kills it when this wrapper's parent goes away (SIGKILL of the trainer
+# included, where no atexit runs). Plain python, no project imports: starts in milliseconds.
+_SUPERVISOR = r"""
+import os, signal, subprocess, sys, time
+parent = os.getppid()
+child = subprocess.Popen(sys.argv[1:])
+def _stop(*_):
+    child.terminate()
+signal.signal(signal.SIGTERM, _stop)
+while child.poll() is None:
+    if os.getppid() != parent:
+        child.kill()
+        break
+    time.sleep(0.5)
+sys.exit(child.wait())
+"""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+    """End a process group the fleet started: SIGTERM and up to ``grace_s`` to exit (the supervisor then
+    reaps its child, so no zombie is left behind), then SIGKILL whatever is left in the group."""
+    if grace_s > 0 and proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@dataclass
+class _Server:
+    index: int
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+    failed_checks: int = 0
+    generation: int = 0
+
+
+@dataclass
+class Fleet:
+    """N native servers behind sglang-router, and their :class:`FleetClient`; see the module docstring."""
+
+    model: str
+    num_servers: int = 2
+    threads_per_server: int = 1
+    max_batch_size: int = 32
+    max_seq_len: int | None = None
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    policy: str = "round_robin"
+    health_interval_s: float = 1.0
+    server_args: Sequence[str] = ()  # extra trainer.rollout.native_server flags
+    router_args: Sequence[str] = ()  # extra sglang_router.launch_router flags
+    log_dir: str | None = None
+    startup_timeout_s: float = 180.0
+    client_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.servers: list[_Server] = []
+        self.router: subprocess.Popen | None = None
+        self.router_url: str | None = None
+        self.client: FleetClient | None = None
+        self.stats = FleetStats()
+        self._lock = threading.RLock()  # one restart at a time
+        self._stop = threading.Event()
+        self._poke = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._closed = False
+        self._pending: list[subprocess.Popen] = []  # every process started, for close()
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="coxswain-fleet-")
+        os.makedirs(self.log_dir, exist_ok=True)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def __enter__(self) -> "Fleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self) -> "Fleet":
+        atexit.register(self.close)
+        try:
+            procs = [self._spawn_server(k, 0) for k in range(self.num_servers)]  # all start at once
+            self.servers = [self._await_server(k, p, path, 0) for k, (p, path) in enumerate(procs)]
+            self._start_router()
+            self.client = FleetClient(self.router_url, self.server_urls, on_failure=self._on_failure, stats=self.stats,
+                                      **self.client_kwargs)
+            sums = self.client._call(self.client._checksums(self.server_urls))
+            if len(set(sums.values())) != 1:
+                raise WeightSyncError(f"the servers started with different weights: {sums}")
+            self.client.expected_checksum = next(iter(sums.values()))
+        except BaseException:
+            self.close()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="coxswain-fleet-monitor", daemon=True)
+        self._monitor.start()
+        return self
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._poke.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(30)
+        if self.client is not None:
+            self.client.close()
+        # SIGTERM everything at once, then wait: the servers exit in about a second, the router at once.
+        for p in self._pending:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        for p in self._pending:
+            _kill_group(p, grace_s=10.0)
+        try:
+            atexit.unregister(self.close)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ---- servers ----------------------------------------------------------------------------------------
+    def _spawn(self, cmd: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, *cmd], stdout=logf, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._pending.append(proc)
+        return proc
+
+    def _spawn_server(self, k: int, generation: int) -> tuple[subprocess.Popen, str]:
+        cmd = [sys.executable, "-m", "trainer.rollout.native_server", "--model", self.model, "--host", self.host,
+               "--port", "0", "--threads", str(self.threads_per_server), "--max-batch-size", str(self.max_batch_size),
+               "--dtype", self.dtype, "--skip-tokenizer-init", *map(str, self.server_args)]
+        if self.max_seq_len:
+            cmd += ["--max-seq-len", str(self.max_seq_len)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_server))
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        path = os.path.join(self.log_dir, f"server-{k}-{generation}.log")
+        return self._spawn(cmd, path, env), path
+
+    def _await_server(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith(SERVER_READY_PREFIX):
+                        return _Server(k, proc, line[len(SERVER_READY_PREFIX):].split()[0], path, generation=generation)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        _kill_group(proc)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise FleetError(f"rollout server {k} did not start (log {path}):\n{tail}")
+
+    # ---- router ----------------------------------------------------------------------------------------
+    def _start_router(self) -> None:
+        port = free_port(self.host)
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *self.server_urls,
+               "--policy", self.policy, "--host", self.host, "--port", str(port),
+               "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+               "--disable-retries",  # failures reach the client, which retries and counts them
+               "--health-check-interval-secs", str(max(1, int(round(self.health_interval_s)))),
+               "--health-failure-threshold", "1", "--health-success-threshold", "1",
+               "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", str(int(self.startup_timeout_s)),
+               "--log-level", "warn", *map(str, self.router_args)]
+        self.router = self._spawn(cmd, os.path.join(self.log_dir, "router.log"))
+        self.router_url = f"http://{self.host}:{port}"
+        self._await_router({s.url for s in self.servers}, set())
+
+    def _router_workers(self) -> list[dict]:
+        import urllib.request
+
+        with urllib.request.urlopen(self.router_url + "/workers", timeout=5) as r:
+            return json.load(r).get("workers", [])
+
+    def _router_call(self, method: str, path: str, body: dict | None = None) -> None:
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.router_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            r.read()
+
+    def _await_router(self, present: set[str], absent: set[str], timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.startup_timeout_s)
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                break
+            try:
+                workers = {w["url"]: w for w in self._router_workers()}
+                last = {u: w.get("is_healthy") for u, w in workers.items()}
+                if all(workers.get(u, {}).get("is_healthy") for u in present) and not (absent & set(workers)):
+                    return
+            except OSError as e:
+                last = e
+            time.sleep(0.1)
+        with open(os.path.join(self.log_dir, "router.log"), encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise FleetError(f"sglang-router did not reach workers {sorted(present)} healthy / {sorted(absent)} removed "
+                         f"(last /workers: {last}); log:\n{tail}")
+
+    # ---- health and restarts -----------------------------------------------------------------------------
+    def _on_failure(self, reason: str) -> None:
+        self._poke.set()  # wake the monitor now (called from the client's loop: never block here)
+
+    def _watch(self) -> None:
+        import urllib.request
+
+        while not self._stop.is_set():
+            self._poke.wait(self.health_interval_s)
+            self._poke.clear()
+            if self._stop.is_set():
+                return
+            for s in list(self.servers):
+                dead = s.proc.poll() is not None
+                if not dead:
+                    try:
+                        with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+                            s.failed_checks = 0 if r.status == 200 else s.failed_checks + 1
+                    except OSError:
+                        s.failed_checks += 1
+                    dead = s.failed_checks >= 3  # hung: three failed checks in a row
+                if dead and not self._stop.is_set():
+                    try:
+                        self.restart_server(s.index)
+                    except Exception:  # noqa: BLE001 - keep watching; the next round tries again
+                        log.exception("fleet: restarting server %d failed", s.index)
+
+    def restart_server(self, k: int) -> str:
+        """Replace server ``k`` (killed if still running) by a fresh one on a new port; returns its URL."""
+        with self._lock:
+            old = self.servers[k]
+            self.client.set_workers([s.url for s in self.servers if s.index != k])
+            _kill_group(old.proc, grace_s=2.0)
+            try:
+                wid = next((w["id"] for w in self._router_workers() if w["url"] == old.url), None)
+                if wid is not None:
+                    self._router_call("DELETE", f"/workers/{wid}")
+                    self._await_router(set(), {old.url}, timeout=30)
+            except OSError as e:
+                log.warning("fleet: could not remove %s from the router: %s", old.url, e)
+            gen = old.generation + 1
+            proc, path = self._spawn_server(k, gen)
+            new = self._await_server(k, proc, path, gen)
+            with self.client.weights_lock:  # no push in flight: copy the fleet's current weights
+                self._sync_from_peer(new.url)
+                self.servers[k] = new
+            self._router_call("POST", "/workers", {"url": new.url})
+            self._await_router({new.url}, set(), timeout=60)
+            self.client.set_workers(self.server_urls)
+            self.stats.restarts += 1
+            log.warning("fleet: server %d restarted at %s (was %s)", k, new.url, old.url)
+            return new.url
+
+    def _sync_from_peer(self, url: str) -> None:
+        import urllib.request
+
+        expected = self.client.expected_checksum
+        if expected is None:
+            return
+        with urllib.request.urlopen(url + "/weights_checksum", timeout=60) as r:
+            if json.load(r)["checksum"] == expected:
+                return  # weights from disk are the fleet's current ones
+        for peer in self.client.worker_urls:
+            try:
+                with urllib.request.urlopen(peer + "/weights_safetensors", timeout=600) as r:
+                    blob = r.read()
+                req = urllib.request.Request(url + "/update_weights_from_tensor", data=blob, method="POST",
+                                             headers={"Content-Type": "application/octet-stream"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    r.read()
+                self.client.verify_weights(expected, [url])
+                return
+            except (OSError, WeightSyncError) as e:
+                log.warning("fleet: copying weights from %s to %s failed: %s", peer, url, e)
+        raise WeightSyncError(f"restarted server {url} holds stale weights and no live peer could provide them")
