@@ -47,7 +47,7 @@ class CalcError(ValueError):
     """The expression is not valid or too large."""
 
 
-_TOKEN_RE = re.compile(r"\s*(?:(\d+)|(.))")
+_TOKEN_RE = re.compile(r"\s*(?:(\d+)|(\S))")
 
 
 def _tokenize(expr: str) -> list[str]:
