@@ -24,6 +24,7 @@ install_requires = [
     "rich",
     "math-verify>=0.9",
     "aiohttp>=3.9",  # OpenAI-compatible server (trainer.serve) and LLM-judge client  # math answer equivalence for the math scorers (pure python, no torch)
+    "sglang-router==0.3.2",  # the rollout fleet's router (trainer/rollout/fleet.py); Rust wheel, no torch (deps: aiohttp, fastapi, uvicorn, orjson, setproctitle)
 ]
 
 extras = {
