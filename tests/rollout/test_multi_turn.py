@@ -485,3 +485,77 @@ def test_end_to_end_native_engine_alignment_and_seeded_determinism(tiny_chat_mod
     assert [t.response_ids for t in other] != [t.response_ids for t in trajs]
     b = trajectories_to_batch(trajs, pad_id=0)
     assert b.response_mask.sum().item() == sum(sum(t.loss_mask) for t in trajs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shipped environments through the loop, played by scripted policies
+# --------------------------------------------------------------------------------------------------
+def scripted_policy(tok, decide):
+    """``agenerate`` that answers ``decide(prompt_text)`` + <|im_end|>, log-prob -1 per token."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    async def agenerate(prompt_ids, params):
+        await asyncio.sleep(0)
+        ids = encode(tok, decide(tok.decode(prompt_ids, skip_special_tokens=False)))[: params.max_new_tokens - 1] + [im_end]
+        return [GenerationOutput(ids, [-1.0] * len(ids), "stop")]
+
+    return agenerate
+
+
+def test_calculator_env_through_the_loop():
+    import json
+    import re
+
+    tok = char_tokenizer("chatml")
+
+    def decide(prompt):
+        last = prompt.rsplit("<|im_start|>", 2)[-2]  # the last message before the generation prompt
+        if "<tool_response>" in last:
+            return "<answer>" + re.search(r"<tool_response>\n(.*?)\n</tool_response>", last).group(1) + "</answer>"
+        expr = re.search(r"Compute (.*)\.<\|im_end\|>", last).group(1)
+        return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expr}}) + "\n</tool_call>"
+
+    from trainer.envs.calculator import make_tasks
+
+    tasks = make_tasks(4, seed=5)
+    trajs = asyncio.run(rollout_trajectories(scripted_policy(tok, decide), tok, "calculator", tasks,
+                                             SamplingParams(max_new_tokens=200, seed=1), n=2, concurrency=3))
+    for t in trajs:
+        assert t.success and t.reward == 1.0 and t.finish_reason == "done" and (t.num_turns, t.num_user_turns) == (2, 1)
+        assert t.messages[-2]["role"] == "tool" and t.messages[-2]["content"] == tasks[t.task_index]["reward_model"]["ground_truth"]
+        ids = tok.apply_chat_template(t.messages, tokenize=True, tools=[CALC_SCHEMA()], add_generation_prompt=False)["input_ids"]
+        assert list(ids) == t.token_ids + encode(tok, "\n")
+        assert '"name": "calculator"' in tok.decode(t.prompt_ids)  # the tool list reached the template
+    b = trajectories_to_batch(trajs, pad_id=0)
+    assert b.acc.tolist() == [1.0] * 8 and b.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert list(b.meta["data_source"]) == ["coxswain/calculator"] * 8
+
+
+def CALC_SCHEMA():
+    from trainer.envs.calculator import CALCULATOR_TOOL
+
+    return CALCULATOR_TOOL.schema
+
+
+def test_hanoi_env_through_the_loop_optimal_policy():
+    import re
+
+    from trainer.envs.puzzle import make_tasks, optimal_moves
+
+    tok = char_tokenizer("chatml")
+
+    def decide(prompt):
+        discs = int(re.search(r"with (\d+) discs", prompt).group(1))
+        return f"Move {optimal_moves(discs)[prompt.count('<|im_start|>assistant') - 1]}"
+
+    tasks = make_tasks(6, seed=1, min_discs=1, max_discs=3)
+    trajs = asyncio.run(rollout_trajectories(scripted_policy(tok, decide), tok, "hanoi", tasks,
+                                             SamplingParams(max_new_tokens=20), max_assistant_turns=7, max_user_turns=6))
+    for t in trajs:
+        d = tasks[t.task_index]["extra_info"]["discs"]
+        assert t.success and t.rewards[-1] == 1.0 and t.num_turns == 2**d - 1 == t.num_user_turns + 1
+        assert t.finish_reason == "done" and t.step_ids[-1] == 2**d - 2
+    # a budget of one assistant turn fewer than the optimum: unsolved, ends on the turn budget
+    trajs = asyncio.run(rollout_trajectories(scripted_policy(tok, decide), tok, "hanoi", [next(r for r in tasks if r["extra_info"]["discs"] >= 2)],
+                                             SamplingParams(max_new_tokens=20), max_assistant_turns=2, max_user_turns=6))
+    assert not trajs[0].success and trajs[0].finish_reason == "max_assistant_turns" and trajs[0].reward == 0.0
