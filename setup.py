@@ -30,7 +30,7 @@ install_requires = [
 extras = {
     "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
     "gpu": ["transformer-engine[pytorch]"],
-    "sglang": ["sglang"],
+    "sglang": ["sglang==0.5.21"],  # exact API of trainer/rollout/sglang_engine.py; the newest release pinning torch==2.13.0 (CUDA only)
     "bench": ["trl==1.16.0"],  # only benchmarks/bench_e2e.py's baseline; never a product dependency
 }
 
