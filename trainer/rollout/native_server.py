@@ -12,7 +12,9 @@ response shapes, pinned to **SGLang v0.5.8** (``python/sglang/srt/entrypoints/ht
 ``managers/io_struct.py:GenerateReqInput``, ``sampling/sampling_params.py``, ``managers/schedule_batch.py``
 finish reasons, ``managers/tokenizer_manager.py`` meta_info) and checked against what sglang-router
 0.3.2 sends and reads (it re-serialises ``/generate`` bodies, keeping only GenerateReqInput's fields,
-and reads ``/server_info`` and ``/model_info`` when a worker registers).
+and reads ``/server_info`` and ``/model_info`` when a worker registers). Re-checked against SGLang
+v0.5.21 (the ``[sglang]`` extra's pin): the same shapes, except that its meta_info calls
+``total_retractions`` ``num_retractions`` (no client reads it).
 
   GET  /health, /health_generate       200 with an empty body (the second runs a 1-token generation)
   GET  /server_info, /get_server_info   server args, scheduler info, internal_states, version
@@ -37,7 +39,7 @@ that would change the output and are not implemented (multimodal data, LoRA, hid
 logit processors, sessions, ...) are a 400 unless at their default; other fields are ignored, as
 SGLang's request model ignores unknown ones.
 
-sampling_params: ``max_new_tokens`` (default 128), ``temperature`` (default 1; 0 = greedy, which SGLang
+sampling_params: ``max_new_tokens`` (default 128, capped at the context's end when not given), ``temperature`` (default 1; 0 = greedy, which SGLang
 runs as top_k = 1 at T = 1: the log-probs are then at T = 1, as the native engine's are), ``top_p``,
 ``top_k`` (-1 = off, else >= 1), ``stop_token_ids``, ``ignore_eos``, ``n``, ``sampling_seed``;
 ``skip_special_tokens``, ``spaces_between_special_tokens``, ``no_stop_trim`` and ``stream_interval``
@@ -105,7 +107,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -263,6 +265,9 @@ def parse_generate_request(body: Any, *, vocab_size: int, max_seq_len: int, eos_
     for i, (p, sp) in enumerate(zip(prompts, params)):
         if len(p) >= max_seq_len:
             raise ProtocolError(f"The input ({len(p)} tokens) is longer than the model's context length ({max_seq_len} tokens).")
+        if (sps[i] or {}).get("max_new_tokens") is None:
+            # SGLang checks only an explicit max_new_tokens; its default stops at the context's end.
+            params[i] = sp = replace(sp, max_new_tokens=min(sp.max_new_tokens, max_seq_len - len(p)))
         if len(p) + sp.max_new_tokens > max_seq_len:
             raise ProtocolError(
                 f"Requested token count exceeds the model's maximum context length of {max_seq_len} tokens. "
