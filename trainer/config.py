@@ -169,6 +169,7 @@ class MultiTurnConfig:
     max_tokens_per_trajectory: Optional[int] = None  # token budget of a whole trajectory; None = prompt+response
     environment: str = "calculator"  # shipped env name or pkg.module:Class
     concurrency: int = 64  # trajectories in flight
+    max_tokens_per_turn: Optional[int] = None  # cap of one assistant turn (SamplingParams.max_new_tokens); None = response_length
 
 
 @dataclass
