@@ -9,15 +9,17 @@
 API (what the controller calls):
 
 ``Fleet(model, *, num_servers=2, threads_per_server=1, max_batch_size=32, max_seq_len=None,
-dtype="float32", policy="round_robin", health_interval_s=1.0, server_args=(), router_args=(),
-log_dir=None, startup_timeout_s=180, **client_kwargs)``
+dtype="float32", host="127.0.0.1", policy="round_robin", health_interval_s=1.0, server_args=(),
+router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={})``
     ``start()`` (or ``with``) launches ``num_servers`` ``python -m trainer.rollout.native_server``
     processes on free loopback ports (``--threads threads_per_server``, ``OMP_NUM_THREADS`` likewise),
     waits for each one's ready line, then launches ``python -m sglang_router.launch_router`` (sglang-router
     0.3.2) with ``--worker-urls`` and ``--policy``, and waits until the router lists every worker as
     healthy. ``fleet.client`` is the :class:`FleetClient`; ``fleet.server_urls``, ``fleet.router_url``;
-    ``fleet.stats`` (:class:`FleetStats`, ``as_metrics()`` gives ``fleet/*`` keys). ``close()`` (also at
-    exit) kills every process group it started. A monitor thread health-checks the servers every
+    ``fleet.stats`` (:class:`FleetStats`, shared with the client; ``as_metrics()`` gives ``fleet/*``
+    keys). Logs: ``log_dir`` (a temp dir by default): ``server-K-GEN.log``, ``router.log``. ``close()``
+    (also at exit) ends every process group it started (SIGTERM, then SIGKILL after 10 s); each process
+    runs under a small supervisor that kills it if the trainer dies without closing (SIGKILL included). A monitor thread health-checks the servers every
     ``health_interval_s`` (process alive, and ``GET /health`` answering), and at once when the client
     reports a failed request; a dead or hung server is restarted (:meth:`Fleet.restart_server`).
 
@@ -37,7 +39,11 @@ retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None)``
       check that every worker's ``GET /weights_checksum`` equals :func:`checksum_named_tensors` of the
       stream (cast to the workers' dtype; ``lm_head.weight`` ignored for tied models); raises
       :class:`WeightSyncError` naming the worker otherwise. Returns the names pushed.
-    * ``weights_checksum()``: the workers' common checksum (:class:`WeightSyncError` if they differ).
+      A push that meets a dead worker raises too (push again once the fleet has restarted it).
+    * ``weights_checksum()``: the workers' common checksum (:class:`WeightSyncError` if they differ);
+      ``verify_weights(expected, urls=None)`` checks them against a given one; ``expected_checksum``
+      is the last verified one. ``server_info(url=None)``: a worker's ``/server_info``.
+    * ``set_workers(urls)``: the worker list (a Fleet keeps it current across restarts).
     * ``abort()``: ``/abort_request {"abort_all": true}`` on every worker. ``sleep``/``wake``: no-ops.
     * ``stats``: requests, prompts, retries (``fleet/retries``), failures, generated tokens.
     * ``close()``.
