@@ -194,6 +194,21 @@ def _checkpoint(tmp_path: Path, weights: dict) -> str:
     return str(tmp_path)
 
 
+def test_push_drains_in_flight_requests_first(fleet, engine):
+    prompts = _prompts(8, seed=5)
+    ref_old = engine.generate(prompts, GREEDY)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(fleet.client.generate, prompts, GREEDY)
+        deadline = time.monotonic() + 30
+        while fleet.client._inflight < len(prompts):  # all admitted (they sit in the servers' batch window)
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        fleet.client.update_weights(iter(_random_weights(engine, seed=5).items()))
+        # The push waited for them: every one was generated with the old weights.
+        assert_same(fut.result(timeout=60), ref_old)
+    assert any(a[0].token_ids != b[0].token_ids for a, b in zip(fleet.client.generate(prompts, GREEDY), ref_old))
+
+
 def test_weight_push_reaches_every_server(fleet, engine, tmp_path):
     new = _random_weights(engine, seed=7)
     fleet.client.bucket_bytes = 64 << 10  # several buckets for this 1.6 MB model
