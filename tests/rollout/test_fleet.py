@@ -138,6 +138,17 @@ def test_seeded_sampling_through_router_equals_engine(fleet, engine):
     # The agent loop's path: one prompt, awaited from a foreign event loop.
     got = asyncio.run(fleet.client.agenerate(prompts[3], plist[3]))
     assert_same([got], engine.generate([prompts[3]], [plist[3]]))
+    # For real SGLang servers: each sample its own n=1 request, sample j seeded with prompt_seed(seed, j).
+    from trainer.rollout.fleet import FleetClient
+
+    split = FleetClient(fleet.router_url, fleet.server_urls, per_sample_requests=True)
+    try:
+        got = split.generate(prompts[:2], plist[:2])
+    finally:
+        split.close()
+    for p, sp, outs in zip(prompts[:2], plist[:2], got):
+        ref = engine.generate([p] * sp.n, [replace(sp, n=1, seed=prompt_seed(sp.seed, j)) for j in range(sp.n)])
+        assert_same([outs], [[r[0] for r in ref]])
     # Teeth: seeds matter (another seed changes some sample; the n samples of a prompt are not copies).
     other = fleet.client.generate(prompts, replace(SAMPLED, seed=99))
     assert any(a.token_ids != b.token_ids for x, y in zip(out, other) for a, b in zip(x, y))

@@ -24,7 +24,7 @@ router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={})``
     reports a failed request; a dead or hung server is restarted (:meth:`Fleet.restart_server`).
 
 ``FleetClient(router_url, worker_urls, *, max_concurrency=64, request_timeout_s=600, max_retries=4,
-retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None)``
+retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=False)``
     Usable without a :class:`Fleet`, e.g. against real SGLang servers behind a router on GPU: the
     generate path speaks only SGLang's native ``/generate`` (v0.5.8 shapes, see
     :mod:`trainer.rollout.native_server`).
@@ -66,8 +66,10 @@ position). With ONE params object for all prompts, prompt ``i`` is sent with :fu
 ``client.generate(P, sp) == NativeEngine.generate(P, [replace(sp, seed=prompt_seed(sp.seed, i)) ...])``;
 it is not bit-equal to ``NativeEngine.generate(P, sp)``, whose positional key has no HTTP spelling.
 On real SGLang a seed is honoured only with ``--enable-deterministic-inference``, and its n parallel
-samples of one seeded request come out identical (it hashes seed and position only): use ``seed=None``
-with ``n > 1`` there.
+samples of one seeded request come out identical (it hashes seed and position only; an unseeded one
+gets seed 42 in that mode). For such servers pass ``per_sample_requests=True``: each sample is then its
+own ``n = 1`` request, sample ``j`` seeded with ``prompt_seed(seed, j)`` (random seeds when unseeded),
+as :mod:`trainer.rollout.sglang_engine` does in-process.
 
 Stops. ``stop_token_ids`` are sent as is, with ``ignore_eos = not stop_token_ids``: an empty set means
 "no stop" on any server. A non-empty set also stops on the model's EOS ids (SGLang's rule), so pass
@@ -82,6 +84,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -187,7 +190,7 @@ class FleetClient(RolloutEngine):
     def __init__(self, router_url: str, worker_urls: Sequence[str], *, max_concurrency: int = 64,
                  request_timeout_s: float = 600.0, max_retries: int = 4, retry_backoff_s: float = 0.1,
                  bucket_bytes: int = 64 << 20, on_failure: Callable[[str], None] | None = None,
-                 stats: FleetStats | None = None):
+                 stats: FleetStats | None = None, per_sample_requests: bool = False):
         self.router_url = router_url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.max_concurrency = max_concurrency
@@ -196,6 +199,7 @@ class FleetClient(RolloutEngine):
         self.retry_backoff_s = retry_backoff_s
         self.bucket_bytes = bucket_bytes
         self.on_failure = on_failure
+        self.per_sample_requests = per_sample_requests  # n > 1 as n seeded n=1 requests (real SGLang)
         self.stats = stats if stats is not None else FleetStats()
         self.expected_checksum: str | None = None  # the workers' weights since the last verified push
         self.weights_lock = threading.RLock()  # held through a push; a Fleet restart copies weights under it
@@ -300,6 +304,11 @@ class FleetClient(RolloutEngine):
         raise FleetError(f"/generate failed after {self.max_retries} retries: {last}")
 
     async def _one(self, prompt_ids: Sequence[int], params: SamplingParams, seed: int | None) -> list[GenerationOutput]:
+        if self.per_sample_requests and params.n > 1:
+            base = params.seed if seed is None else seed
+            seeds = [secrets.randbits(62) if base is None else prompt_seed(base, j) for j in range(params.n)]
+            one = replace(params, n=1)
+            return [o[0] for o in await asyncio.gather(*(self._one(prompt_ids, one, s) for s in seeds))]
         while not self._open.is_set():  # a weight push is draining the fleet: wait for it
             await self._open.wait()
         self._inflight += 1
