@@ -7,6 +7,7 @@ standing in for the paid API) or ``python -m trainer.serve`` on the shipped tiny
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,66 @@ def test_three_step_adca_run_with_an_api_judge(tmp_path, monkeypatch):
     for p in run_dir.rglob("*"):
         if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".txt", ".log"):
             assert "sk-judge-test" not in p.read_text(errors="ignore"), p
+
+
+# --------------------------------------------------------------------------------------------------
+# multi-turn: the agent loop in the controller, with ADCA
+# --------------------------------------------------------------------------------------------------
+AGENT = str(ROOT / "recipes" / "cpu" / "tiny_agent_model")
+MT = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      f"actor_rollout_ref.model.path={AGENT}", "trainer.logger=[console]", "trainer.total_training_steps=3",
+      "trainer.test_freq=3", "trainer.val_before_train=false", "data.val_batch_size=8",
+      "data.max_prompt_length=384", "data.max_response_length=192",
+      "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+      "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24",
+      "attribution_driven_credit_assignment.enable=true", "attribution_driven_credit_assignment.skip_type=none",
+      "attribution_driven_credit_assignment.judge_max_tokens=12"]
+
+
+@pytest.mark.slow
+def test_multi_turn_adca_run_on_hanoi_with_an_api_judge(tmp_path):
+    """3 ADCA-GRPO steps of the Tower-of-Hanoi environment through the agent loop; the judge labels odd
+    steps GOOD, so the fusion's GOOD fraction and the per-step advantages are predictable."""
+    from trainer.main import train
+
+    srv = ScriptedServer(lambda i, body: ("reply", correct_answer(body), 0))
+    try:
+        cfg = load_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}",
+                                "actor_rollout_ref.rollout.multi_turn.environment=hanoi",
+                                f"attribution_driven_credit_assignment.base_url={srv.url}",
+                                "attribution_driven_credit_assignment.api_key_env=COXSWAIN_UNSET_KEY"])
+        hist = train(cfg)["history"]
+    finally:
+        srv.close()
+    assert [h["step"] for h in hist] == [1, 2, 3] and "val/acc" in hist[-1]
+    steps_asked = 0
+    for h in hist:
+        assert h["multi_turn/turns_mean"] > 1.0  # real multi-turn episodes
+        assert 0.0 < h["multi_turn/context_token_fraction"] < 1.0  # environment turns sit in the response, unmasked
+        assert h["adca/judge_trajectories"] == 16 and h["adca/judge_fallback_fraction"] == 0.0
+        # odd steps GOOD: with K steps, ceil(K/2) of K are GOOD, so the fraction is in [1/2, 1]
+        assert 0.5 <= h["adca/good_fraction"] <= 1.0 and h["adca/mean_steps"] > 1.0
+        assert math.isfinite(h["actor/pg_loss"]) and h["sync/verified"] == 1.0
+    # what the judge saw: the Hanoi task and numbered steps, each with the environment's feedback
+    for r in srv.requests:
+        text = r["body"]["messages"][-1]["content"]
+        k = int(re.search(r"\((\d+) in total\)", text).group(1))
+        steps_asked += k
+        assert "Tower of Hanoi" in text
+    assert steps_asked > 16 * 3  # more than one step per trajectory on average
+
+
+@pytest.mark.slow
+def test_multi_turn_adca_run_on_the_calculator_with_the_local_judge(tmp_path):
+    """The calculator-tool environment with the local trainer.serve judge (the agent model itself):
+    the whole path runs; whatever the tiny judge answers, each trajectory gets flags or falls back."""
+    from trainer.main import train
+
+    cfg = load_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.test_freq=-1",
+                            "data.max_prompt_length=640", "actor_rollout_ref.rollout.multi_turn.environment=calculator",
+                            "attribution_driven_credit_assignment.evaluation_type=local"])
+    hist = train(cfg)["history"]
+    for h in hist:
+        assert h["adca/judge_trajectories"] == 16
+        assert h["adca/judge_fallbacks"] + round(h["adca/prm_fraction"] * 16) == 16
+        assert math.isfinite(h["actor/pg_loss"])

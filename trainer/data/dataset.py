@@ -260,9 +260,10 @@ def collate(items: Sequence[dict], pad_token_id: int) -> dict:
     return out
 
 
-def build_dataset(data_cfg, tokenizer, split: str = "train") -> RLDataset:
-    """A dataset from ``data.*`` settings (``train_files`` / ``val_files``); ``None`` files give the
-    shipped synthetic arithmetic task (``trainer.data.synthetic``) in memory."""
+def build_dataset(data_cfg, tokenizer, split: str = "train", synthetic_rows=None) -> RLDataset:
+    """A dataset from ``data.*`` settings (``train_files`` / ``val_files``); ``None`` files give
+    ``synthetic_rows(num, split)`` when given (a multi-turn environment's task generator), else the
+    shipped synthetic arithmetic task (``trainer.data.synthetic``), in memory."""
     files = data_cfg.train_files if split == "train" else data_cfg.val_files
     kw = dict(
         max_prompt_length=data_cfg.max_prompt_length,
@@ -276,6 +277,8 @@ def build_dataset(data_cfg, tokenizer, split: str = "train") -> RLDataset:
         from trainer.data import synthetic
 
         n = 2048 if split == "train" else 256
+        if synthetic_rows is not None:
+            return RLDataset(tokenizer=tokenizer, rows=synthetic_rows(n, split), **kw)
         # 1-2 digit addition: the task the shipped tiny model (recipes/cpu/make_tiny_model.py) was pretrained on
         rows = synthetic.make_rows(n, "train" if split == "train" else "test", ops=("+",), max_digits=2)
         return RLDataset(tokenizer=tokenizer, rows=rows, **kw)

@@ -32,7 +32,8 @@ the trajectory ends (``finish_reason``) when
     "done"                 the environment says done (or has no observation)
     "max_assistant_turns"  ``max_assistant_turns`` assistant turns were sampled
     "max_user_turns"       ``max_user_turns`` environment turns were already appended
-    "length"               the token budget (prompt + response <= ``max_tokens_per_trajectory``) leaves
+    "length"               the token budget (prompt + response <= ``max_tokens_per_trajectory``, and
+                           response <= ``max_response_tokens``: the batch's response width) leaves
                            no room for the next observation plus one sampled token, or a turn was cut
                            by the budget or by the engine's sequence limit
     "abort"                the engine aborted the turn
@@ -171,6 +172,7 @@ async def run_trajectory(
     max_tokens_per_trajectory: int | None = None,
     chat_template_kwargs: dict | None = None,
     on_append: Callable[[Trajectory], None] | None = None,
+    max_response_tokens: int | None = None,
 ) -> Trajectory:
     """Play one episode of ``env`` on ``task``; see the module docstring for the token layout."""
     seed = params.seed
@@ -180,6 +182,9 @@ async def run_trajectory(
     traj = Trajectory(index, task_index, sample_index, messages, r.encode(text), text=text,
                       data_source=str(task.get("data_source", "")))
     budget = max_tokens_per_trajectory
+    if max_response_tokens is not None:  # the response must fit the batch's response width
+        cap = len(traj.prompt_ids) + int(max_response_tokens)
+        budget = cap if budget is None else min(budget, cap)
     if budget is not None and len(traj.prompt_ids) >= budget:
         raise ValueError(f"task {task_index}: the prompt has {len(traj.prompt_ids)} tokens, no room in the "
                          f"trajectory budget of {budget} (raise max_tokens_per_trajectory or filter the task)")
@@ -267,6 +272,7 @@ async def rollout_trajectories(
     concurrency: int = 64,
     chat_template_kwargs: dict | None = None,
     on_append: Callable[[Trajectory], None] | None = None,
+    max_response_tokens: int | None = None,
 ) -> list[Trajectory]:
     """``n`` trajectories per task (one fresh environment each), at most ``concurrency`` in flight.
 
@@ -282,7 +288,7 @@ async def rollout_trajectories(
                 agenerate, tokenizer, make_env(), tasks[i], params, index=i * n + j, task_index=i, sample_index=j,
                 max_assistant_turns=max_assistant_turns, max_user_turns=max_user_turns,
                 max_tokens_per_trajectory=max_tokens_per_trajectory, chat_template_kwargs=chat_template_kwargs,
-                on_append=on_append)
+                on_append=on_append, max_response_tokens=max_response_tokens)
 
     return list(await asyncio.gather(*(one(i, j) for i in range(len(tasks)) for j in range(n))))
 
@@ -303,6 +309,7 @@ def run_multi_turn(
     wait_s: float = 0.0,
     chat_template_kwargs: dict | None = None,
     stats=None,
+    max_response_tokens: int | None = None,
 ) -> list[Trajectory]:
     """Synchronous entry: run :func:`rollout_trajectories` over a :class:`~trainer.rollout.async_engine.
     Batcher` on ``engine`` (in a fresh event loop) and return the trajectories.
@@ -325,7 +332,8 @@ def run_multi_turn(
             return await rollout_trajectories(
                 batcher.submit, tokenizer, env, tasks, params, n, max_assistant_turns=max_assistant_turns,
                 max_user_turns=max_user_turns, max_tokens_per_trajectory=max_tokens_per_trajectory,
-                concurrency=concurrency, chat_template_kwargs=chat_template_kwargs)
+                concurrency=concurrency, chat_template_kwargs=chat_template_kwargs,
+                max_response_tokens=max_response_tokens)
         finally:
             await batcher.stop()
 
