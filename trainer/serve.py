@@ -47,12 +47,11 @@ runs one call at a time; the event loop keeps accepting requests meanwhile, and 
 batch). A failing batch is re-run one item at a time so one bad request cannot fail the others.
 Items whose client has gone away are dropped before they reach the engine.
 
-Seeds. The native engine draws the samples of prompt i of a call from a stream keyed by
-``(seed, i, j)``, so a seeded sample depends on the prompt's position in the call. To make a seeded
-request reproducible whatever else is in flight, a batch holds at most one seeded sampled item (not
-greedy), always at position 0: its samples equal ``NativeEngine.generate([prompt], SamplingParams(seed=s,
-n=n, ...))``. Seeded sampled requests are therefore not batched with each other (unseeded and greedy
-ones are). Up to float rounding across batch shapes, greedy output does not depend on the batch.
+Seeds. The batcher hands the engine one SamplingParams per request, and the native engine keys a
+request's random stream by that request's own seed (``request_keyed_seeds``), not by its position in
+the call: a seeded request's samples equal ``NativeEngine.generate([prompt], SamplingParams(seed=s,
+n=n, ...))`` whatever else is in flight, and seeded requests batch with each other. Up to float
+rounding across batch shapes, greedy output does not depend on the batch.
 """
 
 from __future__ import annotations
