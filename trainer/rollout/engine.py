@@ -197,14 +197,15 @@ def checksum_named_tensors(
 
 
 def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a (name, tensor) stream into lists of at most ``bucket_bytes`` (a lone larger tensor
-    forms its own bucket). Order is kept."""
+    forms its own bucket). Order is kept. ``dtype``: measure sizes as after a cast to it (what is sent)."""
+    itemsize = None if dtype is None else torch.empty((), dtype=dtype).element_size()
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named_tensors:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * (itemsize or t.element_size())
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0

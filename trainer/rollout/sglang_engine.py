@@ -130,7 +130,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, tensor_digest
+from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, iter_buckets, tensor_digest
 
 SGLANG_VERSION = "0.5.21"
 INSTALL_HINT = f"pip install 'coxswain[sglang]'  (sglang=={SGLANG_VERSION}, CUDA only)"
@@ -426,18 +426,7 @@ def iter_cast_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a stream into buckets of at most ``bucket_bytes`` measured AFTER the cast to ``dtype``
     (what is sent); a lone larger tensor forms its own bucket. Order is kept."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        nbytes = t.numel() * itemsize
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return iter_buckets(named_tensors, bucket_bytes, dtype=dtype)
 
 
 @dataclass(frozen=True)
