@@ -80,11 +80,14 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     group=None,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` (and entropy) from this rank's vocab slice ``logits [..., V_local]``.
 
     ``vocab_start``: global id of the slice's first column; ``vocab_size``: true vocabulary (ids at
     or beyond it are padding); ``group``: the tensor-parallel group (None = no parallelism).
+    ``entropy_grad=False`` computes the entropy outside autograd (a metric that is not trained on:
+    no extra ``[..., V_local]`` product is recorded for the backward).
     Returns ``(logp [...], entropy [...] or None)`` in float32 (float64 for float64 logits).
     """
     x = logits if logits.dtype == torch.float64 else logits.float()  # [..., Vl]
@@ -110,9 +113,10 @@ def vocab_parallel_logprobs(
     logp = tgt - lse
     ent = None
     if with_entropy:
-        xs = x if pad is None else x.masked_fill(pad, 0.0)  # 0 * -inf would be nan
-        s2 = _tp_sum((e * xs).sum(-1), group)  # [...]
-        ent = lse - s2 / s1
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            xs = x if pad is None else x.masked_fill(pad, 0.0)  # 0 * -inf would be nan
+            s2 = _tp_sum((e * xs).sum(-1), group)  # [...]
+            ent = lse - s2 / s1
     return logp, ent
 
 
@@ -306,7 +310,7 @@ def run_model(model, inp: ModelInputs):
 
 
 def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> dict[str, torch.Tensor]:
+                 with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
     """Turn the last stage's output (vocab-parallel logits, or critic values) into per-token outputs."""
     from megatron.core import parallel_state as ps
 
@@ -320,7 +324,7 @@ def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: 
     start = ps.get_tensor_model_parallel_rank() * v_local
     lp, ent = vocab_parallel_logprobs(output, inp.labels, vocab_start=start, vocab_size=m.true_vocab_size,
                                       temperature=temperature, group=ps.get_tensor_model_parallel_group(),
-                                      with_entropy=with_entropy)
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad)
     out = {"logprobs": align_to_tokens(lp, inp)}
     if ent is not None:
         out["entropy"] = align_to_tokens(ent, inp)

@@ -173,8 +173,9 @@ def _reduce_metrics(per_mb: list[dict]) -> dict:
 
 
 def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, temperature: float = 1.0,
-                     with_entropy: bool = False, forward_only: bool = False) -> dict:
-    """Run the schedule over micro-batches; returns the metrics dict (on every pipeline stage)."""
+                     with_entropy: bool = False, entropy_grad: bool = True, forward_only: bool = False) -> dict:
+    """Run the schedule over micro-batches; returns the metrics dict (on every pipeline stage).
+    ``entropy_grad=False``: the ``entropy`` output is computed without autograd (a metric only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bridge import cpu_shims
@@ -189,7 +190,8 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
         out = run_model(mdl, inp)
 
         def loss_func(output):
-            outs = head_outputs(mdl, output, inp, temperature=temperature, with_entropy=with_entropy)
+            outs = head_outputs(mdl, output, inp, temperature=temperature, with_entropy=with_entropy,
+                                entropy_grad=entropy_grad)
             loss, metrics = loss_fn(outs, mb)
             reported = {"loss": loss.detach().float()}
             reported.update({k: torch.as_tensor(v).detach().float() for k, v in (metrics or {}).items()})
@@ -207,7 +209,7 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
 
 
 def train_step(trainer: Trainer, micro_batches: list[dict], loss_fn: LossFn, *, temperature: float = 1.0,
-               with_entropy: bool = False) -> dict:
+               with_entropy: bool = False, entropy_grad: bool = True) -> dict:
     """One optimizer step over ``micro_batches``; returns ``loss``, metric means, ``grad_norm``, ``lr``."""
     from megatron_bridge import cpu_shims
 
@@ -216,7 +218,8 @@ def train_step(trainer: Trainer, micro_batches: list[dict], loss_fn: LossFn, *, 
     ddp.train()
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    metrics = forward_backward(ddp, micro_batches, loss_fn, temperature=temperature, with_entropy=with_entropy)
+    metrics = forward_backward(ddp, micro_batches, loss_fn, temperature=temperature, with_entropy=with_entropy,
+                               entropy_grad=entropy_grad)
     found_inf = opt.prepare_grads()
     if found_inf:
         metrics.update(grad_norm=float("nan"), skipped=1.0, lr=_lr(opt))

@@ -5,6 +5,7 @@ One step, in order (``train`` below is the whole loop; each phase is one call):
   2. reward: the reward manager scores them; DAPO overlong shaping;
   3. dynamic sampling: drop constant groups, generate again until ``data.train_batch_size`` groups;
   4. old log-probs: the actor at its start-of-step weights (fixed for every mini-batch of the step);
+     skipped when the update is one mini-batch x one epoch: its own forward gives them, exactly;
   5. reference log-probs (KL loss or KL-in-reward only);
   6. rollout IS weights and mismatch metrics, on the driver;
   7. advantages (values from the critic for GAE);
@@ -95,11 +96,12 @@ def train(cfg) -> dict:
 
     from trainer.algos.advantages import compute_advantage
     from trainer.algos.kl import apply_kl_in_reward, make_kl_controller
-    from trainer.algos.rollout_is import compute_rejection_mask, compute_rollout_is_weights
+    from trainer.algos.rollout_is import compute_rejection_mask
     from trainer.checkpoint import CheckpointManager, capture_rng, load_driver_state, restore_rng
     from trainer.credit import adca_active, adca_advantages, make_judge
     from trainer.data.dataset import PromptSampler, build_dataset
-    from trainer.phases import collect_batch, dp_dispatch, should_eval, timer, to_float_metrics, update_group, validate
+    from trainer.phases import (apply_rollout_is, collect_batch, dp_dispatch, is_on_policy, should_eval, timer,
+                                to_float_metrics, update_group, validate)
     from trainer.report import write_report
     from trainer.rewards.manager import RewardManager
     from trainer.tracking import Tracker
@@ -176,12 +178,17 @@ def train(cfg) -> dict:
                     overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer), next_group_id=next_group_id)
                 cluster.sleep_rollout()
             m.update(gm)
-            # 4. old log-probs: computed once, so several mini-batch updates all use the start-of-step policy
-            with timer(m, "old_log_prob"):
-                out = dp_dispatch(cluster.actor, cluster.actor_layout, batch, "compute_log_prob", temperature=r.temperature,
-                                  micro_batch_size=r.log_prob_micro_batch_size_per_gpu, with_entropy=True)
-                batch.old_log_probs = out["log_probs"]
-                ent = out["entropy"]
+            # 4. old log-probs: computed once, so several mini-batch updates all use the start-of-step policy.
+            # On-policy (one mini-batch, one epoch, nothing before the update reads them) the update's own
+            # forward is at the start-of-step weights: the workers take its log-probs, detached, instead.
+            on_policy = (is_on_policy(num_samples=batch.batch_size[0], mini_batch_size=a.ppo_mini_batch_size * r.n,
+                                      epochs=a.ppo_epochs) and step > cfg.trainer.critic_warmup
+                         and al.rollout_rs is None and not al.use_kl_in_reward)
+            if not on_policy:
+                with timer(m, "old_log_prob"):
+                    out = dp_dispatch(cluster.actor, cluster.actor_layout, batch, "compute_log_prob", temperature=r.temperature,
+                                      micro_batch_size=r.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+                    batch.old_log_probs, ent = out["log_probs"], out["entropy"]
             # 5. reference log-probs
             if cluster.ref is not None:
                 with timer(m, "ref"):
@@ -195,14 +202,12 @@ def train(cfg) -> dict:
                         batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, divergence=al.rollout_rs_divergence,
                         agg=al.rollout_rs, lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold)
                     m.update(to_float_metrics(rs_m))
-                if al.rollout_is_threshold is not None:
-                    w, mask, is_m = compute_rollout_is_weights(
-                        batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rollout_is_level=al.rollout_is_level,
-                        rollout_is_mode=al.rollout_is_mode, rollout_is_threshold=al.rollout_is_threshold,
-                        rollout_is_threshold_lower=al.rollout_is_threshold_lower,
-                        rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=al.rollout_is)
-                    batch.rollout_is_weights = w
-                    m.update(to_float_metrics(is_m))
+                is_kw = None if al.rollout_is_threshold is None else dict(
+                    rollout_is_level=al.rollout_is_level, rollout_is_mode=al.rollout_is_mode,
+                    rollout_is_threshold=al.rollout_is_threshold, rollout_is_threshold_lower=al.rollout_is_threshold_lower,
+                    rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=al.rollout_is)
+                if is_kw is not None and not on_policy:  # on-policy: the workers weight with the same function
+                    m.update(apply_rollout_is(batch, is_kw))
                 # KL in reward
                 if al.use_kl_in_reward:
                     batch.token_level_rewards, kl_m = apply_kl_in_reward(
@@ -237,10 +242,16 @@ def train(cfg) -> dict:
                                           micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu))
             if step > cfg.trainer.critic_warmup:
                 with timer(m, "update_actor"):
-                    m.update(update_group(cluster.actor, cluster.actor_layout, batch, "update_actor",
-                                          mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
-                                          seed=step, loss_agg_mode=a.loss_agg_mode, loss=cluster.actor_loss_settings(),
-                                          temperature=r.temperature, micro_batch_size=a.ppo_micro_batch_size_per_gpu))
+                    res = update_group(cluster.actor, cluster.actor_layout, batch, "update_actor",
+                                       mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                                       seed=step, loss_agg_mode=a.loss_agg_mode, on_policy=on_policy,
+                                       loss=dict(cluster.actor_loss_settings(), rollout_is=is_kw),
+                                       temperature=r.temperature, micro_batch_size=a.ppo_micro_batch_size_per_gpu)
+                    if on_policy:  # the old log-probs / entropy the update saw, and the IS metrics of its weights
+                        res, out = res
+                        batch.old_log_probs, ent = out["log_probs"], out["entropy"]
+                        m.update(apply_rollout_is(batch, is_kw) if is_kw is not None else {})
+                    m.update(res)
                 bad = [k for k in ("actor/loss", "actor/grad_norm") if k in m and not math.isfinite(m[k])]
                 if bad or m.get("actor/skipped", 0.0) > 0:
                     raise FloatingPointError(

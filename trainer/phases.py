@@ -155,28 +155,67 @@ def dp_dispatch(group, layouts: list[dict], batch: RolloutBatch, method: str, **
 
 def update_group(group, layouts: list[dict], batch: RolloutBatch, method: str, *, mini_batch_size: int, epochs: int,
                  shuffle: bool, seed: int, loss: dict, loss_agg_mode: str, per_mini_batch: bool = False,
-                 **kwargs):
+                 on_policy: bool = False, **kwargs):
     """``epochs`` x mini-batches of ``mini_batch_size`` samples; each mini-batch is split over DP
     ranks and is one optimizer step. The global token/sequence counts of every mini-batch travel with
-    it, so each rank's loss is normalised by the whole mini-batch (not its shard)."""
+    it, so each rank's loss is normalised by the whole mini-batch (not its shard).
+
+    ``on_policy`` (actor only; see ``is_on_policy``): the batch needs no ``old_log_probs``, the
+    workers take their update forward's detached log-probs instead, and the return value is
+    ``(metrics, outputs)`` with ``outputs`` = those per-token ``log_probs`` and ``entropy`` [B, T]
+    in the batch's order."""
     dp = layouts[0]["dp_size"]
     B = batch.batch_size[0]
+    if on_policy and not is_on_policy(num_samples=B, mini_batch_size=mini_batch_size, epochs=epochs):
+        raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({epochs} epochs, {B} samples, "
+                         f"mini-batches of {mini_batch_size})")
     g = torch.Generator().manual_seed(seed)
     per_rank: list[list[dict]] = [[] for _ in range(dp)]
-    counts = []
+    counts, index_lists = [], []
     for _ in range(epochs):
         order = torch.randperm(B, generator=g) if shuffle else torch.arange(B)
         for s in range(0, B, mini_batch_size):
-            mb = batch[order[s:s + mini_batch_size]]
+            sel = order[s:s + mini_batch_size]
+            mb = batch[sel]
             n_tok, n_seq = batch_norm_counts(mb.response_mask, loss_agg_mode)
             counts.append((float(n_tok), float(n_seq)))
-            parts, _, _ = mb.balanced_split(dp)
+            parts, idx, _ = mb.balanced_split(dp)
+            index_lists = [sel[torch.tensor(ix, dtype=torch.long)].tolist() for ix in idx]  # rows of `batch`
             for d in range(dp):
                 per_rank[d].append(parts[d].to_numpy_dict())
-    loss = dict(loss, global_counts=counts)
+    loss = dict(loss, global_counts=counts, on_policy=on_policy)
     res = group.call(method, [(per_rank[l["dp_rank"]],) for l in layouts], loss=loss, **kwargs)
+    outs = [r.get("outputs") if isinstance(r, dict) else None for r in res]
+    res = [r["metrics"] if isinstance(r, dict) else r for r in res]
     rows = [r for l, rr in zip(layouts, res) if l["tp_rank"] == 0 and l["dp_rank"] == 0 for r in rr]
-    return rows if per_mini_batch else mean_metrics(rows)
+    metrics = rows if per_mini_batch else mean_metrics(rows)
+    if not on_policy:
+        return metrics
+    by_dp: dict[int, dict] = {}
+    for l, o in zip(layouts, outs):  # any rank of the last pipeline stage of each DP rank
+        if o is not None:
+            by_dp.setdefault(l["dp_rank"], o)
+    outputs = {k: restore_order([torch.from_numpy(np.asarray(by_dp[d][k])) for d in range(dp)], index_lists)
+               for k in by_dp[0]}
+    return metrics, outputs
+
+
+def apply_rollout_is(batch: RolloutBatch, is_kwargs: dict) -> dict[str, float]:
+    """Rollout-IS weights of the batch's old vs sampler log-probs (``batch.rollout_is_weights``) and
+    the ``mismatch/`` metrics; ``is_kwargs``: the keyword arguments of ``compute_rollout_is_weights``."""
+    from trainer.algos.rollout_is import compute_rollout_is_weights
+
+    w, _, is_m = compute_rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
+                                            **is_kwargs)
+    batch.rollout_is_weights = w
+    return to_float_metrics(is_m)
+
+
+def is_on_policy(*, num_samples: int, mini_batch_size: int, epochs: int) -> bool:
+    """One epoch of one mini-batch: the only forward of the update runs at the start-of-step
+    weights, so the old log-probs equal the update's own (detached) log-probs and their separate
+    forward can be skipped (verl takes the same shortcut)."""
+    return epochs == 1 and mini_batch_size >= num_samples
 
 
 # ----------------------------------------------------------------------------------------------

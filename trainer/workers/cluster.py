@@ -56,6 +56,11 @@ class Cluster:
             placement = Placement(n_slots, use_gpu)
         self.placement = placement
         rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
+        # CPU threads. A local CPU cluster runs one phase at a time (sync mode): the megatron ranks share
+        # the node's cores while they train, the engines while they generate. Elsewhere: one per slot.
+        local_cpu = not use_gpu and not self.in_process and not os.environ.get("RAY_ADDRESS")
+        n_cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = (lambda k: max(1, n_cpu // max(1, k))) if local_cpu else (lambda k: 1)
         addr = "127.0.0.1"
 
         def mgroup(name: str, mcfg, role: str, optim: dict | None, path: str):
@@ -63,7 +68,8 @@ class Cluster:
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                        params_dtype=mcfg.params_dtype, optim=optim, seed=mcfg.seed) for i in range(world)]
+                        params_dtype=mcfg.params_dtype, optim=optim, seed=mcfg.seed, num_threads=share(world))
+                   for i in range(world)]
             g = WorkerGroup(name, MegatronWorker, kws, in_process=self.in_process, placement=placement, share=0.25)
             return g, g.call("layout")
 
@@ -86,7 +92,7 @@ class Cluster:
         max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
-                   engine_kwargs=dict(r.engine_kwargs))
+                   generate_threads=r.generate_threads or share(r.num_engines), engine_kwargs=dict(r.engine_kwargs))
         self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * r.num_engines, in_process=self.in_process,
                                    placement=placement, bundle_of=rollout_bundle, share=0.25)
         self.resharder = Resharder(self.actor, self.rollout, r.update_weights_bucket_megabytes << 20,

@@ -11,13 +11,24 @@ Per-token outputs come back for the response part only: ``[b, T]`` with ``T`` th
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from trainer.batch import RolloutBatch
+
+
+def combine_digests(digests: dict[str, bytes]) -> str:
+    """``trainer.rollout.engine.checksum_named_tensors`` from per-tensor ``tensor_digest``s: sha256
+    over the digests in sorted name order (tests check the two agree)."""
+    total = hashlib.sha256()
+    for name in sorted(digests):
+        total.update(digests[name])
+    return total.hexdigest()
 
 
 class MegatronWorker:
@@ -90,20 +101,35 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ updates
     def update_actor(self, mini_batches: list[dict], *, loss: dict, temperature: float,
-                     micro_batch_size: int) -> list[dict]:
+                     micro_batch_size: int) -> dict:
         """One optimizer step per mini-batch shard. ``loss`` holds the policy-loss settings and, per
         mini-batch, the GLOBAL token / sequence counts (``global_counts[i]``) so that micro-batch and
-        data-parallel splits give the full-batch gradient (see ``trainer.algos.losses.agg_loss``)."""
+        data-parallel splits give the full-batch gradient (see ``trainer.algos.losses.agg_loss``).
+
+        On-policy (``loss["on_policy"]``: one mini-batch, one epoch) the shard carries no old
+        log-probs: the update's own forward runs at the start-of-step weights, so the old log-probs
+        ARE its log-probs, taken detached (ratio exactly 1), and the separate old-log-prob forward is
+        skipped. Rollout-IS weights (``loss["rollout_is"]``: the keyword arguments of
+        ``compute_rollout_is_weights``) are then computed here per micro-batch from those; every
+        weight is a per-token or per-row function, so this equals the driver-side computation.
+        The detached log-probs and entropies come back as ``outputs`` ([b, T] per shard sample) for
+        the driver's metrics. Returns ``{"metrics": [one dict per mini-batch], "outputs": ... or None}``."""
         from megatron_bridge.train import train_step
 
         from trainer.algos.kl import kl_penalty
         from trainer.algos.losses import agg_loss, get_policy_loss_fn
+        from trainer.algos.rollout_is import compute_rollout_is_weights
 
         policy_loss = get_policy_loss_fn(loss["loss_mode"])
         dp = self.mesh["dp_size"]
         mode = loss["loss_agg_mode"]
-        fields = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_probs")
-        out = []
+        on_policy, is_kw = bool(loss.get("on_policy")), loss.get("rollout_is")
+        if on_policy and len(mini_batches) != 1:
+            raise ValueError(f"on_policy=True needs exactly one mini-batch (got {len(mini_batches)}): with several, "
+                             f"later mini-batches run at updated weights and need the start-of-step old log-probs")
+        fields = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_probs",
+                  "rollout_log_probs")
+        out, captured = [], []
         for i, mb_np in enumerate(mini_batches):
             batch = RolloutBatch.from_numpy_dict(mb_np)
             P = batch.prompts.shape[1]
@@ -113,16 +139,23 @@ class MegatronWorker:
             def loss_fn(outs: dict, mb: dict):
                 logp = outs["logprobs"][:, P:]  # [b, T]
                 mask = mb["response_mask"]
+                old, is_w = mb.get("old_log_probs"), mb.get("rollout_is_weights")
+                if on_policy:
+                    old = logp.detach()  # [b, T] the start-of-step policy, exactly
+                    ent = outs["entropy"][:, P:].detach() if "entropy" in outs else None
+                    captured.append((old, ent))
+                    if is_kw is not None and is_kw.get("rollout_is", True) and bool(mask.any()):
+                        is_w = compute_rollout_is_weights(old, mb["rollout_log_probs"], mask, **is_kw)[0]
                 pg, metrics = policy_loss(
-                    old_log_prob=mb["old_log_probs"], log_prob=logp, advantages=mb["advantages"], response_mask=mask,
-                    loss_agg_mode=mode, rollout_is_weights=mb.get("rollout_is_weights"),
+                    old_log_prob=old, log_prob=logp, advantages=mb["advantages"], response_mask=mask,
+                    loss_agg_mode=mode, rollout_is_weights=is_w,
                     clip_ratio=loss["clip_ratio"], clip_ratio_low=loss["clip_ratio_low"],
                     clip_ratio_high=loss["clip_ratio_high"], clip_ratio_c=loss["clip_ratio_c"],
                     **loss.get("policy_kwargs", {}), **agg)
                 total = pg
                 metrics = {f"actor/{k}": v for k, v in metrics.items()}
                 metrics["actor/pg_loss"] = pg.detach()
-                if "entropy" in outs:
+                if "entropy" in outs and loss["entropy_coeff"]:
                     ent = agg_loss(outs["entropy"][:, P:], mask, mode, **agg)
                     total = total - loss["entropy_coeff"] * ent
                     metrics["actor/entropy"] = ent.detach()
@@ -133,12 +166,18 @@ class MegatronWorker:
                     metrics["actor/kl_loss"] = kl_l.detach()
                 return total, metrics
 
-            # entropy only enters the graph when it is trained on (the logged entropy comes from the
-            # old-log-prob pass); at real vocab sizes it is a large [tokens, V] computation to keep
+            # entropy enters the graph only when it is trained on; on-policy it is still computed, detached,
+            # for the logged rollout entropy (the skipped old-log-prob pass used to provide it)
             m = train_step(self.trainer, self._micro_batches(batch, micro_batch_size, fields), loss_fn,
-                           temperature=temperature, with_entropy=bool(loss["entropy_coeff"]))
+                           temperature=temperature, with_entropy=bool(loss["entropy_coeff"]) or on_policy,
+                           entropy_grad=bool(loss["entropy_coeff"]))
             out.append({("actor/" + k if "/" not in k else k): float(v) for k, v in m.items()})
-        return out
+        outputs = None
+        if captured:  # the last pipeline stage (the one that ran loss_fn)
+            outputs = {"log_probs": torch.cat([c[0] for c in captured]).float().numpy()}
+            if captured[0][1] is not None:
+                outputs["entropy"] = torch.cat([c[1] for c in captured]).float().numpy()
+        return {"metrics": out, "outputs": outputs}
 
     def update_critic(self, mini_batches: list[dict], *, loss: dict, micro_batch_size: int) -> list[dict]:
         from megatron_bridge.train import train_step
@@ -166,13 +205,46 @@ class MegatronWorker:
         return out
 
     # ------------------------------------------------------------------ weights, checkpoints
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[Any]:
+    def weight_buckets(self, bucket_bytes: int, digest_dtype: str | None = None) -> Iterator[Any]:
         """Collective generator over HF-named weight buckets. Every rank must drain it; only global
-        rank 0 yields the tensors (others yield None, so nothing is shipped twice)."""
+        rank 0 yields the tensors (others yield None, so nothing is shipped twice).
+
+        No copy is made here: Ray serialises a yielded bucket into its object store before the
+        generator resumes (views of live parameters are fine: no optimizer step runs during a sync).
+        With ``digest_dtype`` (``"none"`` = as is) rank 0 then hashes the bucket it just handed
+        over, while the engines load it, and ``stream_checksum`` returns the checksum of everything
+        streamed: verification without a second gather pass over the model."""
         from megatron_bridge.export import iter_hf_weights
 
-        for bucket in iter_hf_weights(self._module(), bucket_bytes):
-            yield [(n, t.detach().cpu().clone()) for n, t in bucket] if self.rank == 0 else None
+        from trainer.rollout.engine import tensor_digest
+
+        hashing = digest_dtype is not None and self.rank == 0
+        dt = getattr(torch, digest_dtype) if hashing and digest_dtype != "none" else None
+        self._stream_digests, self._stream_done = {}, threading.Event()
+        try:
+            for bucket in iter_hf_weights(self._module(), bucket_bytes):
+                if self.rank != 0:
+                    yield None
+                    continue
+                pairs = [(n, t.detach().cpu()) for n, t in bucket]
+                yield pairs
+                if hashing:
+                    for n, t in pairs:
+                        if n in self._stream_digests:
+                            raise ValueError(f"tensor {n!r} appears twice in the weight stream")
+                        self._stream_digests[n] = tensor_digest(n, t, dt)
+        finally:
+            self._stream_done.set()
+
+    def stream_checksum(self, timeout: float = 600.0) -> str | None:
+        """Checksum of the last ``weight_buckets`` stream (rank 0; others None), equal to
+        ``checksum_named_tensors`` of the same tensors. Waits for the stream's last digest."""
+        if self.rank != 0:
+            return None
+        done = getattr(self, "_stream_done", None)
+        if done is None or not done.wait(timeout):
+            raise RuntimeError("stream_checksum: no finished weight_buckets stream with digests")
+        return combine_digests(self._stream_digests)
 
     def weights_checksum(self, dtype: str | None = None) -> str | None:
         from megatron_bridge.export import iter_hf_param

@@ -1,14 +1,18 @@
 """Resharding manager: stream the actor's TP/PP shards into the rollout engines after every update.
 
 The actor ranks walk megatron_bridge's bucketed HF-name iterator together (each parameter is gathered
-over TP and broadcast over PP one at a time), global rank 0 hands each full bucket to every engine's
-``update_weights``, and the next bucket is only produced once the engines have taken this one, so
-the extra memory is about one bucket (``actor_rollout_ref.rollout.update_weights_bucket_megabytes``)
-plus the streaming window, never the whole model. On CPU the bytes travel through Ray's object store;
-on GPU colocated engines would take CUDA IPC handles and split ones an NCCL broadcast (GPU-only).
+over TP and broadcast over PP one at a time), global rank 0 yields each full bucket into Ray's object
+store (one copy), and every engine's ``update_weights`` gets the bucket's object ref: the engines read
+the same stored object and copy it into their weights; the driver only passes refs. One bucket is in
+flight to the engines at a time and the actor's stream runs at most two buckets ahead, so the extra
+memory is a few buckets (``actor_rollout_ref.rollout.update_weights_bucket_megabytes``), never the
+whole model. On GPU colocated engines would take CUDA IPC handles and split ones an NCCL broadcast
+(GPU-only).
 
 Every sync is checked: the engines' ``weights_checksum`` must equal the actor's checksum of the same
-HF-named tensors (``trainer.rollout.engine.checksum_named_tensors``). A mismatch raises.
+HF-named tensors (``trainer.rollout.engine.checksum_named_tensors``). A mismatch raises. During a sync
+rank 0 hashes each bucket right after handing it over, while the engines load it, so the check costs
+the engines' own hash (run concurrently with fetching the actor's) and no second pass over the actor.
 """
 
 from __future__ import annotations
@@ -28,27 +32,37 @@ class Resharder:
 
     def sync(self, verify: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
-        streams = self.actor.streams("weight_buckets", self.bucket_bytes)
-        nbytes, buckets = 0, 0
+        # with verify, rank 0 hashes each bucket after handing it over (in parallel with the engines' load)
+        streams = self.actor.streams("weight_buckets", self.bucket_bytes, (self.engine_dtype or "none") if verify else None)
+        nbytes, buckets, pending = 0, 0, []
         for items in zip(*streams):
-            bucket = self.actor.stream_get(items[0])
-            for other in items[1:]:
-                self.actor.stream_get(other)  # drain: the other ranks took part in the gathers
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            # items[0] is rank 0's bucket as a Ray object ref (the other ranks yield None): the engines
+            # resolve it straight from the object store, shared by all of them; the driver never
+            # deserialises or re-sends the tensors. One bucket in flight, so memory stays ~one bucket.
+            nbytes += sum(self.rollout.get(pending))
+            pending = self.rollout.async_call("update_weights", [(items[0],)] * self.rollout.size)
             buckets += 1
-            self.rollout.call("update_weights", [(bucket,)] * self.rollout.size)
+        nbytes += sum(self.rollout.get(pending))
+        nbytes //= max(1, self.rollout.size)
         dt = time.perf_counter() - t0
         metrics = {"sync/seconds": dt, "sync/bytes": float(nbytes), "sync/buckets": float(buckets),
                    "sync/gbps": nbytes / max(dt, 1e-9) / 1e9}
         if verify:
-            self.verify()
+            self.verify(streamed=True)
             metrics["sync/verified"] = 1.0
         return metrics
 
-    def verify(self) -> None:
-        """Raise ``WeightSyncError`` unless every engine holds exactly the actor's weights."""
-        want = next(c for c in self.actor.call("weights_checksum", dtype=self.engine_dtype) if c is not None)
-        got = self.rollout.call("weights_checksum")
+    def verify(self, streamed: bool = False) -> None:
+        """Raise ``WeightSyncError`` unless every engine holds exactly the actor's weights.
+
+        ``streamed``: compare with the checksum rank 0 took of the sync it just streamed (no second
+        pass over the actor's model); otherwise the actor recomputes it. The actor's and the engines'
+        checksums run concurrently."""
+        want_refs = (self.actor.async_call("stream_checksum") if streamed
+                     else self.actor.async_call("weights_checksum", dtype=self.engine_dtype))
+        got_refs = self.rollout.async_call("weights_checksum")
+        want = next(c for c in self.actor.get(want_refs) if c is not None)
+        got = self.rollout.get(got_refs)
         bad = [i for i, c in enumerate(got) if c != want]
         if bad:
             raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {got[bad[0]][:12]}... "

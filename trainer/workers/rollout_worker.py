@@ -16,8 +16,12 @@ from trainer.rollout.engine import SamplingParams
 
 class RolloutWorker:
     def __init__(self, *, model_path: str, name: str = "native", max_batch_size: int = 256,
-                 max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, engine_kwargs: dict | None = None):
+                 max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, generate_threads: int = 0,
+                 engine_kwargs: dict | None = None):
         torch.set_num_threads(max(1, num_threads))
+        # torch threads while generating (0 = num_threads): on CPU the colocated actor ranks are idle then,
+        # so the engine may use their cores too; it drops back afterwards so training is not oversubscribed
+        self.generate_threads = int(generate_threads) or max(1, num_threads)
         if name != "native":
             raise ValueError(f"rollout engine '{name}' is not available in this build; use actor_rollout_ref.rollout.name=native")
         from trainer.rollout.native import NativeEngine
@@ -26,11 +30,18 @@ class RolloutWorker:
                                    dtype=getattr(torch, dtype), **(engine_kwargs or {}))
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[list[tuple[list[int], list[float], str]]]:
-        outs = self.engine.generate(prompts, SamplingParams(**params))
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.generate_threads)
+        try:
+            outs = self.engine.generate(prompts, SamplingParams(**params))
+        finally:
+            torch.set_num_threads(prev)
         return [[(o.token_ids, o.logprobs, o.finish_reason) for o in per_prompt] for per_prompt in outs]
 
     def update_weights(self, bucket) -> int:
-        return len(self.engine.update_weights(bucket))
+        """Load one bucket of ``(hf_name, tensor)``; returns the bytes received."""
+        self.engine.update_weights(bucket)
+        return sum(t.numel() * t.element_size() for _, t in bucket)
 
     def weights_checksum(self) -> str:
         return self.engine.weights_checksum()

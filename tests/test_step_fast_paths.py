@@ -1,0 +1,160 @@
+"""The training step's fast paths give the same results as the plain ones, on a real local Ray cluster
+(megatron-core actor, DP=2 over gloo, native engine):
+
+* on-policy update (one mini-batch, one epoch): no separate old-log-prob forward; the workers take
+  their update forward's detached log-probs (and compute the rollout-IS weights from them). From the
+  same starting weights (checkpoint save / load) it must give the same losses, gradient norm and
+  updated policy as the plain path (separate old-log-prob forward, driver-side IS weights), and the
+  log-probs it returns must equal the separate forward's, in the batch's order;
+* the resharding sync hands the engines Ray object refs and verifies against the checksum rank 0
+  took while streaming: equal to the full recomputation, and a corrupted engine is still caught;
+* the loop switches to the on-policy path by itself and still logs the rollout entropy and the
+  rollout-IS metrics.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
+pytestmark = pytest.mark.slow
+
+# 8 prompts x 4 responses; one mini-batch of all 32 (on-policy), DP=2 over the default 2 slots
+BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
+        f"actor_rollout_ref.model.path={TINY}", "trainer.logger=[console]", "data.val_batch_size=64"]
+
+IS_KW = dict(rollout_is_level="token", rollout_is_mode="truncate", rollout_is_threshold=1.5,
+             rollout_is_threshold_lower=None, rollout_is_veto_threshold=1e-4, rollout_is=True)
+
+
+def test_loop_takes_the_on_policy_path(tmp_path):
+    """One mini-batch x one epoch: no old-log-prob phase, and the entropy and IS metrics still come
+    (in-process workers: the loop's wiring is what is tested here)."""
+    from trainer.main import train
+
+    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
+                              "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+                              "trainer.debug.in_process=true", "trainer.n_gpus_per_node=1"])
+    h = train(cfg)["history"][-1]
+    assert "timing_s/old_log_prob" not in h
+    for key in ("actor/entropy_rollout", "mismatch/rollout_is_mean", "actor/pg_loss", "actor/grad_norm"):
+        assert key in h, key
+    assert h["actor/ppo_kl"] == 0.0 and h["sync/verified"] == 1.0
+    assert 0 < h["actor/entropy_rollout"] < 10  # tiny vocab: entropy is at most log V
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from trainer.main import resolve_model_paths
+    from trainer.workers.cluster import Cluster
+
+    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
+    resolve_model_paths(cfg)
+    c = Cluster(cfg, total_steps=4)
+    yield cfg, c
+    c.shutdown()
+
+
+def _random_batch(n=32, P=6, T=6, seed=0):
+    from trainer.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(3, P + 1, (n,), generator=g)
+    rlen = torch.randint(1, T + 1, (n,), generator=g)
+    pm = torch.arange(P)[None] >= (P - plen)[:, None]
+    rm = torch.arange(T)[None] < rlen[:, None]
+    prompts = torch.randint(2, 16, (n, P), generator=g) * pm
+    resp = torch.randint(2, 16, (n, T), generator=g) * rm
+    b = RolloutBatch.from_tokens(prompts, resp, pm, rm, group_ids=torch.arange(n) // 4)
+    b.advantages = torch.randn(n, T, generator=g) * rm
+    return b
+
+
+def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_path):
+    from trainer.phases import apply_rollout_is, dp_dispatch, update_group
+
+    cfg, c = cluster
+    kw = dict(mini_batch_size=32, epochs=1, shuffle=True, seed=3, loss_agg_mode="token-mean", temperature=1.0,
+              micro_batch_size=8)  # shuffle: the returned log-probs must be put back into the batch's order
+    loss = dict(c.actor_loss_settings(), rollout_is=IS_KW)
+    warm = _random_batch(seed=7)  # one step first: a checkpoint of a fresh optimizer holds no Adam state to load
+    warm.old_log_probs = torch.zeros_like(warm.advantages)
+    update_group(c.actor, c.actor_layout, warm, "update_actor", loss=c.actor_loss_settings(), **kw)
+    c.save(str(tmp_path))
+    batch = _random_batch()
+    old = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8,
+                      with_entropy=True)
+    g = torch.Generator().manual_seed(1)
+    # a sampler that disagrees with the trainer by up to ~e^0.6, so some IS weights are truncated at 1.5
+    batch.rollout_log_probs = (old["log_probs"] + 0.6 * torch.randn(old["log_probs"].shape, generator=g)) * batch.response_mask
+
+    # plain path: separate old-log-prob forward, IS weights on the driver
+    plain = batch.clone()
+    plain.old_log_probs = old["log_probs"]
+    is_plain = apply_rollout_is(plain, IS_KW)
+    assert 0 < is_plain["mismatch/rollout_is_clipped_fraction"] < 1  # the weights matter in this test
+    m_plain = update_group(c.actor, c.actor_layout, plain, "update_actor", loss=loss, **kw)
+    after_plain = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8)
+
+    # on-policy path from the same weights and optimizer state
+    c.load(str(tmp_path))
+    m_fast, out = update_group(c.actor, c.actor_layout, batch, "update_actor", loss=loss, on_policy=True, **kw)
+    after_fast = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8)
+
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(out["log_probs"][mask], old["log_probs"][mask], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out["entropy"][mask], old["entropy"][mask], atol=2e-5, rtol=0)
+    batch.old_log_probs = out["log_probs"]
+    is_fast = apply_rollout_is(batch, IS_KW)  # what the loop logs: the same metrics
+    for k in ("mismatch/rollout_is_mean", "mismatch/rollout_is_clipped_fraction", "mismatch/mismatch_kl"):
+        assert is_fast[k] == pytest.approx(is_plain[k], abs=1e-5), k
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac"):
+        assert m_fast[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-7), k
+    assert m_fast["actor/ppo_kl"] == 0.0  # ratio exactly 1
+    assert not torch.allclose(after_plain["log_probs"], old["log_probs"])  # the policy moved...
+    torch.testing.assert_close(after_fast["log_probs"], after_plain["log_probs"], atol=2e-5, rtol=0)  # ...the same way
+
+
+def test_on_policy_refuses_several_mini_batches(cluster):
+    from trainer.phases import update_group
+
+    cfg, c = cluster
+    with pytest.raises(ValueError, match="one mini-batch"):
+        update_group(c.actor, c.actor_layout, _random_batch(), "update_actor", mini_batch_size=16, epochs=1,
+                     shuffle=False, seed=0, loss_agg_mode="token-mean", loss=c.actor_loss_settings(),
+                     temperature=1.0, micro_batch_size=8, on_policy=True)
+
+
+def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cluster):
+    from trainer.workers.resharding import WeightSyncError
+
+    cfg, c = cluster
+    m = c.sync_weights()  # verified against the checksum taken while streaming
+    assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] >= 1
+    streamed = next(x for x in c.actor.call("stream_checksum") if x is not None)
+    full = next(x for x in c.actor.call("weights_checksum", dtype=cfg.actor_rollout_ref.rollout.dtype) if x is not None)
+    assert streamed == full == c.rollout.call("weights_checksum")[0]
+    c.rollout.call("update_weights", [([("model.norm.weight", torch.zeros(96))],)])
+    with pytest.raises(WeightSyncError, match="stale or corrupted"):
+        c.resharder.verify()
+    # small buckets: many refs in flight one after another, same result
+    c.resharder.bucket_bytes = 64 << 10
+    m = c.sync_weights()
+    assert m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
+
+
+def test_combine_digests_is_checksum_named_tensors():
+    from trainer.rollout.engine import checksum_named_tensors, tensor_digest
+    from trainer.workers.megatron_worker import combine_digests
+
+    g = torch.Generator().manual_seed(0)
+    pairs = [(f"w{i}", torch.randn(3, i + 1, generator=g)) for i in range(5)]
+    want = checksum_named_tensors(reversed(pairs), dtype=torch.bfloat16)
+    assert combine_digests({n: tensor_digest(n, t, torch.bfloat16) for n, t in pairs}) == want
+    assert combine_digests({n: tensor_digest(n, t, None) for n, t in pairs}) != want  # the dtype is in the hash
