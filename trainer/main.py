@@ -34,8 +34,31 @@ def sampling_params(cfg, step: int, gen_batch: int, val: bool = False, stop_toke
     top_k = src.top_k if src.top_k and src.top_k > 0 else None
     # The seed is a function of (step, generation batch): a resumed run samples exactly the same.
     return dict(n=(src.n if not val else r.val_kwargs.n), temperature=0.0 if greedy else float(src.temperature),
-                top_p=float(src.top_p), top_k=top_k, max_new_tokens=int(r.response_length or cfg.data.max_response_length),
+                top_p=float(src.top_p), top_k=top_k, max_new_tokens=int(
+                    (r.multi_turn.enable and r.multi_turn.max_tokens_per_turn) or r.response_length or cfg.data.max_response_length),
                 stop_token_ids=list(stop_token_ids), seed=int(r.seed) * 1_000_003 + step * 1009 + gen_batch)
+
+
+def multi_turn_settings(cfg) -> dict | None:
+    """The agent loop's settings (``actor_rollout_ref.rollout.multi_turn``), or None when it is off. An
+    episode (prompt + every turn) fits ``data.max_prompt_length + data.max_response_length`` tokens."""
+    r = cfg.actor_rollout_ref.rollout
+    if not r.multi_turn.enable:
+        return None
+    width = int(r.response_length or cfg.data.max_response_length)
+    total = cfg.data.max_prompt_length + width
+    budget = min(r.multi_turn.max_tokens_per_trajectory or total, total)
+    return dict(environment=r.multi_turn.environment, max_assistant_turns=r.multi_turn.max_assistant_turns,
+                max_user_turns=r.multi_turn.max_user_turns, max_tokens_per_trajectory=budget,
+                concurrency=r.multi_turn.concurrency, max_response_length=width)
+
+
+def env_tasks(cfg):
+    """``rows(num, split)`` from the environment's task generator (seeded by ``data.seed``)."""
+    from trainer.envs import task_maker
+
+    make = task_maker(cfg.actor_rollout_ref.rollout.multi_turn.environment)
+    return lambda num, split: make(num, seed=cfg.data.seed, split="train" if split == "train" else "test")
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
@@ -73,18 +96,14 @@ class NotSupportedYet(ConfigError):
 def check_supported(cfg) -> None:
     """Refuse, with the reason, the accepted config options this build does not run yet: a silent
     no-op would train something other than what the user asked for."""
-    r, t = cfg.actor_rollout_ref.rollout, cfg.trainer
+    r = cfg.actor_rollout_ref.rollout
     gaps = []
-    if r.multi_turn.enable:
-        gaps.append("actor_rollout_ref.rollout.multi_turn.enable=true: the multi-turn agent loop is not wired in yet")
     if r.name != "native":
         gaps.append(f"actor_rollout_ref.rollout.name={r.name}: only the native engine is built into this version")
     if r.mode != "sync":
         gaps.append(f"actor_rollout_ref.rollout.mode={r.mode}: only synchronous rollout is implemented")
     if cfg.actor_rollout_ref.actor.strategy != "megatron" or cfg.critic.strategy != "megatron":
         gaps.append("strategy=deepspeed: only the megatron strategy is implemented")
-    if t.debug.rollout_only or t.debug.train_only:
-        gaps.append("trainer.debug.rollout_only / train_only: not implemented yet (trainer.debug.in_process works)")
     if cfg.reward_model.enable:
         gaps.append("reward_model.enable=true (a learned reward model): only rule-based scorers are implemented")
     if gaps:
@@ -100,6 +119,7 @@ def train(cfg) -> dict:
     from trainer.checkpoint import CheckpointManager, capture_rng, load_driver_state, restore_rng
     from trainer.credit import adca_active, adca_advantages, make_judge
     from trainer.data.dataset import PromptSampler, build_dataset
+    from trainer.debug import dump_batch, replay_batch
     from trainer.phases import (apply_rollout_is, collect_batch, dp_dispatch, is_on_policy, should_eval, timer,
                                 to_float_metrics, update_group, validate)
     from trainer.report import write_report
@@ -110,13 +130,15 @@ def train(cfg) -> dict:
     t_start = time.time()
     resolve_model_paths(cfg)
     check_supported(cfg)
-    a, r, al = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
+    a, r, al, dbg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm, cfg.trainer.debug
     run_dir = cfg.trainer.default_local_dir
     save_resolved(cfg, run_dir)
     torch.manual_seed(cfg.trainer.seed)
 
     tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path)
-    train_ds, val_ds = build_dataset(cfg.data, tok, "train"), build_dataset(cfg.data, tok, "val")
+    mt = multi_turn_settings(cfg)  # None: single-turn
+    tasks = env_tasks(cfg) if mt is not None else None  # no data files: the environment's own tasks
+    train_ds, val_ds = build_dataset(cfg.data, tok, "train", tasks), build_dataset(cfg.data, tok, "val", tasks)
     # The sampler stops at the tokenizer's EOS (and the model's generation_config EOS ids); the stop
     # token is part of the response, so the trainer learns to end.
     stop_ids = stop_token_ids(tok, cfg.actor_rollout_ref.model.path)
@@ -160,7 +182,7 @@ def train(cfg) -> dict:
             tracker.log_metrics(metrics, step)
 
         val_params = sampling_params(cfg, 0, 0, val=True, stop_token_ids=stop_ids)
-        vkw = dict(max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.data.val_batch_size)
+        vkw = dict(max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.data.val_batch_size, multi_turn=mt)
         if start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq != 0:
             log(validate(cluster.rollout, reward_mgr, tok, val_ds, val_params, **vkw), 0)
             last_eval = 0
@@ -170,14 +192,24 @@ def train(cfg) -> dict:
             t_step = time.perf_counter()
             # 1-3. rollout, reward, overlong shaping, dynamic sampling
             with timer(m, "gen"):
-                cluster.wake_rollout()
-                batch, gm, next_group_id = collect_batch(
-                    cluster.rollout, reward_mgr, tok, train_ds, sampler, lambda g: sampling_params(cfg, step, g, stop_token_ids=stop_ids),
-                    train_batch_size=cfg.data.train_batch_size, gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,
-                    n=r.n, filter_cfg=OmegaConf.to_container(al.filter_groups), max_prompt_length=cfg.data.max_prompt_length,
-                    overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer), next_group_id=next_group_id)
-                cluster.sleep_rollout()
+                if dbg.train_only:  # replay a dumped batch instead of generating
+                    batch, gm = replay_batch(dbg.dump_batch_path, step), {}
+                else:
+                    cluster.wake_rollout()
+                    batch, gm, next_group_id = collect_batch(
+                        cluster.rollout, reward_mgr, tok, train_ds, sampler, lambda g: sampling_params(cfg, step, g, stop_token_ids=stop_ids),
+                        train_batch_size=cfg.data.train_batch_size, gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,
+                        n=r.n, filter_cfg=OmegaConf.to_container(al.filter_groups), max_prompt_length=cfg.data.max_prompt_length,
+                        overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer), next_group_id=next_group_id,
+                        multi_turn=mt)
+                    cluster.sleep_rollout()
             m.update(gm)
+            if dbg.dump_batch_path and not dbg.train_only:
+                dump_batch(batch, dbg.dump_batch_path, step)
+            if dbg.rollout_only:  # generate and score only: no training, no sync
+                log({**m, "reward/mean": float(batch.scores.mean()), "reward/acc": float(batch.acc.mean()),
+                     "response_length/mean": float(batch.response_length.float().mean())}, step)
+                continue
             # 4. old log-probs: computed once, so several mini-batch updates all use the start-of-step policy.
             # On-policy (one mini-batch, one epoch, nothing before the update reads them) the update's own
             # forward is at the start-of-step weights: the workers take its log-probs, detached, instead.

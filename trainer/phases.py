@@ -56,9 +56,14 @@ def rollout(fleet, prompts: list[list[int]], params: dict) -> list[list[Generati
 
 
 def generate_scored(fleet, reward_mgr, tokenizer, items: list[dict], group_ids: list[int], params: dict, *,
-                    max_prompt_length: int, overlong: dict | None) -> tuple[RolloutBatch, dict]:
+                    max_prompt_length: int, overlong: dict | None, multi_turn: dict | None = None
+                    ) -> tuple[RolloutBatch, dict]:
     """Sample ``n`` responses per prompt, score them, apply overlong shaping; the batch carries
-    ``token_level_scores``, ``scores`` and ``acc``."""
+    ``token_level_scores``, ``scores`` and ``acc``. ``multi_turn``: play the agent loop instead
+    (:func:`generate_agentic`)."""
+    if multi_turn is not None:
+        return generate_agentic(fleet, tokenizer, items, group_ids, params, multi_turn=multi_turn,
+                                max_prompt_length=max_prompt_length)
     m: dict[str, float] = {}
     prompts = [it["input_ids"] for it in items]
     with timer(m, "generate"):
@@ -89,9 +94,49 @@ def generate_scored(fleet, reward_mgr, tokenizer, items: list[dict], group_ids: 
     return batch, m
 
 
+def generate_agentic(fleet, tokenizer, items: list[dict], group_ids: list[int], params: dict, *, multi_turn: dict,
+                     max_prompt_length: int) -> tuple[RolloutBatch, dict]:
+    """Multi-turn: ``n`` episodes per task of the environment ``multi_turn["environment"]`` with the
+    agent loop (:mod:`trainer.rollout.multi_turn`) inside each engine's worker, prompts spread over the
+    engines in contiguous chunks. The response is the whole episode after the opening prompt (sampled
+    turns in the loss mask, environment turns not), ``step_ids`` number the assistant turns, and the
+    outcome score is the episode's return (the sum of the environment's rewards), placed on the last
+    (sampled) token; ``acc`` is the environment's success flag. ``meta["messages"]`` keeps each
+    conversation (what the ADCA judge reads)."""
+    from trainer.rollout.multi_turn import trajectories_to_batch
+
+    m: dict[str, float] = {}
+    tasks = [{"prompt": it["messages"], "data_source": it["data_source"], "extra_info": it.get("extra_info") or {},
+              "reward_model": {"ground_truth": it["ground_truth"]}} for it in items]
+    k = fleet.size
+    bounds = [i * len(tasks) // k for i in range(k + 1)]
+    with timer(m, "generate"):
+        res = fleet.call("generate_multi_turn", [(tasks[bounds[e]:bounds[e + 1]], params, multi_turn) for e in range(k)])
+    trajs = []
+    for e, per_engine in enumerate(res):
+        for t in per_engine:
+            t.task_index += bounds[e]  # chunk-local -> batch-local
+            trajs.append(t)
+    batch = trajectories_to_batch(trajs, pad_id=tokenizer.pad_token_id, max_prompt_length=max_prompt_length,
+                                  max_response_length=multi_turn["max_response_length"], group_ids=group_ids,
+                                  meta={"ground_truth": [it["ground_truth"] for it in items]})
+    batch.set_meta("messages", [t.messages for t in trajs])
+    scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # [B]
+    tls = torch.zeros(batch.responses.shape, dtype=torch.float32)  # [B, T]
+    tls[torch.arange(len(trajs)), (batch.response_length - 1).clamp_min(0)] = scores
+    batch.token_level_scores, batch.scores = tls, scores
+    turns = torch.tensor([t.num_turns for t in trajs], dtype=torch.float32)
+    m.update({"multi_turn/turns_mean": float(turns.mean()), "multi_turn/turns_max": float(turns.max()),
+              "multi_turn/env_reward_mean": float(scores.mean()),
+              "multi_turn/context_token_fraction": float(1 - batch.response_mask.sum() / batch.response_length.sum().clamp_min(1))})
+    for reason in ("done", "length", "max_assistant_turns", "max_user_turns", "abort"):
+        m[f"multi_turn/finish_{reason}"] = sum(t.finish_reason == reason for t in trajs) / max(len(trajs), 1)
+    return batch, m
+
+
 def collect_batch(fleet, reward_mgr, tokenizer, dataset, sampler, params_for, *, train_batch_size: int,
                   gen_batch_size: int, n: int, filter_cfg: dict, max_prompt_length: int, overlong: dict | None,
-                  next_group_id: int) -> tuple[RolloutBatch, dict, int]:
+                  next_group_id: int, multi_turn: dict | None = None) -> tuple[RolloutBatch, dict, int]:
     """Generate until ``train_batch_size`` prompt groups qualify (DAPO dynamic sampling), then trim.
 
     Without filtering this is one generation batch of ``train_batch_size`` prompts. With filtering,
@@ -108,7 +153,7 @@ def collect_batch(fleet, reward_mgr, tokenizer, dataset, sampler, params_for, *,
         gids = list(range(next_group_id, next_group_id + bs))
         next_group_id += bs
         batch, gm = generate_scored(fleet, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
-                                    max_prompt_length=max_prompt_length, overlong=overlong)
+                                    max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn)
         for k, v in gm.items():
             m[k] = m.get(k, 0.0) + v if k.startswith("timing_s/") else v
         gen_batches += 1
@@ -222,7 +267,7 @@ def is_on_policy(*, num_samples: int, mini_batch_size: int, epochs: int) -> bool
 # eval
 # ----------------------------------------------------------------------------------------------
 def validate(fleet, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
-             batch_size: int | None) -> dict[str, float]:
+             batch_size: int | None, multi_turn: dict | None = None) -> dict[str, float]:
     """Score the held-out set once (greedy by default); ``val/acc`` is the headline."""
     n = len(dataset)
     bs = batch_size or n
@@ -230,7 +275,7 @@ def validate(fleet, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_
     for s in range(0, n, bs):
         items = [dataset[i] for i in range(s, min(n, s + bs))]
         batch, _ = generate_scored(fleet, reward_mgr, tokenizer, items, list(range(len(items))), params,
-                                   max_prompt_length=max_prompt_length, overlong=None)
+                                   max_prompt_length=max_prompt_length, overlong=None, multi_turn=multi_turn)
         accs.append(batch.acc)
         scores.append(batch.scores)
         lens.append(batch.response_length.float())

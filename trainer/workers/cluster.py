@@ -92,7 +92,8 @@ class Cluster:
         max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
-                   generate_threads=r.generate_threads or share(r.num_engines), engine_kwargs=dict(r.engine_kwargs))
+                   generate_threads=r.generate_threads or share(r.num_engines), engine_kwargs=dict(r.engine_kwargs),
+                   tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path)
         self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * r.num_engines, in_process=self.in_process,
                                    placement=placement, bundle_of=rollout_bundle, share=0.25)
         self.resharder = Resharder(self.actor, self.rollout, r.update_weights_bucket_megabytes << 20,

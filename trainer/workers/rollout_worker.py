@@ -17,8 +17,9 @@ from trainer.rollout.engine import SamplingParams
 class RolloutWorker:
     def __init__(self, *, model_path: str, name: str = "native", max_batch_size: int = 256,
                  max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, generate_threads: int = 0,
-                 engine_kwargs: dict | None = None):
+                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None):
         torch.set_num_threads(max(1, num_threads))
+        self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None  # loaded for multi-turn only
         # torch threads while generating (0 = num_threads): on CPU the colocated actor ranks are idle then,
         # so the engine may use their cores too; it drops back afterwards so training is not oversubscribed
         self.generate_threads = int(generate_threads) or max(1, num_threads)
@@ -37,6 +38,26 @@ class RolloutWorker:
         finally:
             torch.set_num_threads(prev)
         return [[(o.token_ids, o.logprobs, o.finish_reason) for o in per_prompt] for per_prompt in outs]
+
+    def generate_multi_turn(self, tasks: list[dict], params: dict, multi_turn: dict) -> list:
+        """``params["n"]`` episodes per task with the agent loop over this engine (its turns batched
+        across episodes): a list of :class:`trainer.rollout.multi_turn.Trajectory`, task-major."""
+        from trainer.rollout.multi_turn import run_multi_turn
+
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.generate_threads)
+        try:
+            return run_multi_turn(
+                self.engine, self.tokenizer, multi_turn["environment"], tasks, SamplingParams(**{**params, "n": 1}),
+                n=params["n"], max_assistant_turns=multi_turn["max_assistant_turns"],
+                max_user_turns=multi_turn["max_user_turns"], max_tokens_per_trajectory=multi_turn["max_tokens_per_trajectory"],
+                concurrency=multi_turn["concurrency"], max_response_tokens=multi_turn["max_response_length"])
+        finally:
+            torch.set_num_threads(prev)
 
     def update_weights(self, bucket) -> int:
         """Load one bucket of ``(hf_name, tensor)``; returns the bytes received."""
