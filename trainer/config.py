@@ -175,7 +175,7 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     name: str = "native"  # native (torch, CPU or GPU) | sglang (GPU)
-    mode: str = "sync"  # sync | async
+    mode: str = "sync"  # sync (engines in Ray workers) | server (HTTP servers behind sglang-router) | async
     temperature: float = 1.0  # sampling temperature (the trainer recomputes log-probs at this temperature)
     top_k: int = 0  # top-k filter (0 or -1 = off; -1 is vLLM's spelling)
     top_p: float = 1.0  # nucleus threshold (1 = off)
@@ -429,7 +429,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
         ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"), True),
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
-    "actor_rollout_ref.rollout.mode": (("sync", "async"), False),
+    "actor_rollout_ref.rollout.mode": (("sync", "server", "async"), False),
     "critic.loss_agg_mode": (
         ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"), False),
     "data.truncation": (("error", "left", "right"), False),

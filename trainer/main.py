@@ -100,8 +100,12 @@ def check_supported(cfg) -> None:
     gaps = []
     if r.name != "native":
         gaps.append(f"actor_rollout_ref.rollout.name={r.name}: only the native engine is built into this version")
-    if r.mode != "sync":
-        gaps.append(f"actor_rollout_ref.rollout.mode={r.mode}: only synchronous rollout is implemented")
+    if r.mode == "async":
+        gaps.append("actor_rollout_ref.rollout.mode=async: rollout overlapping training is not implemented "
+                    "(sync and server are)")
+    if r.mode == "server" and cfg.trainer.debug.in_process:
+        gaps.append("actor_rollout_ref.rollout.mode=server with trainer.debug.in_process=true: the fleet's "
+                    "servers are separate processes by design")
     if cfg.actor_rollout_ref.actor.strategy != "megatron" or cfg.critic.strategy != "megatron":
         gaps.append("strategy=deepspeed: only the megatron strategy is implemented")
     if cfg.reward_model.enable:

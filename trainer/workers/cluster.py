@@ -94,8 +94,16 @@ class Cluster:
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
                    generate_threads=r.generate_threads or share(r.num_engines), engine_kwargs=dict(r.engine_kwargs),
                    tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path)
-        self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * r.num_engines, in_process=self.in_process,
-                                   placement=placement, bundle_of=rollout_bundle, share=0.25)
+        if r.mode == "server":  # disaggregated: HTTP engine servers behind sglang-router, outside Ray
+            from trainer.workers.fleet_rollout import FleetRollout
+
+            self.rollout = FleetRollout(model_path, num_servers=r.num_engines, threads_per_server=rkw["generate_threads"],
+                                        max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
+                                        tokenizer_path=rkw["tokenizer_path"],
+                                        log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"))
+        else:
+            self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * r.num_engines, in_process=self.in_process,
+                                       placement=placement, bundle_of=rollout_bundle, share=0.25)
         self.resharder = Resharder(self.actor, self.rollout, r.update_weights_bucket_megabytes << 20,
                                    engine_dtype=r.dtype)
 

@@ -32,6 +32,8 @@ class Resharder:
 
     def sync(self, verify: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
+        if hasattr(self.rollout, "update_weights_stream"):
+            return self._sync_fleet(t0)
         # with verify, rank 0 hashes each bucket after handing it over (in parallel with the engines' load)
         streams = self.actor.streams("weight_buckets", self.bucket_bytes, (self.engine_dtype or "none") if verify else None)
         nbytes, buckets, pending = 0, 0, []
@@ -51,6 +53,24 @@ class Resharder:
             self.verify(streamed=True)
             metrics["sync/verified"] = 1.0
         return metrics
+
+    def _sync_fleet(self, t0: float) -> dict[str, float]:
+        """An HTTP fleet (``rollout.mode=server``): the actor's stream goes through the driver to the
+        fleet client, which drains the servers, pushes each bucket to every one and checks every
+        server's checksum against the stream's (raising ``WeightSyncError`` naming the server)."""
+        streams = self.actor.streams("weight_buckets", self.bucket_bytes, None)
+        buckets = 0
+
+        def named():
+            nonlocal buckets
+            for items in zip(*streams):  # rank 0's bucket; the other ranks yield None
+                buckets += 1
+                yield from self.actor.stream_get(items[0])
+
+        nbytes = self.rollout.update_weights_stream(named())
+        dt = time.perf_counter() - t0
+        return {"sync/seconds": dt, "sync/bytes": float(nbytes), "sync/buckets": float(buckets),
+                "sync/gbps": nbytes / max(dt, 1e-9) / 1e9, "sync/verified": 1.0}
 
     def verify(self, streamed: bool = False) -> None:
         """Raise ``WeightSyncError`` unless every engine holds exactly the actor's weights.
