@@ -98,8 +98,12 @@ def check_supported(cfg) -> None:
     no-op would train something other than what the user asked for."""
     r = cfg.actor_rollout_ref.rollout
     gaps = []
-    if r.name != "native":
-        gaps.append(f"actor_rollout_ref.rollout.name={r.name}: only the native engine is built into this version")
+    if r.name == "sglang" and not torch.cuda.is_available():
+        gaps.append("actor_rollout_ref.rollout.name=sglang needs CUDA GPUs (and pip install 'coxswain[sglang]'); "
+                    "on CPU use the native engine (rollout.name=native)")
+    if r.name == "sglang" and r.mode == "server":
+        gaps.append("rollout.name=sglang with rollout.mode=server: start SGLang servers yourself and point a "
+                    "FleetClient at their router; the built-in fleet launches native servers")
     if r.mode == "async":
         gaps.append("actor_rollout_ref.rollout.mode=async: rollout overlapping training is not implemented "
                     "(sync and server are)")

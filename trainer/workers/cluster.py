@@ -93,7 +93,12 @@ class Cluster:
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
                    generate_threads=r.generate_threads or share(r.num_engines), engine_kwargs=dict(r.engine_kwargs),
-                   tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path)
+                   tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
+                   sglang=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
+                               gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
+                               max_num_batched_tokens=r.max_num_batched_tokens,
+                               enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager)
+                   if r.name == "sglang" else None)
         if r.mode == "server":  # disaggregated: HTTP engine servers behind sglang-router, outside Ray
             from trainer.workers.fleet_rollout import FleetRollout
 

@@ -1,4 +1,4 @@
-"""One rollout engine of the fleet: the native torch engine on CPU (SGLang on GPU plugs in here).
+"""One rollout engine of the fleet: the native torch engine (CPU default), or SGLang's in-process engine on GPUs.
 
 Thin: ``generate`` takes prompt ids and sampling settings and returns plain lists (ids, log-probs,
 finish reasons) so results cross Ray cheaply; ``update_weights`` takes one bucket of HF-named tensors
@@ -17,18 +17,24 @@ from trainer.rollout.engine import SamplingParams
 class RolloutWorker:
     def __init__(self, *, model_path: str, name: str = "native", max_batch_size: int = 256,
                  max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, generate_threads: int = 0,
-                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None):
+                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None, sglang: dict | None = None):
         torch.set_num_threads(max(1, num_threads))
         self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None  # loaded for multi-turn only
         # torch threads while generating (0 = num_threads): on CPU the colocated actor ranks are idle then,
         # so the engine may use their cores too; it drops back afterwards so training is not oversubscribed
         self.generate_threads = int(generate_threads) or max(1, num_threads)
-        if name != "native":
-            raise ValueError(f"rollout engine '{name}' is not available in this build; use actor_rollout_ref.rollout.name=native")
-        from trainer.rollout.native import NativeEngine
+        if name == "sglang":  # GPU: an in-process sglang.Engine (trainer/rollout/sglang_engine.py)
+            from trainer.rollout.sglang_engine import SGLangEngine
 
-        self.engine = NativeEngine(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                   dtype=getattr(torch, dtype), **(engine_kwargs or {}))
+            self.engine = SGLangEngine.from_config(model_path=model_path, dtype=dtype, max_num_seqs=max_batch_size,
+                                                   engine_kwargs=engine_kwargs, **(sglang or {}))
+        elif name == "native":
+            from trainer.rollout.native import NativeEngine
+
+            self.engine = NativeEngine(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                       dtype=getattr(torch, dtype), **(engine_kwargs or {}))
+        else:
+            raise ValueError(f"unknown rollout engine '{name}'; actor_rollout_ref.rollout.name is native or sglang")
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[list[tuple[list[int], list[float], str]]]:
         prev = torch.get_num_threads()
