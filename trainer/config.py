@@ -196,7 +196,7 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = 16384  # token budget per old-log-prob micro-batch
     update_weights_bucket_megabytes: int = 512  # resharding bucket size in MiB
     num_engines: int = 1  # rollout engines (workers) in the fleet
-    generate_threads: int = 0  # CPU torch threads per engine while generating; 0 = local node's cores / engines
+    generate_threads: int = 0  # CPU torch threads per engine while generating; 0 = 1 (more only on idle cores)
     seed: int = 0  # sampling seed
     enforce_eager: bool = False  # SGLang: disable CUDA graphs
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)  # validation sampling
