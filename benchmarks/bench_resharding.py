@@ -4,9 +4,11 @@ plain memcpy of the same bytes in the same run.
 What is timed: ``Resharder.sync(verify=False)`` of the controller's own ``Cluster`` (built from the
 config: actor TP=2 over ``trainer.n_gpus_per_node=2`` CPU slots, one native engine, colocated, a real
 local Ray cluster, gloo). One sync = both actor ranks walk megatron_bridge's bucketed HF-name iterator
-(TP gather per parameter), rank 0 yields each bucket through a Ray streaming generator, the driver
-takes it and hands it to the engine's ``update_weights``. The checksum verification that the trainer
-runs after every sync (``Resharder.verify``) is timed separately.
+(TP gather per parameter), rank 0 yields each bucket through a Ray streaming generator into the object
+store, and the driver passes the bucket's object ref to the engine's ``update_weights`` (the engine
+reads the stored object; the driver never touches the bytes). The trainer's own sync,
+``sync(verify=True)`` (rank 0 hashes each bucket while the engine loads it, then the engine's checksum
+is compared), and a standalone ``Resharder.verify`` (both sides recompute) are timed separately.
 
 Baseline, same run, same bytes: ``dst.copy_(src)`` of one flat float32 tensor of the synced byte
 count in the driver (one memcpy: the floor any transport pays at least once). The ratio is
@@ -14,11 +16,10 @@ sync GB/s / memcpy GB/s (so < 1; higher is better).
 
 Extra rows, to show where the time goes (same repeats, interleaved):
   * ``stream only``: the actor's bucket stream drained into the driver, no engine update;
-  * ``gather only``: the same bucketed iterator run inside the actor processes (TP gathers over gloo,
-    the clone ``weight_buckets`` makes), nothing shipped: the actor's own share;
-  * ``ref pass-through``: a prototype loop (this file only, NOT the product) that hands the Ray
-    object ref of each bucket straight to the engine instead of materialising it in the driver
-    and re-serialising it; what ``Resharder.sync`` would gain from doing the same;
+  * ``gather only``: the same bucketed iterator run inside the actor processes (TP gathers over gloo),
+    nothing shipped: the actor's own share;
+  * ``driver relay``: the previous product loop, kept here for comparison (NOT the product): each
+    bucket is materialised in the driver and re-serialised to the engine;
   * bucket sizes (default 8, 64 and 512 MiB; ``--quick``: 1, 8 and 512 MiB).
 
 Model: a random-init Qwen2 built locally with ``transformers`` (config + ``save_pretrained`` into a
@@ -112,7 +113,7 @@ def _gather_in_worker(worker, bucket_bytes: int) -> float:
     t0 = _t.perf_counter()
     for bucket in iter_hf_weights(worker._module(), bucket_bytes):
         for _, t in bucket:
-            t.detach().cpu().clone()  # what weight_buckets does before yielding
+            t.detach().cpu()  # what weight_buckets does before yielding (no copy on CPU)
     return _t.perf_counter() - t0
 
 
@@ -126,20 +127,18 @@ def gather_only(resharder) -> int:
     return 0
 
 
-def ref_pass_through(resharder) -> int:
-    """Prototype: give the engine(s) rank 0's object ref, so the bucket goes worker -> object store ->
-    engine without being deserialised and re-serialised in the driver. Not the product's code path."""
-    import ray
-
+def driver_relay(resharder) -> int:
+    """The previous ``Resharder.sync`` loop, for comparison: each bucket is fetched into the driver
+    (deserialised) and handed to the engines as a value (re-serialised into the object store)."""
     actor, fleet = resharder.actor, resharder.rollout
-    pending = []
+    nbytes = 0
     for items in zip(*actor.streams("weight_buckets", resharder.bucket_bytes)):
+        bucket = actor.stream_get(items[0])
         for other in items[1:]:
             actor.stream_get(other)
-        # a top-level ObjectRef argument is resolved by Ray inside the engine's process
-        pending = [w.update_weights.remote(items[0]) for w in fleet.workers]
-        ray.get(pending)  # one bucket in flight, as in Resharder.sync: peak memory stays ~one bucket
-    return 0
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        fleet.call("update_weights", [(bucket,)] * fleet.size)
+    return nbytes
 
 
 def main(argv=None) -> dict:
@@ -150,7 +149,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--buckets", default=None, help="bucket sizes in MiB, comma list (default 8,64,512; quick 1,8,512)")
     ap.add_argument("--driver-zero-copy", action="store_true",
                     help="RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the driver as well as the workers")
-    ap.add_argument("--no-pass-through", action="store_true", help="skip the ref pass-through prototype row")
+    ap.add_argument("--no-relay", action="store_true", help="skip the driver-relay comparison row")
     a = ap.parse_args(argv)
     if a.driver_zero_copy:
         os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"  # read when ray is first imported
@@ -181,12 +180,13 @@ def main(argv=None) -> dict:
 
         times: dict[str, list[float]] = {"memcpy": []}
         verify_t: list[float] = []
+        sync_verified_t: list[float] = []
         for b in buckets:
             times[f"sync {b} MiB"] = []
             times[f"stream only {b} MiB"] = []
             times[f"gather only {b} MiB"] = []
-            if not a.no_pass_through:
-                times[f"ref pass-through {b} MiB"] = []
+            if not a.no_relay:
+                times[f"driver relay {b} MiB"] = []
         n_buckets = {}
         for _ in range(repeats):  # interleaved: every variant sees the same machine load
             times["memcpy"].append(timed(memcpy)[0])
@@ -200,9 +200,13 @@ def main(argv=None) -> dict:
                 assert got == nbytes
                 times[f"stream only {b} MiB"].append(t)
                 times[f"gather only {b} MiB"].append(timed(lambda: gather_only(res))[0])
-                if not a.no_pass_through:
-                    times[f"ref pass-through {b} MiB"].append(timed(lambda: ref_pass_through(res))[0])
+                if not a.no_relay:
+                    t, got = timed(lambda: driver_relay(res))
+                    assert got == nbytes
+                    times[f"driver relay {b} MiB"].append(t)
             verify_t.append(timed(res.verify)[0])  # raises on a mismatch: the last variant left a correct copy
+            res.bucket_bytes = buckets[-1] * MiB
+            sync_verified_t.append(timed(lambda: res.sync(verify=True))[0])
         res.bucket_bytes = buckets[-1] * MiB
         res.sync(verify=True)
     finally:
@@ -215,18 +219,21 @@ def main(argv=None) -> dict:
     rows = [["memcpy (driver, torch copy_)", "-", summ["memcpy"]["best"] * 1e3, summ["memcpy"]["median"] * 1e3,
              gbps["memcpy"], "1.000x (baseline)"]]
     for b in buckets:
-        for kind in ("sync", "stream only", "gather only", "ref pass-through"):
+        for kind in ("sync", "stream only", "gather only", "driver relay"):
             k = f"{kind} {b} MiB"
             if k not in summ:
                 continue
             label = {"sync": "Resharder.sync(verify=False)", "stream only": "actor stream -> driver only",
-                     "gather only": "actor-side TP gather + clone only",
-                     "ref pass-through": "prototype: ref pass-through"}[kind]
+                     "gather only": "actor-side TP gather only",
+                     "driver relay": "old path: driver relay (comparison)"}[kind]
             rows.append([f"{label}, {b} MiB buckets", n_buckets[b], summ[k]["best"] * 1e3, summ[k]["median"] * 1e3,
                          gbps[k], f"{gbps[k] / base:.4f}x"])
     v = summary(verify_t)
-    rows.append(["Resharder.verify (checksums, both sides)", "-", v["best"] * 1e3, v["median"] * 1e3,
+    rows.append(["Resharder.verify (both sides recompute, concurrently)", "-", v["best"] * 1e3, v["median"] * 1e3,
                  nbytes / v["best"] / 1e9, "-"])
+    sv = summary(sync_verified_t)
+    rows.append([f"trainer's sync(verify=True), {buckets[-1]} MiB (streamed checksum)", n_buckets[buckets[-1]],
+                 sv["best"] * 1e3, sv["median"] * 1e3, nbytes / sv["best"] / 1e9, f"{nbytes / sv['best'] / 1e9 / base:.4f}x"])
 
     mach = machine(f"ray {ray.__version__}, driver zero-copy tensors {'on' if zero_copy_driver else 'off'}")
     print(f"machine: {mach} (shared machine: wall times are noisy; best of {repeats}, variants interleaved)")
@@ -237,7 +244,7 @@ def main(argv=None) -> dict:
     head = gbps[f"sync {hb} MiB"] / base
     result = dict(machine=mach, quick=a.quick, params=n_params, bytes=nbytes, repeats=repeats, buckets_mib=buckets,
                   n_buckets=n_buckets, cluster_start_s=t_cluster, times_s=summ, gbps=gbps,
-                  verify_s=v, ratios={k: g / base for k, g in gbps.items()}, load_average_end=load_average(),
+                  verify_s=v, sync_verified_s=sv, ratios={k: g / base for k, g in gbps.items()}, load_average_end=load_average(),
                   driver_zero_copy=bool(zero_copy_driver), headline={"bucket_mib": hb, "sync_gbps": gbps[f"sync {hb} MiB"],
                                                                      "memcpy_gbps": base, "ratio": head})
     write_json(a.json, result)

@@ -9,9 +9,8 @@ packed-sequence support) in the local spec, for two reasons:
   megatron's own RoPE already restarts positions per sequence from ``cu_seqlens`` in this format.
 * **Speed and memory** on padded batches: torch's fused CPU kernel instead of the explicit score
   tensor. The arbitrary boolean mask (causal AND real keys, see ``logprobs.padded_inputs``) is passed
-  as the equivalent additive mask (0 / -inf: torch's CPU backward is about 2x faster with a float mask
-  than with a boolean one); every query row keeps at least its own key, so no row is fully masked (a
-  fully masked row would give NaN, which pads would then spread to real tokens through the value matmul).
+  through unchanged; every query row keeps at least its own key, so no row is fully masked (a fully
+  masked row would give NaN, which pads would then spread to real tokens through the value matmul).
 
 Math, per head with ``q, k, v`` of one sequence: ``softmax(q k^T * scale + mask) v`` with
 ``scale = 1 / sqrt(head_dim)`` (megatron's default); key/value heads are repeated to the query
@@ -62,12 +61,8 @@ class TorchSDPAttention(MegatronModule):
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            # megatron's mask marks what is masked out. It goes to SDPA as an additive float mask (0 where
-            # allowed, -inf where masked): the same softmax as a boolean mask, but torch's CPU kernel
-            # runs the backward of a float mask about 2x faster (a boolean one takes a slow path)
-            bias = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)  # [b, 1, s, s]
-            bias.masked_fill_(attention_mask, float("-inf"))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+            allowed = ~attention_mask  # megatron's mask marks what is masked out; SDPA wants the opposite
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [s, b, heads * d]
 

@@ -45,12 +45,16 @@ class Cluster:
         model_path = cfg.actor_rollout_ref.model.path
         placement = self.placement = None
         self.owns_ray = False
+        # rollout engines: 0 = one per device of a colocated placement (as verl's hybrid engine: world / rollout TP;
+        # on CPU one per slot, so generation uses every core at one thread each), 1 in split placement
+        n_eng = self.num_engines = r.num_engines or (max(1, world // max(1, r.tensor_model_parallel_size))
+                                                     if self.colocated else 1)
         if self.in_process:
             if world != 1:
                 raise ValueError(f"trainer.debug.in_process=true runs every worker inside the driver, which holds one "
                                  f"rank: set trainer.nnodes=1 trainer.n_gpus_per_node=1 (got a world of {world}).")
         else:
-            n_slots = world + (0 if self.colocated else r.num_engines)
+            n_slots = world + (0 if self.colocated else n_eng)
             # an embedded cluster lives as long as this Cluster (a later one may need other resources)
             self.owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
             placement = Placement(n_slots, use_gpu)
@@ -104,12 +108,12 @@ class Cluster:
         if r.mode == "server":  # disaggregated: HTTP engine servers behind sglang-router, outside Ray
             from trainer.workers.fleet_rollout import FleetRollout
 
-            self.rollout = FleetRollout(model_path, num_servers=r.num_engines, threads_per_server=rkw["generate_threads"],
+            self.rollout = FleetRollout(model_path, num_servers=n_eng, threads_per_server=rkw["generate_threads"],
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
                                         tokenizer_path=rkw["tokenizer_path"],
                                         log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"))
         else:
-            self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * r.num_engines, in_process=self.in_process,
+            self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process,
                                        placement=placement, bundle_of=rollout_bundle, share=0.25)
         self.resharder = Resharder(self.actor, self.rollout, r.update_weights_bucket_megabytes << 20,
                                    engine_dtype=r.dtype)
