@@ -31,8 +31,11 @@ Setup, identical on both sides:
     activation recomputation (TRL's ``gradient_checkpointing`` defaults to True: switched off here).
 
 Coxswain: ``trainer.main.train`` with the embedded recipe's defaults (actor megatron-core TP=1 DP=2 over
-2 CPU slots, one native engine colocated, local Ray cluster, 2 scorer processes, one torch thread per
-worker) and only the keys above overridden, console logging only, no eval, no checkpoints. TRL 1.16:
+2 CPU slots, one native engine per slot colocated, local Ray cluster, 2 scorer processes, one torch
+thread per worker) and only the keys above overridden, console logging only, no eval, no checkpoints.
+With one mini-batch and one PPO epoch the update is on-policy, so Coxswain runs no separate old-log-prob
+forward (its update takes its own detached log-probs, exactly as TRL does with ``num_iterations=1``,
+``beta=0``). TRL 1.16:
 ``GRPOTrainer`` on CPU (``use_cpu=True``), ``transformers`` ``generate`` for rollout, in one process
 with ``--trl-threads`` torch threads; when several thread counts are given each gets its own run and
 the FASTEST one is the baseline (the conservative choice).
@@ -187,7 +190,7 @@ def run_coxswain(spec: dict) -> dict:
         "completion_tokens": [h["response_length/mean"] * size["prompts"] * size["n"] for h in hist],
         "response_length_mean": [h["response_length/mean"] for h in hist], "phases_s": phases,
         "startup_s": first_start - t0, "teardown_s": t_end - log_times[max(log_times)], "total_s": t_end - t0,
-        "threads": "1 per worker (2 actor ranks, 1 engine) + driver",
+        "threads": "1 per worker (2 actor ranks, 2 engines) + driver",
         # CPU seconds of the whole process tree between consecutive step logs (steps 2..N)
         "cpu_s": [log_cpu[k] - log_cpu[k - 1] for k in sorted(log_cpu) if k - 1 in log_cpu],
     }
