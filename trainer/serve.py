@@ -67,7 +67,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -556,25 +556,47 @@ def build_server(a: argparse.Namespace) -> ModelServer:
                        batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0)
 
 
-async def serve(server: ModelServer, host: str, port: int, ready: threading.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or forever). Prints the ready line with the bound port."""
+async def run_app(app: web.Application, host: str, port: int, on_bound: Callable[[int], None],
+                  stop: asyncio.Event | None = None) -> None:
+    """Serve ``app`` until ``stop`` is set (or forever); ``on_bound(port)`` runs once it accepts
+    connections, with the port actually bound (``port=0`` binds a free one). Shared by this server and
+    :mod:`trainer.rollout.native_server`."""
     # handler_cancellation: a client that hangs up (a judge timing out) cancels its handler, and its
     # items are dropped before they reach the engine.
-    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = runner.addresses[0][1]  # the port actually bound (port 0 = a free one)
-    server.url = f"http://{host}:{bound}/v1"
-    print(f"{READY_PREFIX}{server.url} (model {server.model_name})", flush=True)
-    if ready is not None:
-        ready.set()
+    on_bound(runner.addresses[0][1])
     stop = stop or asyncio.Event()
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def run_until_signal(serve_fn: Callable[[asyncio.Event], Any]) -> None:
+    """``asyncio.run(serve_fn(stop))`` with SIGINT / SIGTERM setting ``stop``: a clean shutdown."""
+    async def _main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_fn(stop)
+
+    asyncio.run(_main())
+
+
+async def serve(server: ModelServer, host: str, port: int, ready: threading.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (or forever). Prints the ready line with the bound port."""
+    def bound(p: int) -> None:
+        server.url = f"http://{host}:{p}/v1"
+        print(f"{READY_PREFIX}{server.url} (model {server.model_name})", flush=True)
+        if ready is not None:
+            ready.set()
+
+    await run_app(server.app(), host, port, bound, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -586,14 +608,7 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if loopback else f" (and --host {a.host} is reachable from other machines)"),
               file=sys.stderr, flush=True)
 
-    async def _main():
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(server, a.host, a.port, stop=stop)
-
-    asyncio.run(_main())
+    run_until_signal(lambda stop: serve(server, a.host, a.port, stop=stop))
     return 0
 
 

@@ -101,7 +101,6 @@ import hmac
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -114,6 +113,7 @@ from aiohttp import web
 
 from trainer.rollout.async_engine import Batcher, EngineStats
 from trainer.rollout.engine import GenerationOutput, SamplingParams
+from trainer.serve import run_app, run_until_signal
 
 READY_PREFIX = "coxswain-native-server: listening on "
 SGLANG_PROTOCOL_VERSION = "0.5.8"  # the SGLang release whose native HTTP shapes this server speaks
@@ -729,17 +729,11 @@ def build_server(a: argparse.Namespace) -> NativeSGLangServer:
 
 async def serve(server: NativeSGLangServer, host: str, port: int, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or forever); prints the ready line with the bound port."""
-    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    server.url = f"http://{host}:{runner.addresses[0][1]}"
-    print(f"{READY_PREFIX}{server.url} (model {server.served_model_name})", flush=True)
-    stop = stop or asyncio.Event()
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    def bound(p: int) -> None:
+        server.url = f"http://{host}:{p}"
+        print(f"{READY_PREFIX}{server.url} (model {server.served_model_name})", flush=True)
+
+    await run_app(server.app(), host, port, bound, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -747,14 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aiohttp.server").addFilter(_DropHTTP2Preface())
     server = build_server(a)
 
-    async def _main():
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(server, a.host, a.port, stop=stop)
-
-    asyncio.run(_main())
+    run_until_signal(lambda stop: serve(server, a.host, a.port, stop=stop))
     return 0
 
 
