@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
 from trainer.config import load_config
 from trainer.phases import should_eval
 
@@ -173,18 +174,7 @@ def cluster(tmp_path_factory):
 
 
 def _random_batch(n=16, P=6, T=6, seed=0):
-    from trainer.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(3, P + 1, (n,), generator=g)
-    rlen = torch.randint(1, T + 1, (n,), generator=g)
-    pm = torch.arange(P)[None] >= (P - plen)[:, None]
-    rm = torch.arange(T)[None] < rlen[:, None]
-    prompts = torch.randint(2, 16, (n, P), generator=g) * pm
-    resp = torch.randint(2, 16, (n, T), generator=g) * rm
-    b = RolloutBatch.from_tokens(prompts, resp, pm, rm, group_ids=torch.arange(n) // 4)
-    b.advantages = torch.randn(n, T, generator=g) * rm
-    return b
+    return random_batch(n, P, T, seed)
 
 
 def test_old_log_probs_stay_anchored_across_mini_batches(cluster):
