@@ -103,7 +103,7 @@ def test_flags_land_on_the_asked_rows_and_tokens():
     assert (adv[3:] == 0).all()  # the constant group: outcome term 0, not asked
     # step rewards differ within row 2 (GOOD, BAD, GOOD): the per-step advantages are not all equal
     assert len({round(float(x), 6) for x in adv[2][batch.response_mask[2].bool()]}) == 3
-    assert m["adca/asked_fraction"] == pytest.approx(0.5)
+    assert m["adca/skipped_fraction"] == pytest.approx(0.5)
     assert m["adca/judge_fallback_fraction"] == 0.0
     assert m["adca/good_fraction"] == pytest.approx(4 / 6)  # flags [G,B], [G], [G,B,G]
 

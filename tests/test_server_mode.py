@@ -42,3 +42,30 @@ def test_server_mode_trains_and_matches_the_in_worker_engines_greedy_eval(tmp_pa
     sync = train(load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'sync'}", "trainer.total_training_steps=1",
                                      "trainer.test_freq=-1"]))
     assert sync["history"][0]["val/acc"] == h[0]["val/acc"]
+
+
+def test_multi_turn_through_the_fleet_equals_the_in_worker_agent_loop(tmp_path):
+    """The agent loop on the driver over the router (FleetRollout) and inside a rollout worker over its
+    own engine: per-turn seeds are sent as they are, so the episodes are the same token for token."""
+    from trainer.envs import task_maker
+    from trainer.workers.fleet_rollout import FleetRollout
+    from trainer.workers.rollout_worker import RolloutWorker
+
+    agent = str(ROOT / "recipes" / "cpu" / "tiny_agent_model")
+    tasks = task_maker("hanoi")(3, seed=0)
+    params = dict(n=2, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=16, stop_token_ids=[2], seed=11)
+    mt = dict(environment="hanoi", max_assistant_turns=3, max_user_turns=3, max_tokens_per_trajectory=512,
+              concurrency=4, max_response_length=160)
+    local = RolloutWorker(model_path=agent, max_batch_size=16, max_seq_len=512).generate_multi_turn(tasks, params, mt)
+    fleet = FleetRollout(agent, num_servers=2, threads_per_server=1, max_batch_size=16, max_seq_len=512,
+                         dtype="float32", tokenizer_path=None, log_dir=str(tmp_path / "logs"))
+    try:
+        remote = fleet.call("generate_multi_turn", [(tasks, params, mt)])[0]
+    finally:
+        fleet.shutdown()
+    assert len(local) == len(remote) == 6
+    assert sum(t.num_turns for t in local) > 6  # multi-turn episodes, not one turn each
+    for a, b in zip(local, remote):
+        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask and a.step_ids == b.step_ids
+        assert a.messages == b.messages and a.finish_reason == b.finish_reason
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5

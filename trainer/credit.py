@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -138,7 +139,6 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_s
         dtype=torch.float32, **extra)
     metrics = {key: float(v) for key, v in m.items()}
     metrics.update(judge_m)  # the judge's fallback fraction (over asked trajectories) is the one logged
-    metrics["adca/asked_fraction"] = len(rows) / max(len(scores), 1)
     if not g.enable_adca_metric:
         metrics = {}
     return adv, ret, metrics
@@ -182,8 +182,6 @@ class LocalJudgeServer:
             raise RuntimeError(f"the local judge server (trainer.serve --model {model_dir}) did not start within "
                                f"{start_timeout:.0f}s; its output is in {log_path}")
         # Keep draining its output into the log so the pipe never fills.
-        import threading
-
         threading.Thread(target=self._drain, daemon=True, name="coxswain-judge-log").start()
 
     def _drain(self) -> None:

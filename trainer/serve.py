@@ -314,9 +314,7 @@ class ModelServer:
     async def _middleware(self, request: web.Request, handler):
         try:
             if request.path.startswith("/v1/") and self.api_key is not None:
-                auth = request.headers.get("Authorization", "")
-                given = auth[7:] if auth[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                if not bearer_ok(request, self.api_key):
                     raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                    type_="authentication_error", code="invalid_api_key")
             return await handler(request)
@@ -554,6 +552,13 @@ def build_server(a: argparse.Namespace) -> ModelServer:
     return ModelServer(engine, tokenizer, model_name=name, model_dir=a.model, eos_ids=eos_token_ids(a.model, tokenizer),
                        api_key=os.environ.get(a.api_key_env) or None, max_batch_samples=a.max_batch_size,
                        batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0)
+
+
+def bearer_ok(request: web.Request, api_key: str) -> bool:
+    """``Authorization: Bearer <api_key>``, compared in constant time."""
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:] if auth[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(given.encode(), api_key.encode())
 
 
 async def run_app(app: web.Application, host: str, port: int, on_bound: Callable[[int], None],

@@ -293,6 +293,14 @@ async def rollout_trajectories(
     return list(await asyncio.gather(*(one(i, j) for i in range(len(tasks)) for j in range(n))))
 
 
+def loop_kwargs(multi_turn: dict) -> dict:
+    """The budget and concurrency keywords of :func:`rollout_trajectories` / :func:`run_multi_turn`
+    from the controller's multi-turn settings (``trainer.main.multi_turn_settings``)."""
+    return dict(max_assistant_turns=multi_turn["max_assistant_turns"], max_user_turns=multi_turn["max_user_turns"],
+                max_tokens_per_trajectory=multi_turn["max_tokens_per_trajectory"],
+                concurrency=multi_turn["concurrency"], max_response_tokens=multi_turn["max_response_length"])
+
+
 def run_multi_turn(
     engine,
     tokenizer,

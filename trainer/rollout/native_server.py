@@ -97,7 +97,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import hmac
 import json
 import logging
 import os
@@ -113,7 +112,7 @@ from aiohttp import web
 
 from trainer.rollout.async_engine import Batcher, EngineStats
 from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.serve import run_app, run_until_signal
+from trainer.serve import bearer_ok, run_app, run_until_signal
 
 READY_PREFIX = "coxswain-native-server: listening on "
 SGLANG_PROTOCOL_VERSION = "0.5.8"  # the SGLang release whose native HTTP shapes this server speaks
@@ -485,9 +484,7 @@ class NativeSGLangServer:
     async def _middleware(self, request: web.Request, handler):
         try:
             if self.api_key is not None and request.path != "/health":
-                auth = request.headers.get("Authorization", "")
-                given = auth[7:] if auth[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                if not bearer_ok(request, self.api_key):
                     return web.json_response(error_body("Unauthorized"), status=401)
             return await handler(request)
         except ProtocolError as e:

@@ -62,7 +62,7 @@ class FleetRollout:
         return [[(o.token_ids, o.logprobs, o.finish_reason) for o in per_prompt] for per_prompt in outs]
 
     def generate_multi_turn(self, tasks: list[dict], params: dict, multi_turn: dict) -> list:
-        from trainer.rollout.multi_turn import rollout_trajectories
+        from trainer.rollout.multi_turn import loop_kwargs, rollout_trajectories
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -70,9 +70,7 @@ class FleetRollout:
             self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         return asyncio.run(rollout_trajectories(
             self.client.agenerate, self.tokenizer, multi_turn["environment"], tasks,
-            SamplingParams(**{**params, "n": 1}), params["n"], max_assistant_turns=multi_turn["max_assistant_turns"],
-            max_user_turns=multi_turn["max_user_turns"], max_tokens_per_trajectory=multi_turn["max_tokens_per_trajectory"],
-            concurrency=multi_turn["concurrency"], max_response_tokens=multi_turn["max_response_length"]))
+            SamplingParams(**{**params, "n": 1}), params["n"], **loop_kwargs(multi_turn)))
 
     def sleep(self) -> None:
         pass

@@ -48,7 +48,7 @@ class RolloutWorker:
     def generate_multi_turn(self, tasks: list[dict], params: dict, multi_turn: dict) -> list:
         """``params["n"]`` episodes per task with the agent loop over this engine (its turns batched
         across episodes): a list of :class:`trainer.rollout.multi_turn.Trajectory`, task-major."""
-        from trainer.rollout.multi_turn import run_multi_turn
+        from trainer.rollout.multi_turn import loop_kwargs, run_multi_turn
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -59,9 +59,7 @@ class RolloutWorker:
         try:
             return run_multi_turn(
                 self.engine, self.tokenizer, multi_turn["environment"], tasks, SamplingParams(**{**params, "n": 1}),
-                n=params["n"], max_assistant_turns=multi_turn["max_assistant_turns"],
-                max_user_turns=multi_turn["max_user_turns"], max_tokens_per_trajectory=multi_turn["max_tokens_per_trajectory"],
-                concurrency=multi_turn["concurrency"], max_response_tokens=multi_turn["max_response_length"])
+                n=params["n"], **loop_kwargs(multi_turn))
         finally:
             torch.set_num_threads(prev)
 
