@@ -12,6 +12,11 @@ bridge reaches (found by ``/work/shared/probes/megatron_cpu_check.py`` and by th
   A ``TorchFunctionMode`` rewrites any ``device="cuda..."`` keyword to ``"cpu"`` and turns
   ``Tensor.cuda()`` into the identity.
 
+A fourth, scoped shim, :func:`cuda_type_names`, is used only while megatron's optimizer is built:
+its mixed-precision wrapper (``Float16OptimizerWithFloat16Params``) sorts parameters by
+``param.type()`` and accepts only the ``torch.cuda.*Tensor`` names, so bf16 training on CPU needs
+the CPU names reported as their CUDA twins for the duration of that call.
+
 Everything here is a no-op when CUDA is available: on a GPU machine megatron runs unpatched.
 ``install()`` is idempotent and is called by :func:`megatron_bridge.launch.init_distributed`.
 The mode is pushed on the calling thread only (torch keeps the function-mode stack per thread).
@@ -19,6 +24,7 @@ The mode is pushed on the calling thread only (torch keeps the function-mode sta
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -72,3 +78,26 @@ def uninstall_mode() -> None:
 
 def active() -> bool:
     return getattr(_state, "mode", None) is not None
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """While active, ``tensor.type()`` (no arguments) of a CPU tensor returns the ``torch.cuda.``
+    name (``torch.BFloat16Tensor`` -> ``torch.cuda.BFloat16Tensor``). Process-wide, so keep the
+    block short: it wraps megatron's optimizer construction only. A no-op with CUDA."""
+    if not needed():
+        yield
+        return
+    orig = torch.Tensor.type
+
+    def cuda_named(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            name = orig(self)  # may already be renamed: the function mode re-enters this wrapper
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return orig(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = cuda_named
+    try:
+        yield
+    finally:
+        torch.Tensor.type = orig

@@ -96,7 +96,8 @@ def make_trainer(model, optim: OptimConfig) -> Trainer:
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
         sgd_momentum=optim.sgd_momentum, clip_grad=0.0,  # clipping is ours (see module docstring)
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype, use_distributed_optimizer=use_dist)
-    opt = get_megatron_optimizer(ocfg, [ddp])
+    with cpu_shims.cuda_type_names():  # bf16/fp16 on CPU: megatron's type check wants CUDA names
+        opt = get_megatron_optimizer(ocfg, [ddp])
     cfg.no_sync_func = ddp.no_sync
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = opt.scale_loss

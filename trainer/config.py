@@ -73,7 +73,8 @@ class MegatronConfig:
     grad_offload: bool = False  # offload grads to host memory when idle
     optimizer_offload: bool = False  # offload optimizer state to host memory when idle
     seed: int = 42  # megatron's model-parallel RNG seed
-    params_dtype: str = "float32"  # float32 | bfloat16 | float16: parameter dtype
+    params_dtype: str = "float32"  # float32 | bfloat16 | float16: parameter dtype (bf16/fp16 keep fp32 main params + grads)
+    use_torch_compile: bool = False  # torch.compile (inductor) the model chunk; the first steps pay the compile
 
 
 @dataclass

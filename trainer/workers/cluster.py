@@ -74,7 +74,7 @@ class Cluster:
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                        params_dtype=mcfg.params_dtype, optim=optim, seed=mcfg.seed, num_threads=share(world))
+                        params_dtype=mcfg.params_dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed, num_threads=share(world))
                    for i in range(world)]
             g = WorkerGroup(name, MegatronWorker, kws, in_process=self.in_process, placement=placement, share=0.25)
             return g, g.call("layout")

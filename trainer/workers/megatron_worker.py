@@ -34,7 +34,7 @@ def combine_digests(digests: dict[str, bytes]) -> str:
 class MegatronWorker:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, tp: int = 1, pp: int = 1, pp_layers=None, params_dtype: str = "float32",
-                 optim: dict | None = None, seed: int = 1, num_threads: int = 1):
+                 compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1):
         from megatron_bridge import launch
         from megatron_bridge.convert import load_hf_weights
         from megatron_bridge.hf_config import read_hf_config
@@ -53,6 +53,10 @@ class MegatronWorker:
             from megatron_bridge.train import OptimConfig, make_trainer
 
             self.trainer = make_trainer(self.model, OptimConfig(**optim))
+        if compile:
+            from megatron_bridge.model import compile_model
+
+            compile_model(self.model)
 
     # ------------------------------------------------------------------ layout
     def layout(self) -> dict:
