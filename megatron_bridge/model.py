@@ -181,6 +181,13 @@ def build_model(
     if value_head and model.post_process:
         dev = next(model.parameters()).device
         model.output_layer = ValueHead(hf.hidden_size, params_dtype, seed=value_head_seed).to(dev)
+    if params_dtype != torch.float32:
+        # megatron's local spec builds its norms as plain torch modules in fp32 (on GPU, megatron's
+        # Float16Module casts the whole chunk); cast every float parameter, as that wrapper would, so
+        # bf16 activations meet bf16 norm weights (torch's fused RMSNorm needs matching dtypes)
+        for prm in model.parameters():
+            if prm.is_floating_point() and prm.dtype != params_dtype:
+                prm.data = prm.data.to(params_dtype)
     layout = pipeline_layout(hf.num_layers, pp, pp_layers)
     # Bookkeeping the converter, exporter and log-prob code read back.
     model.hf_config = hf

@@ -1,0 +1,139 @@
+"""bf16 mixed precision and torch.compile on CPU, against the fp32 eager train step.
+
+* bf16: megatron's mixed-precision optimizer must build on CPU (the scoped type-name shim), keep fp32
+  main parameters, and move them the way the fp32 run moves its parameters (to bf16 accuracy); the
+  bf16 model weights must be exactly the bf16 rounding of those main parameters after each step.
+* The CPU attention upcast: bf16 q/k/v give exactly the fp32 kernel's output rounded to bf16.
+* compile: the compiled chunk gives the eager losses, grad norms and parameters over steps whose
+  batches change shape (so a recompile happens), and keeps its state-dict names.
+"""
+
+import pytest
+import torch
+
+from bridge_tiny import make_case, random_seqs
+
+
+def _mbs(seqs):
+    from megatron_bridge.logprobs import model_inputs, pad_sequences
+
+    g = torch.Generator().manual_seed(3)
+    # different widths per step: the compiled graph must follow a shape change
+    mbs = [pad_sequences(seqs[:3], side="left"), pad_sequences(seqs[3:], side="right")]
+    total = 0
+    for mb in mbs:
+        inp = model_inputs(mb)
+        mb["loss_mask"] = inp.token_valid
+        mb["adv"] = torch.randn(inp.input_ids.shape, generator=g)
+        total += int(inp.token_valid.sum())
+    for mb in mbs:
+        mb["n_total"] = float(total)
+    return mbs
+
+
+def loss_fn(outs, mb):
+    m = mb["loss_mask"].float()
+    return (-(mb["adv"] * outs["logprobs"].float()) * m).sum() / mb["n_total"], {}
+
+
+def job(src, seqs, variants):
+    from megatron_bridge.convert import load_hf_weights
+    from megatron_bridge.hf_config import read_hf_config
+    from megatron_bridge.model import build_model, compile_model
+    from megatron_bridge.train import OptimConfig, make_trainer, train_step
+
+    hf = read_hf_config(src)
+    mbs = _mbs(seqs)
+    out = {}
+    for name, dtype, compiled in variants:
+        model = build_model(hf, params_dtype=dtype)
+        load_hf_weights(model, src)
+        tr = make_trainer(model, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0))
+        if compiled:
+            compile_model(model)
+        named = dict(model.named_parameters())
+        f32 = lambda t: t.detach().float().numpy().copy()  # noqa: E731  (bf16 -> fp32 is exact)
+        init = {n: f32(p) for n, p in named.items()}
+        hist = [train_step(tr, [mb], loss_fn) for mb in mbs]  # one step per micro-batch: two shapes
+        out[name] = dict(
+            hist=hist, init=init, names=sorted(model.state_dict()), opt={type(o).__name__ for o in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])},
+            params={n: f32(p) for n, p in named.items()}, dtypes={n: str(p.dtype) for n, p in named.items()},
+            # megatron's mixed-precision optimizer hangs each bf16 param's fp32 master on .main_param
+            main={n: p.main_param.detach().numpy().copy() for n, p in named.items() if hasattr(p, "main_param")})
+    return out
+
+
+@pytest.mark.slow
+def test_bf16_and_compile_match_fp32_eager(tmp_path):
+    from megatron_bridge.launch import spawn
+
+    src = str(tmp_path / "m")
+    make_case("qwen2_bias_gqa2_tied", src)
+    seqs = random_seqs([7, 12, 5, 9, 16], seed=4)
+    variants = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("fp32_compiled", torch.float32, True)]
+    out = spawn(job, 1, src, seqs, variants)[0]
+    T = lambda d: {k: torch.from_numpy(v) for k, v in d.items()}  # noqa: E731
+    for r in out.values():
+        for key in ("init", "params", "main"):
+            r[key] = T(r[key])
+    ref, bf, comp = out["fp32"], out["bf16"], out["fp32_compiled"]
+
+    # compile: the eager numbers, across a shape change; the same parameter names
+    assert comp["names"] == ref["names"]
+    for a, b in zip(comp["hist"], ref["hist"]):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, b["grad_norm"]), (a, b)
+    worst = max(float((comp["params"][k] - ref["params"][k]).abs().max()) for k in ref["params"])
+    assert worst < 1e-5, worst
+
+    # bf16: megatron's mixed-precision optimizer, fp32 masters, bf16 weights
+    assert bf["opt"] == {"Float16OptimizerWithFloat16Params"} and ref["opt"] == {"FP32Optimizer"}
+    assert sorted(bf["main"]) == sorted(bf["params"]) and not ref["main"]
+    assert set(bf["dtypes"].values()) == {"torch.bfloat16"}  # norms too, not only the matmul weights
+    for n, p in bf["params"].items():
+        assert bf["main"][n].dtype == torch.float32, n
+        assert torch.equal(p, bf["main"][n].to(torch.bfloat16).float()), n  # weights = rounded masters
+    for a, b in zip(bf["hist"], ref["hist"]):
+        assert abs(a["loss"] - b["loss"]) < 2e-2 * max(1.0, abs(b["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 5e-2 * b["grad_norm"], (a, b)
+    # the update: the masters moved as the fp32 run's parameters did, to bf16 accuracy
+    d_ref = torch.cat([(ref["params"][n] - ref["init"][n]).reshape(-1) for n in sorted(ref["params"])])
+    d_bf = torch.cat([(bf["main"][n] - bf["init"][n]).reshape(-1) for n in sorted(ref["params"])])
+    assert float(d_ref.norm()) > 1e-2  # a real update to compare
+    assert float((d_bf - d_ref).norm() / d_ref.norm()) < 5e-2
+
+
+def test_cpu_attention_upcasts_bf16_to_the_fp32_kernel():
+    """bf16 q/k/v on CPU: exactly the fp32 kernel's output rounded to bf16 (padded mask and THD)."""
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_bridge.attention import TorchSDPAttention
+
+    cfg = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=8,
+                          apply_query_key_layer_scaling=False)
+    attn = TorchSDPAttention.__new__(TorchSDPAttention)
+    torch.nn.Module.__init__(attn)
+    attn.scale, attn.attn_mask_type, attn.config = 8 ** -0.5, None, cfg
+    g = torch.Generator().manual_seed(0)
+    S, B, H, K, D = 6, 2, 4, 2, 8
+    q, k, v = (torch.randn(S, B, n, D, generator=g).to(torch.bfloat16) for n in (H, K, K))
+    mask = ~torch.ones(S, S, dtype=torch.bool).tril()[None, None].expand(B, 1, S, S).clone()
+    mask[0, :, :, 0] = True  # a left pad in row 0
+    mask[0, 0, 0, 0] = False  # which still sees itself
+    got = attn(q, k, v, mask)
+    want = attn(q.float(), k.float(), v.float(), mask).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    # the bf16 kernel itself differs (else this test could not tell an upcast from none)
+    import torch.nn.functional as F
+
+    bf_direct = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.repeat_interleave(2, 2).permute(1, 2, 0, 3), v.repeat_interleave(2, 2).permute(1, 2, 0, 3),
+        attn_mask=~mask, scale=attn.scale).permute(2, 0, 1, 3).reshape(S, B, -1)
+    assert not torch.equal(bf_direct, got)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    got = attn(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=psp)
+    want = attn(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), None, packed_seq_params=psp).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
