@@ -551,3 +551,29 @@ def test_make_meta_length_check():
     with pytest.raises(ValueError, match="has 2 values for a batch of 3"):
         make_meta({"a": [1, 2]}, 3)
     assert isinstance(make_meta({"a": [1, 2, 3]}, 3), TensorDict)
+
+
+def test_trim_padding_drops_only_all_pad_columns():
+    # P=4 (columns 0-1 are pads in every row), T=5 (columns 3-4 pads in every row)
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 0, 7]])
+    responses = torch.tensor([[1, 2, 3, 0, 0], [4, 0, 0, 0, 0]])
+    pm = prompts != 0
+    rm = responses != 0
+    adv = torch.arange(10, dtype=torch.float32).reshape(2, 5)
+    b = RolloutBatch.from_tokens(prompts, responses, pm, rm, advantages=adv, group_ids=torch.tensor([3, 4]),
+                                 meta={"uid": ["a", "b"]})
+    t, lead, tail = b.trim_padding()
+    assert (lead, tail) == (2, 2)
+    assert t.prompts.tolist() == [[5, 6], [0, 7]] and t.responses.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert torch.equal(t.input_ids, b.input_ids[:, 2:7]) and torch.equal(t.attention_mask, b.attention_mask[:, 2:7])
+    assert torch.equal(t.position_ids, b.position_ids[:, 2:7])  # per-token positions are unchanged
+    assert torch.equal(t.advantages, adv[:, :3]) and t.group_ids.tolist() == [3, 4]
+    assert t.get_meta("uid") == ["a", "b"]
+    assert torch.equal(t.num_tokens, b.num_tokens)  # no real token was dropped
+    # nothing to trim: the same object back
+    same, lead, tail = t.trim_padding()
+    assert same is t and (lead, tail) == (0, 0)
+    # every response empty: one response column is kept (the batch stays well-formed)
+    e = RolloutBatch.from_tokens(prompts, torch.zeros(2, 3, dtype=torch.long), pm, torch.zeros(2, 3, dtype=torch.bool))
+    et, _, tail = e.trim_padding()
+    assert tail == 2 and et.response_width == 1

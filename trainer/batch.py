@@ -280,6 +280,32 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
         """[B] int64: prompt + response real tokens, the per-sample compute cost for balancing."""
         return self.attention_mask.sum(dim=1, dtype=torch.int64)
 
+    def trim_padding(self) -> tuple["RolloutBatch", int, int]:
+        """The batch without the prompt columns that are padding in EVERY row (from the left) and the
+        response columns that are padding in every row (from the right): ``(batch, lead, tail)``,
+        ``P' = P - lead``, ``T' = T - tail`` (at least one response column is kept).
+
+        Prompts are padded to ``data.max_prompt_length`` and responses to the response budget, so a
+        batch of short prompts or early stops carries columns no row uses; every model pass over
+        them is wasted compute (quadratic in attention). No real token moves relative to another
+        and position ids are per token, so outputs over the kept columns are unchanged; per-token
+        results of the trimmed batch map back with ``[:, :T']`` of the full ``[B, T]``."""
+        P, T = self.prompt_width, self.response_width
+        real = self.attention_mask.bool().any(0)  # [L] some row has a real token in this column
+        lead = P if not bool(real[:P].any()) else int(real[:P].int().argmax())
+        resp = real[P:]
+        keep = max(1, int(resp.nonzero().max()) + 1) if bool(resp.any()) else 1
+        tail = T - keep
+        if lead == 0 and tail == 0:
+            return self, 0, 0
+        cols = {"P": slice(lead, P), "T": slice(0, keep), "L": slice(lead, P + keep)}
+        fields = {}
+        for name, (dims, _) in FIELD_SPECS.items():
+            t = getattr(self, name)
+            if t is not None:
+                fields[name] = t[:, cols[dims[1]]] if len(dims) == 2 else t
+        return type(self)(**fields, meta=self.meta, batch_size=self.batch_size), lead, tail
+
     def present_fields(self) -> list[str]:
         """Names of the fields that are set (not None), in declaration order."""
         return [n for n in (*FIELD_SPECS, "meta") if getattr(self, n) is not None]

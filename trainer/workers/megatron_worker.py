@@ -66,6 +66,22 @@ class MegatronWorker:
         return self.trainer.model if self.trainer is not None else self.model
 
     @staticmethod
+    def _trimmed(batch_np: dict) -> tuple[RolloutBatch, int]:
+        """The shard without its all-padding columns (``RolloutBatch.trim_padding``) and the full
+        response width ``T`` that per-token results are padded back to."""
+        batch = RolloutBatch.from_numpy_dict(batch_np)
+        T = batch.response_width
+        return batch.trim_padding()[0], T
+
+    @staticmethod
+    def _full_width(x: torch.Tensor, T: int) -> np.ndarray:
+        """``[b, T']`` per-token results back to ``[b, T]`` (zeros on the trimmed padding columns)."""
+        x = x.float()
+        if x.shape[1] < T:
+            x = torch.nn.functional.pad(x, (0, T - x.shape[1]))
+        return x.numpy()
+
+    @staticmethod
     def _micro_batches(batch: RolloutBatch, micro_bs: int, fields: tuple[str, ...]) -> list[dict]:
         out = []
         for s in range(0, batch.batch_size[0], micro_bs):
@@ -84,24 +100,24 @@ class MegatronWorker:
         """Per-token log-probs (and entropy) of the response tokens under the current weights."""
         from megatron_bridge.logprobs import compute_logprobs
 
-        batch = RolloutBatch.from_numpy_dict(batch_np)
+        batch, T = self._trimmed(batch_np)
         P = batch.prompts.shape[1]
         mbs = self._micro_batches(batch, micro_batch_size, ())
         with torch.no_grad():
             outs = compute_logprobs(self._module(), mbs, temperature=temperature, with_entropy=with_entropy)
-        res = {"log_probs": torch.cat([o["logprobs"][:, P:] for o in outs]).float().numpy()}
+        res = {"log_probs": self._full_width(torch.cat([o["logprobs"][:, P:] for o in outs]), T)}
         if with_entropy:
-            res["entropy"] = torch.cat([o["entropy"][:, P:] for o in outs]).float().numpy()
+            res["entropy"] = self._full_width(torch.cat([o["entropy"][:, P:] for o in outs]), T)
         return res
 
     def compute_values(self, batch_np: dict, *, micro_batch_size: int) -> dict[str, np.ndarray]:
         from megatron_bridge.logprobs import compute_logprobs
 
-        batch = RolloutBatch.from_numpy_dict(batch_np)
+        batch, T = self._trimmed(batch_np)
         P = batch.prompts.shape[1]
         with torch.no_grad():
             outs = compute_logprobs(self._module(), self._micro_batches(batch, micro_batch_size, ()))
-        return {"values": torch.cat([o["values"][:, P:] for o in outs]).float().numpy()}
+        return {"values": self._full_width(torch.cat([o["values"][:, P:] for o in outs]), T)}
 
     # ------------------------------------------------------------------ updates
     def update_actor(self, mini_batches: list[dict], *, loss: dict, temperature: float,
@@ -135,7 +151,7 @@ class MegatronWorker:
                   "rollout_log_probs")
         out, captured = [], []
         for i, mb_np in enumerate(mini_batches):
-            batch = RolloutBatch.from_numpy_dict(mb_np)
+            batch, T = self._trimmed(mb_np)
             P = batch.prompts.shape[1]
             n_tok, n_seq = loss["global_counts"][i]
             agg = dict(global_num_tokens=n_tok, global_num_seqs=n_seq, dp_size=dp, norm_constant=loss.get("norm_constant"))
@@ -145,9 +161,9 @@ class MegatronWorker:
                 mask = mb["response_mask"]
                 old, is_w = mb.get("old_log_probs"), mb.get("rollout_is_weights")
                 if on_policy:
-                    old = logp.detach()  # [b, T] the start-of-step policy, exactly
+                    old = logp.detach()  # [b, T'] the start-of-step policy, exactly
                     ent = outs["entropy"][:, P:].detach() if "entropy" in outs else None
-                    captured.append((old, ent))
+                    captured.append((old, ent, T))
                     if is_kw is not None and is_kw.get("rollout_is", True) and bool(mask.any()):
                         is_w = compute_rollout_is_weights(old, mb["rollout_log_probs"], mask, **is_kw)[0]
                 pg, metrics = policy_loss(
@@ -178,9 +194,9 @@ class MegatronWorker:
             out.append({("actor/" + k if "/" not in k else k): float(v) for k, v in m.items()})
         outputs = None
         if captured:  # the last pipeline stage (the one that ran loss_fn)
-            outputs = {"log_probs": torch.cat([c[0] for c in captured]).float().numpy()}
+            outputs = {"log_probs": np.concatenate([self._full_width(c[0], c[2]) for c in captured])}
             if captured[0][1] is not None:
-                outputs["entropy"] = torch.cat([c[1] for c in captured]).float().numpy()
+                outputs["entropy"] = np.concatenate([self._full_width(c[1], c[2]) for c in captured])
         return {"metrics": out, "outputs": outputs}
 
     def update_critic(self, mini_batches: list[dict], *, loss: dict, micro_batch_size: int) -> list[dict]:
@@ -191,7 +207,7 @@ class MegatronWorker:
         dp = self.mesh["dp_size"]
         out = []
         for i, mb_np in enumerate(mini_batches):
-            batch = RolloutBatch.from_numpy_dict(mb_np)
+            batch, _ = self._trimmed(mb_np)
             P = batch.prompts.shape[1]
             n_tok, n_seq = loss["global_counts"][i]
 
