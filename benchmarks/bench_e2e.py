@@ -2,7 +2,7 @@
 data, same group size and lengths, in the same run.
 
 Metric: trained tokens/s = (prompt + sampled completion tokens of the step's batch, every one of which is
-also trained on) / wall time of the step. Steady state excludes the first step of each framework (lazy
+also trained on) / wall time of the step. Steady state excludes the first step of each run (lazy
 initialisation) and everything before it (startup, reported separately); the headline uses the median
 step time over the remaining steps. The time per phase is reported for both, and so is the CPU time
 per step (Coxswain: its whole process tree, driver + raylet + Ray workers + scorer processes; TRL: its
@@ -33,18 +33,26 @@ Setup, identical on both sides:
 Coxswain: ``trainer.main.train`` with the embedded recipe's defaults (actor megatron-core TP=1 DP=2 over
 2 CPU slots, one native engine per slot colocated, local Ray cluster, 2 scorer processes, one torch
 thread per worker) and only the keys above overridden, console logging only, no eval, no checkpoints.
+Two Coxswain runs: ``coxswain`` (those defaults: fp32, eager) and ``coxswain-bf16-compile`` (its
+throughput settings, ``FAST_SETTINGS``: megatron mixed precision, i.e. bf16 weights and activations
+with fp32 main params, grads and Adam state, the attention kernel in fp32 on CPU, and
+``torch.compile`` of the actor's model chunk; the rollout engine stays fp32). Every pass trims the
+batch's all-padding columns (prompts are padded to ``data.max_prompt_length``; TRL pads to the
+longest prompt of its batch, so both compute over the same widths).
 With one mini-batch and one PPO epoch the update is on-policy, so Coxswain runs no separate old-log-prob
 forward (its update takes its own detached log-probs, exactly as TRL does with ``num_iterations=1``,
 ``beta=0``). TRL 1.16:
 ``GRPOTrainer`` on CPU (``use_cpu=True``), ``transformers`` ``generate`` for rollout, in one process
-with ``--trl-threads`` torch threads; when several thread counts are given each gets its own run and
-the FASTEST one is the baseline (the conservative choice).
+with ``--trl-threads`` torch threads, fp32; plus (full size) one run at the most threads with
+``bf16=True`` (CPU autocast), the precision Coxswain's fast run trains in. Every TRL variant gets
+its own run and the FASTEST one is the baseline (the conservative choice); likewise the fastest
+Coxswain run is Coxswain's figure. The table shows every run.
 
 Each framework runs in its own subprocess (in the order given by ``--order``), so neither sees the other's
 threads, Ray processes or allocator state. Imports are outside the startup figure on both sides.
 
     python benchmarks/bench_e2e.py [--quick] [--json PATH] [--steps N] [--trl-threads 1,2] [--rounds R]
-        [--order coxswain,trl] [--coxswain-args KEY=VALUE ...]
+        [--order coxswain,trl] [--no-fast] [--coxswain-args KEY=VALUE ...]
 
 ``--rounds R`` repeats the whole set, alternating the frameworks, and each side's best round counts (the
 load of a shared machine moves between runs by 2x and more).
@@ -71,8 +79,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
+# Coxswain's throughput settings: megatron mixed precision (bf16 weights and activations, fp32 main
+# params, grads and optimizer; attention kernel in fp32 on CPU) and torch.compile of the actor chunk.
+FAST_SETTINGS = ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+                 "actor_rollout_ref.actor.megatron.use_torch_compile=true"]
+
 SIZES = {
-    "full": dict(vocab=1024, hidden=192, layers=6, heads=6, kv=2, ffn=512, prompts=8, n=8, new=64, steps=5),
+    "full": dict(vocab=1024, hidden=192, layers=6, heads=6, kv=2, ffn=512, prompts=8, n=8, new=64, steps=6),
     "quick": dict(vocab=256, hidden=64, layers=2, heads=4, kv=2, ffn=192, prompts=4, n=4, new=16, steps=3),
 }
 
@@ -222,7 +235,7 @@ def run_trl(spec: dict) -> dict:
         gradient_accumulation_steps=1, num_generations=size["n"], max_completion_length=size["new"],
         num_iterations=1, beta=0.0, loss_type="dapo", temperature=1.0, top_k=0, top_p=1.0,
         learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
-        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=spec.get("precision") == "bf16",
         disable_tqdm=True, seed=1, dataloader_num_workers=0,
         gradient_checkpointing=False)  # TRL's default is True; Coxswain recomputes nothing, so neither does TRL
     step_begin, step_end, cpu_begin, cpu_end, trl_logs = [], [], [], [], []
@@ -280,7 +293,7 @@ def run_trl(spec: dict) -> dict:
         "optimizer + bookkeeping (rest of step)": [s - t for s, t in zip(step_s, ts)],
     }
     return {
-        "framework": "trl", "threads": spec["threads"], "step_s": step_s, "tokens": tokens,
+        "framework": "trl", "threads": spec["threads"], "precision": spec.get("precision", "fp32"), "step_s": step_s, "tokens": tokens,
         "completion_tokens": [lg["completions/mean_length"] * size["prompts"] * size["n"] for lg in trl_logs],
         "response_length_mean": [lg["completions/mean_length"] for lg in trl_logs], "phases_s": phases,
         "startup_s": step_begin[0] - t0, "teardown_s": t_end - step_end[-1], "total_s": t_end - t0,
@@ -323,7 +336,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="0.13M model, 4x4 completions x 16 tokens, 3 steps")
     ap.add_argument("--json", default=None, help="write results here")
-    ap.add_argument("--steps", type=int, default=None, help="steps per framework (default 5; quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per framework (default 6; quick 3)")
     ap.add_argument("--trl-threads", default=None, help="comma list of torch thread counts for TRL runs "
                     "(default 1,2; quick 1); the fastest is the baseline")
     ap.add_argument("--rounds", type=int, default=1,
@@ -331,6 +344,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--order", default="coxswain,trl", help="which framework runs first (one name: only that one)")
     ap.add_argument("--coxswain-args", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra Coxswain config overrides, for experiments (printed with the results)")
+    ap.add_argument("--no-fast", action="store_true",
+                    help="skip the coxswain-bf16-compile run (the recipe's defaults only; --quick always does)")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -363,24 +378,33 @@ def main(argv=None) -> dict:
           f"completions x {size['new']} new tokens per step, {steps} steps per framework", flush=True)
 
     runs = []
-    plan = [(rnd, fw, th) for rnd in range(a.rounds) for fw in a.order.split(",")
-            for th in (threads if fw == "trl" else [None])]
-    for rnd, fw, th in plan:
-        name = (fw if th is None else f"{fw}-t{th}") + (f"-r{rnd + 1}" if a.rounds > 1 else "")
-        spec = dict(size=size, steps=steps, model_dir=model_dir, run_dir=os.path.join(tmp, name), threads=th,
-                    result_path=os.path.join(tmp, f"{name}.json"), extra=list(a.coxswain_args))
+    # named variants: (run name, framework, spec keys). Each framework's fastest variant is its figure.
+    cox_variants = [("coxswain", {"extra": list(a.coxswain_args)})]
+    if not (a.no_fast or a.quick):  # (compiling takes longer than the whole --quick budget)
+        cox_variants.append(("coxswain-bf16-compile", {"extra": [*FAST_SETTINGS, *a.coxswain_args]}))
+    trl_variants = [(f"trl-t{th}", {"threads": th, "precision": "fp32"}) for th in threads]
+    if not a.quick:
+        trl_variants.append((f"trl-t{max(threads)}-bf16", {"threads": max(threads), "precision": "bf16"}))
+    by_fw = {"coxswain": cox_variants, "trl": trl_variants}
+    plan = [(rnd, fw, name, keys) for rnd in range(a.rounds) for fw in a.order.split(",") for name, keys in by_fw[fw]]
+    for rnd, fw, vname, keys in plan:
+        name = vname + (f"-r{rnd + 1}" if a.rounds > 1 else "")
+        spec = dict(size=size, steps=steps, model_dir=model_dir, run_dir=os.path.join(tmp, name), threads=None,
+                    result_path=os.path.join(tmp, f"{name}.json"), extra=[])
+        spec.update(keys)
         load0 = load_average()
         t = time.perf_counter()
         res = run_child(fw, spec, os.path.join(tmp, f"{name}.log"))
         res.update(name=name, wall_s=time.perf_counter() - t, load_before=load0, load_after=load_average(),
-                   steady=steady(res))
+                   steady=steady(res), overrides=spec["extra"])
         runs.append(res)
         print(f"  ran {name}: {res['wall_s']:.0f}s, load avg {load0:.1f} -> {res['load_after']:.1f}", flush=True)
 
     for r in runs:  # the no-early-EOS setup really gave full-length completions everywhere
         assert all(abs(x - size["new"]) < 1e-6 for x in r["response_length_mean"]), (r["name"], r["response_length_mean"])
-    if a.coxswain_args:
-        print(f"Coxswain overrides beyond the recipe: {' '.join(a.coxswain_args)}")
+    for r in runs:
+        if r["framework"] == "coxswain" and r["overrides"]:
+            print(f"{r['name']}: overrides beyond the recipe: {' '.join(r['overrides'])}")
     coxs = [r for r in runs if r["framework"] == "coxswain"]
     cox = max(coxs, key=lambda r: r["steady"]["tok_s"]) if coxs else None
     trls = [r for r in runs if r["framework"] == "trl"]
