@@ -547,7 +547,7 @@ def build_server(a: argparse.Namespace) -> ModelServer:
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     engine = NativeEngine(a.model, max_batch_size=a.max_batch_size, max_seq_len=max_seq_len,
                           dtype=getattr(torch, a.dtype), device=a.device, num_threads=a.threads)
-    engine.wake()  # allocate the KV cache now: an out-of-memory shows at start, not at the first request
+    engine.reserve()  # allocate the full KV cache now: an out-of-memory shows at start, not at the first request
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
     return ModelServer(engine, tokenizer, model_name=name, model_dir=a.model, eos_ids=eos_token_ids(a.model, tokenizer),
                        api_key=os.environ.get(a.api_key_env) or None, max_batch_samples=a.max_batch_size,

@@ -262,6 +262,17 @@ def test_sleep_and_wake(tiny):
     assert engine.cache is not None
     engine.sleep()
     assert engine.cache is None
-    engine.wake()
-    assert engine.cache is not None and engine.cache.nbytes > 0
+    engine.wake()  # lazy: the next generate sizes the cache to its requests
     assert [g[0].token_ids for g in engine.generate(prompts_for(12), sp)] == [g[0].token_ids for g in before]
+    ps = prompts_for(12)
+    c = engine.cache  # all requests through the 2 slots; the longest prompt + 5 new tokens
+    assert len(ps) > 2 and (c.max_batch, c.max_len) == (2, max(map(len, ps)) + 5)
+    engine.sleep()
+    short = min(range(len(ps)), key=lambda i: len(ps[i]))
+    one = engine.generate([ps[short]], sp)  # one short request: a small cache, the same answer
+    assert (engine.cache.max_batch, engine.cache.max_len) == (1, len(ps[short]) + 5)
+    assert one[0][0].token_ids == before[short][0].token_ids
+    engine.generate(ps, sp)  # a bigger call grows it
+    assert (engine.cache.max_batch, engine.cache.max_len) == (2, max(map(len, ps)) + 5)
+    full = engine.reserve()  # servers: the whole cache up front
+    assert (full.max_batch, full.max_len) == (2, 32) and full.nbytes > 0

@@ -714,7 +714,7 @@ def build_server(a: argparse.Namespace) -> NativeSGLangServer:
         tokenizer = AutoTokenizer.from_pretrained(a.model)
     engine = NativeEngine(a.model, max_batch_size=a.max_batch_size, max_seq_len=max_seq_len,
                           dtype=getattr(torch, a.dtype), device=a.device, num_threads=a.threads)
-    engine.wake()  # allocate the KV cache now: an out-of-memory shows at start, not at the first request
+    engine.reserve()  # allocate the full KV cache now: an out-of-memory shows at start, not at the first request
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
     return NativeSGLangServer(
         engine, model_path=a.model, served_model_name=name, eos_token_ids=eos_token_ids(a.model, tokenizer),
