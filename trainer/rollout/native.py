@@ -264,10 +264,12 @@ class NativeEngine(RolloutEngine):
         rows = self.max_batch_size if rows is None else min(rows, self.max_batch_size)
         length = self.max_seq_len if length is None else min(length, self.max_seq_len)
         c = self.cache
-        if c is None or c.max_batch < rows or c.max_len < length:
-            rows, length = (rows, length) if c is None else (max(rows, c.max_batch), max(length, c.max_len))
-            self.cache = None  # free the old one first
-            self.cache = KVCache(self.model.cfg, rows, length, self.kv_dtype, self.device)
+        if c is not None and c.max_batch >= rows and c.max_len >= length:
+            return c
+        if c is not None:  # grow, never shrink, until the next sleep
+            rows, length = max(rows, c.max_batch), max(length, c.max_len)
+        self.cache = None  # free the old one before allocating
+        self.cache = KVCache(self.model.cfg, rows, length, self.kv_dtype, self.device)
         return self.cache
 
     def sleep(self) -> None:
