@@ -36,7 +36,8 @@ thread per worker) and only the keys above overridden, console logging only, no 
 Two Coxswain runs: ``coxswain`` (those defaults: fp32, eager) and ``coxswain-bf16-compile`` (its
 throughput settings, ``FAST_SETTINGS``: megatron mixed precision, i.e. bf16 weights and activations
 with fp32 main params, grads and Adam state, the attention kernel in fp32 on CPU, and
-``torch.compile`` of the actor's model chunk, and the rollout engine in bf16). Every pass trims the
+``torch.compile`` of the actor's model chunk, and the rollout engine in bf16 with its decode step
+compiled, ``engine_kwargs.compile_decode``). Every pass trims the
 batch's all-padding columns (prompts are padded to ``data.max_prompt_length``; TRL pads to the
 longest prompt of its batch, so both compute over the same widths).
 With one mini-batch and one PPO epoch the update is on-policy, so Coxswain runs no separate old-log-prob
@@ -84,7 +85,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 # a bf16 rollout engine (oneDNN-prepacked AMX matmuls; measured 5-15% faster decode than fp32 here).
 FAST_SETTINGS = ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
                  "actor_rollout_ref.actor.megatron.use_torch_compile=true",
-                 "actor_rollout_ref.rollout.dtype=bfloat16"]
+                 "actor_rollout_ref.rollout.dtype=bfloat16",
+                 "actor_rollout_ref.rollout.engine_kwargs.compile_decode=true"]
 
 SIZES = {
     "full": dict(vocab=1024, hidden=192, layers=6, heads=6, kv=2, ffn=512, prompts=8, n=8, new=64, steps=6),
