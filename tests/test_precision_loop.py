@@ -1,7 +1,9 @@
-"""The loop with the actor in bf16 mixed precision and torch.compile (the bench_e2e throughput
-settings): the config keys reach the megatron worker, every resharding sync still verifies (bf16
-actor -> fp32 engine), and the numbers are those of the fp32 run to bf16 accuracy, not identical
-(the actor really trained in bf16). In-process workers, one rank: the wiring is what is tested."""
+"""The loop with the bench_e2e throughput settings: the actor in bf16 mixed precision and
+torch.compile, the rollout engine with its decode step compiled. The config keys reach the workers,
+every resharding sync still verifies (bf16 actor -> fp32 engine), and the numbers are those of the
+fp32 run to bf16 accuracy, not identical (the actor really trained in bf16); the compiled decode
+samples exactly what the eager engine samples, before and after a weight sync. In-process workers,
+one rank: the wiring is what is tested."""
 
 from pathlib import Path
 
@@ -25,7 +27,8 @@ def test_bf16_compiled_actor_in_the_loop(tmp_path):
 
     runs = {}
     for name, extra in (("fp32", []), ("bf16", ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
-                                                 "actor_rollout_ref.actor.megatron.use_torch_compile=true"])):
+                                                 "actor_rollout_ref.actor.megatron.use_torch_compile=true"]),
+                        ("fp32_compiled_decode", ["actor_rollout_ref.rollout.engine_kwargs.compile_decode=true"])):
         cfg = load_config(BASE + extra + [f"trainer.default_local_dir={tmp_path / name}"])
         runs[name] = train(cfg)["history"]
     fp, bf = runs["fp32"], runs["bf16"]
@@ -40,3 +43,11 @@ def test_bf16_compiled_actor_in_the_loop(tmp_path):
     assert 0 <= kf < 1e-7 < kb < 1e-1, (kf, kb)
     g_f, g_b = fp[0]["actor/grad_norm"], bf[0]["actor/grad_norm"]
     assert g_f > 0 and g_b != g_f and abs(g_b - g_f) < 0.1 * g_f, (g_f, g_b)
+    # compiled decode: step 2 samples from the synced step-1 weights; stale weights would change the
+    # samples and raise the trainer/sampler mismatch far above fp32 rounding
+    cd = runs["fp32_compiled_decode"]
+    for h_e, h_c in zip(fp, cd):
+        assert h_c["sync/verified"] == 1.0
+        for key in ("reward/mean", "response_length/mean", "actor/grad_norm"):
+            assert h_c[key] == pytest.approx(h_e[key], rel=1e-4, abs=1e-7), (h_c["step"], key)
+        assert h_c["mismatch/mismatch_k3_kl"] < 1e-7, h_c["mismatch/mismatch_k3_kl"]

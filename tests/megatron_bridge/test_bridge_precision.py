@@ -137,3 +137,46 @@ def test_cpu_attention_upcasts_bf16_to_the_fp32_kernel():
     got = attn(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=psp)
     want = attn(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), None, packed_seq_params=psp).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def adam_job(src, seqs):
+    from megatron_bridge.convert import load_hf_weights
+    from megatron_bridge.hf_config import read_hf_config
+    from megatron_bridge.model import build_model
+    from megatron_bridge.train import OptimConfig, make_trainer, train_step
+
+    hf = read_hf_config(src)
+    mbs = _mbs(seqs)
+    out = {}
+    for name in ("fused", "reference"):
+        model = build_model(hf)
+        load_hf_weights(model, src)
+        tr = make_trainer(model, OptimConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0))
+        inner = tr.optimizer.optimizer
+        if name == "reference":  # torch's per-parameter AdamW loop, what megatron builds
+            for g in inner.param_groups:
+                g.update(fused=False, foreach=False)
+        snap = lambda: {n: p.detach().numpy().copy() for n, p in model.named_parameters()}  # noqa: E731
+        init = snap()
+        hist = [train_step(tr, [mb], loss_fn) for mb in mbs * 2]  # 4 steps: Adam's moments matter
+        out[name] = dict(kind=type(inner).__name__, fused={g["fused"] for g in inner.param_groups},
+                         hist=hist, init=init, params=snap())
+    return out
+
+
+@pytest.mark.slow
+def test_fused_adam_is_torch_adamw(tmp_path):
+    # make_trainer switches megatron's fallback AdamW to torch's fused kernel: the same update as the
+    # per-parameter loop (to float rounding), over 4 steps with decoupled weight decay
+    from megatron_bridge.launch import spawn
+
+    src = str(tmp_path / "m")
+    make_case("qwen2_bias_gqa2_tied", src)
+    out = spawn(adam_job, 1, src, random_seqs([7, 12, 5, 9, 16], seed=5))[0]
+    fused, ref = out["fused"], out["reference"]
+    assert fused["kind"] == "AdamW" and fused["fused"] == {True} and ref["fused"] == {False}
+    for a, b in zip(fused["hist"], ref["hist"]):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a, b)
+    moved = max(float(abs(ref["params"][n] - ref["init"][n]).max()) for n in ref["params"])
+    worst = max(float(abs(fused["params"][n] - ref["params"][n]).max()) for n in ref["params"])
+    assert moved > 1e-2 and worst < 1e-5, (moved, worst)
