@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from trainer.batch import RolloutBatch
@@ -18,28 +19,29 @@ from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingPara
 
 def pad_left(seqs: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, width]`` ids and mask, real tokens at the right end."""
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    # filled row by row in numpy (a per-row torch assignment costs ~4x more: bench_e2e's 64 rows)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=bool)
     for i, s in enumerate(seqs):
         if len(s) > width:
             raise ValueError(f"prompt {i} has {len(s)} tokens, more than the prompt width {width} "
                              f"(raise data.max_prompt_length or filter overlong prompts)")
-        if s:
-            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        if len(s):
+            ids[i, width - len(s):] = s
             mask[i, width - len(s):] = True
-    return ids, mask
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 def pad_right(seqs: Sequence[Sequence], width: int, pad, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, width]`` values and mask, real entries at the left end."""
-    out = torch.full((len(seqs), width), pad, dtype=dtype)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    out = np.full((len(seqs), width), pad, dtype=torch.empty((), dtype=dtype).numpy().dtype)
+    mask = np.zeros((len(seqs), width), dtype=bool)
     for i, s in enumerate(seqs):
         n = min(len(s), width)
         if n:
-            out[i, :n] = torch.as_tensor(list(s)[:n], dtype=dtype)
+            out[i, :n] = s[:n]
             mask[i, :n] = True
-    return out, mask
+    return torch.from_numpy(out), torch.from_numpy(mask)
 
 
 def outputs_to_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[GenerationOutput]],
