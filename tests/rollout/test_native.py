@@ -299,3 +299,23 @@ def test_compiled_decode_equals_eager(tiny):
         for a, b in zip(a_list, b_list):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_decode_bf16_keeps_an_fp32_cache(tiny):
+    # bf16 weights + compiled decode on CPU: keys/values kept in fp32 (the faster attention kernel
+    # for this shape). Against the eager bf16 engine given the same fp32 cache: the prefill token and
+    # the first decode step agree (to bf16 rounding; later greedy steps may part at a bf16 near-tie,
+    # as any two bf16 kernels' can)
+    _, path = tiny["qwen2"]
+    prompts = prompts_for(3)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    comp = NativeEngine(path, max_batch_size=8, max_seq_len=32, dtype=torch.bfloat16, compile_decode=True)
+    ref = NativeEngine(path, max_batch_size=8, max_seq_len=32, dtype=torch.bfloat16, kv_dtype="float32")
+    assert NativeEngine(path, dtype=torch.bfloat16).kv_dtype == torch.bfloat16  # eager default: the model's
+    a, b = comp.generate(prompts, sp), ref.generate(prompts, sp)
+    assert comp.cache.k[0].dtype == torch.float32 and ref.cache.k[0].dtype == torch.float32
+    for x, y in zip(a, b):
+        assert x[0].token_ids[:2] == y[0].token_ids[:2]
+        # bf16 logits of a few units carry ~1e-2 rounding each: a tolerance that still flags a wrong cache
+        assert max(abs(p - q) for p, q in zip(x[0].logprobs[:2], y[0].logprobs[:2])) < 0.1
