@@ -204,7 +204,8 @@ def dp_dispatch(group, layouts: list[dict], batch: RolloutBatch, method: str, **
     for l, r in zip(layouts, res):
         first.setdefault(l["dp_rank"], r)
     keys = first[0].keys()
-    return {k: restore_order([torch.from_numpy(np.asarray(first[d][k])) for d in range(dp)], index_lists) for k in keys}
+    # np.array copies: Ray hands back read-only zero-copy arrays, which torch would wrap with a warning
+    return {k: restore_order([torch.from_numpy(np.array(first[d][k])) for d in range(dp)], index_lists) for k in keys}
 
 
 def update_group(group, layouts: list[dict], batch: RolloutBatch, method: str, *, mini_batch_size: int, epochs: int,
@@ -250,7 +251,7 @@ def update_group(group, layouts: list[dict], batch: RolloutBatch, method: str, *
     for l, o in zip(layouts, outs):  # any rank of the last pipeline stage of each DP rank
         if o is not None:
             by_dp.setdefault(l["dp_rank"], o)
-    outputs = {k: restore_order([torch.from_numpy(np.asarray(by_dp[d][k])) for d in range(dp)], index_lists)
+    outputs = {k: restore_order([torch.from_numpy(np.array(by_dp[d][k])) for d in range(dp)], index_lists)
                for k in by_dp[0]}
     return metrics, outputs
 
