@@ -49,6 +49,15 @@ def test_padded_prefill_does_not_leak(models, arch):
         assert torch.allclose(out[r, :n], hf_logits(hf, ids[r, :n].tolist()), atol=1e-5, rtol=0)
 
 
+def random_prompts(g: torch.Generator, lengths) -> tuple[list[list[int]], torch.Tensor]:
+    """Random prompts of the given lengths and their right-padded ``[n, max_len]`` token tensor."""
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    tokens = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    return prompts, tokens
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_cache_prefill_and_per_row_decode(models, arch):
     # Prefill three prompts of different lengths into non-contiguous slots (2, 0, 1), one prompt twice
@@ -56,11 +65,7 @@ def test_cache_prefill_and_per_row_decode(models, arch):
     # own position. Each step's logits equal HF's full forward over that row's whole sequence.
     hf, ours = models[arch]
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 3, 6)]
-    T = max(map(len, prompts))
-    tokens = torch.zeros(3, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
+    prompts, tokens = random_prompts(g, (9, 3, 6))
     cache = KVCache(ours.cfg, max_batch=4, max_len=32, dtype=torch.float32)
     rows, slots = torch.tensor([0, 1, 2, 1]), torch.tensor([2, 0, 1, 3])
     with torch.inference_mode():
@@ -87,11 +92,7 @@ def test_static_decode_step_matches_transformers(models, arch):
     # its own slot's position 0; the real rows' cache writes equal the eager decode's.
     hf, ours = models[arch]
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (8, 2, 5)]
-    T = max(map(len, prompts))
-    tokens = torch.zeros(3, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
+    prompts, tokens = random_prompts(g, (8, 2, 5))
     caches = [KVCache(ours.cfg, max_batch=4, max_len=24, dtype=torch.float32) for _ in range(2)]
     with torch.inference_mode():
         for c in caches:
