@@ -241,6 +241,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: tor
     return F.linear(x, w, b)
 
 
+def qkv_heads(cfg: ModelConfig, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
+              qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, packed: torch.Tensor | None = None):
+    """x ``[..., h]`` -> q ``[..., H, D]``, k / v ``[..., K, D]``, with the q/k norm (Qwen3; ``qk_norm``
+    is the joint ``[H+K, D]`` weight) and RoPE applied: q and k are normed and rotated together as H+K
+    heads. Shared by the eager passes and :func:`decode_step`."""
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = linear(rms_norm(x, ln1, cfg.rms_norm_eps), wqkv, bqkv, packed)  # [..., (H+2K)D]
+    lead = qkv.shape[:-1]
+    qk = qkv[..., : (H + K) * D].view(*lead, H + K, D)
+    v = qkv[..., (H + K) * D :].view(*lead, K, D)
+    if qk_norm is not None:
+        qk = rms_norm(qk, qk_norm, cfg.rms_norm_eps)
+    qk = apply_rope(qk, cos, sin)  # [..., H+K, D]
+    return qk[..., :H, :], qk[..., H:, :], v
+
+
+def mlp_residual(cfg: ModelConfig, h: torch.Tensor, ln2: torch.Tensor, w_gu: torch.Tensor, b_gu: torch.Tensor | None,
+                 w_down: torch.Tensor, b_down: torch.Tensor | None, packed_gu: torch.Tensor | None = None,
+                 packed_down: torch.Tensor | None = None) -> torch.Tensor:
+    """``h + W_down(silu(W_gate h~) * W_up h~)``, ``h~ = RMSNorm(h)`` (gate/up fused in ``w_gu``)."""
+    inter = cfg.intermediate_size
+    gu = linear(rms_norm(h, ln2, cfg.rms_norm_eps), w_gu, b_gu, packed_gu)  # [..., 2I]
+    return h + linear(F.silu(gu[..., :inter]) * gu[..., inter:], w_down, b_down, packed_down)
+
+
 class CausalLM:
     """Weights and forward passes (full, prefill-into-cache, decode) of one decoder."""
 
@@ -385,23 +410,11 @@ class CausalLM:
 
     # ---- forward passes ----------------------------------------------------------------------
     def _qkv(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        # x [..., h] -> q [..., H, D], k/v [..., K, D], with q/k norm (Qwen3) and RoPE applied.
-        # q and k are normed and rotated together as H+K heads (the norm weight is per head).
-        c = self.cfg
-        H, K, D = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = linear(rms_norm(x, L.ln1, c.rms_norm_eps), L.wqkv, L.bqkv, L.packed[0])  # [..., (H+2K)D]
-        lead = qkv.shape[:-1]
-        qk = qkv[..., : (H + K) * D].view(*lead, H + K, D)
-        v = qkv[..., (H + K) * D :].view(*lead, K, D)
-        if L.q_norm is not None:
-            qk = rms_norm(qk, L.qk_norm, c.rms_norm_eps)
-        qk = apply_rope(qk, cos, sin)  # [..., H+K, D]
-        return qk[..., :H, :], qk[..., H:, :], v
+        return qkv_heads(self.cfg, x, L.ln1, L.wqkv, L.bqkv, L.qk_norm if L.q_norm is not None else None,
+                         cos, sin, L.packed[0])
 
     def _mlp_residual(self, L: _Layer, h: torch.Tensor) -> torch.Tensor:
-        inter = self.cfg.intermediate_size
-        gu = linear(rms_norm(h, L.ln2, self.cfg.rms_norm_eps), L.w_gu, L.b_gu, L.packed[2])  # [..., 2I]
-        return h + linear(F.silu(gu[..., :inter]) * gu[..., inter:], L.w_down, L.b_down, L.packed[3])
+        return mlp_residual(self.cfg, h, L.ln2, L.w_gu, L.b_gu, L.w_down, L.b_down, L.packed[2], L.packed[3])
 
     def _prefill_layers(self, tokens: torch.Tensor, lengths: torch.Tensor | None, kv_sink=None) -> torch.Tensor:
         """Run every layer over right-padded prompts starting at position 0; returns hidden ``[n, T, h]``.
@@ -517,7 +530,6 @@ def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: l
     :meth:`CausalLM.decode_weights`; ``cos_table`` / ``sin_table`` the model's RoPE tables.
     """
     H, K, G, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim, cfg.rms_norm_eps
-    inter = cfg.intermediate_size
     B, Lmax = tokens.shape[0], k_cache[0].shape[2]
     embed, norm, head = weights[0], weights[1], weights[2]
     x = F.embedding(tokens, embed)  # [B, h]
@@ -529,21 +541,14 @@ def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: l
     for li in range(cfg.num_layers):
         ln1, wqkv, bqkv, qk_norm, wo, bo, ln2, w_gu, b_gu, w_down, b_down = \
             weights[3 + DECODE_WEIGHTS_PER_LAYER * li: 3 + DECODE_WEIGHTS_PER_LAYER * (li + 1)]
-        qkv = F.linear(rms_norm(x, ln1, eps), wqkv, bqkv)  # [B, (H+2K)D]
-        qk = qkv[:, : (H + K) * D].view(B, H + K, D)
-        v = qkv[:, (H + K) * D:].view(B, K, D)
-        if qk_norm is not None:
-            qk = rms_norm(qk, qk_norm, eps)
-        qk = apply_rope(qk, cos, sin)
+        q, k, v = qkv_heads(cfg, x, ln1, wqkv, bqkv, qk_norm, cos, sin)  # [B, H, D], [B, K, D], [B, K, D]
         kc, vc = k_cache[li], v_cache[li]  # [maxB, K, Lmax, D]
-        kc[rows, heads, at] = qk[:, H:].to(kc.dtype)  # [B, K, D] at (b, j, positions[b])
+        kc[rows, heads, at] = k.to(kc.dtype)  # [B, K, D] at (b, j, positions[b])
         vc[rows, heads, at] = v.to(vc.dtype)
         # GQA as in CausalLM.decode's fp32 path: the G query heads of kv head j are G query rows
-        a = F.scaled_dot_product_attention(qk[:, :H].reshape(B, K, G, D).to(kc.dtype), kc[:B], vc[:B],
+        a = F.scaled_dot_product_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B], vc[:B],
                                            attn_mask=allowed).to(x.dtype)  # [B, K, G, D]
-        h = x + F.linear(a.reshape(B, H * D), wo, bo)
-        gu = F.linear(rms_norm(h, ln2, eps), w_gu, b_gu)  # [B, 2I]
-        x = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w_down, b_down)
+        x = mlp_residual(cfg, x + F.linear(a.reshape(B, H * D), wo, bo), ln2, w_gu, b_gu, w_down, b_down)
     return F.linear(rms_norm(x, norm, eps), head).float()
 
 

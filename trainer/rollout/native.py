@@ -186,6 +186,10 @@ def sample_tokens(
 # --------------------------------------------------------------------------------------------------
 # Engine
 # --------------------------------------------------------------------------------------------------
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 @dataclass(eq=False)
 class _Request:
     prompt_idx: int
@@ -281,7 +285,7 @@ class NativeEngine(RolloutEngine):
         rows = self.max_batch_size if rows is None else min(rows, self.max_batch_size)
         length = self.max_seq_len if length is None else min(length, self.max_seq_len)
         if self._decode_fn is not None:  # static shapes: power-of-two slots, the full length
-            rows, length = min(1 << max(0, rows - 1).bit_length(), self.max_batch_size), self.max_seq_len
+            rows, length = min(_pow2_at_least(rows), self.max_batch_size), self.max_seq_len
         c = self.cache
         if c is not None and c.max_batch >= rows and c.max_len >= length:
             return c
@@ -393,7 +397,7 @@ class NativeEngine(RolloutEngine):
         # Pad the batch to its bucket (the next power of two, at most the cache's slots): one graph per
         # bucket. Padding rows sit in free slots at position 0 (see decode_step).
         B = tokens.shape[0]
-        bucket = min(1 << (B - 1).bit_length(), cache.max_batch)
+        bucket = min(_pow2_at_least(B), cache.max_batch)
         if bucket > B:
             pad = torch.zeros(bucket - B, dtype=tokens.dtype, device=tokens.device)
             tokens, positions = torch.cat([tokens, pad]), torch.cat([positions, pad])
