@@ -160,7 +160,10 @@ def build_model(
         if attention == "sdpa":
             from megatron_bridge.attention import TorchSDPAttention
 
+            from megatron_bridge.attention import _grouped_self_attention
+
             spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+            spec.submodules.self_attention.module = _grouped_self_attention()
         elif attention != "megatron":
             raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'megatron'")
     vocab = padded_vocab_size(hf.vocab_size, tp, vocab_multiple)

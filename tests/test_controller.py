@@ -165,9 +165,13 @@ def cluster(tmp_path_factory):
     from trainer.main import resolve_model_paths
     from trainer.workers.cluster import Cluster
 
-    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
+    # engines in their own processes (the hybrid engine is test_step_fast_paths' cluster): the
+    # object-store sync path
+    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}",
+                              "actor_rollout_ref.hybrid_engine=false"])
     resolve_model_paths(cfg)
     c = Cluster(cfg, total_steps=1)
+    assert not c.hybrid and c.rollout.call("ping")[0] not in c.actor.call("ping")
     c.sync_weights()
     yield cfg, c
     c.shutdown()

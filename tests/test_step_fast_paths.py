@@ -125,18 +125,34 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     from trainer.workers.resharding import WeightSyncError
 
     cfg, c = cluster
+    # the default colocated layout is the hybrid engine: each engine lives in its actor rank's process
+    assert c.hybrid and c.rollout.call("ping") == c.actor.call("ping")
     m = c.sync_weights()  # verified against the checksum taken while streaming
     assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] >= 1
     streamed = next(x for x in c.actor.call("stream_checksum") if x is not None)
     full = next(x for x in c.actor.call("weights_checksum", dtype=cfg.actor_rollout_ref.rollout.dtype) if x is not None)
-    assert streamed == full == c.rollout.call("weights_checksum")[0]
-    c.rollout.call("update_weights", [([("model.norm.weight", torch.zeros(96))],)])
-    with pytest.raises(WeightSyncError, match="stale or corrupted"):
+    assert streamed == full == c.rollout.call("weights_checksum")[0] == c.rollout.call("weights_checksum")[1]
+    c.resharder.verify()  # recomputed from the actor's weights on every rank
+    c.rollout.call("update_weights", [([("model.norm.weight", torch.zeros(96))],), ([],)])  # rank 0's engine only
+    with pytest.raises(WeightSyncError, match=r"engine\(s\) \[0\] .*stale or corrupted"):
         c.resharder.verify()
+    with pytest.raises(WeightSyncError, match="stale or corrupted"):
+        c.resharder.verify(streamed=True)
     # small buckets: many refs in flight one after another, same result
     c.resharder.bucket_bytes = 64 << 10
     m = c.sync_weights()
     assert m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
+
+
+def test_weight_check_names_a_bad_engine_and_diverged_replicas():
+    from trainer.workers.resharding import Resharder, WeightSyncError
+
+    ok = [("a" * 64, "a" * 64)] * 3
+    Resharder._check(None, ok)
+    with pytest.raises(WeightSyncError, match=r"engine\(s\) \[2\] hold checksum bbbbbbbbbbbb.*stale"):
+        Resharder._check(None, ok[:2] + [("a" * 64, "b" * 64)])
+    with pytest.raises(WeightSyncError, match="actor rank 1's weights hash to cccccccccccc.*diverged"):
+        Resharder._check(None, [ok[0], ("c" * 64, "c" * 64), ok[0]])
 
 
 def test_combine_digests_is_checksum_named_tensors():

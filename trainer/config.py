@@ -207,7 +207,7 @@ class RolloutConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = True  # actor and rollout share devices (colocated)
+    hybrid_engine: bool = True  # colocated native engines live in the actor ranks' processes (sync = local copy); false = own processes
     model: ModelConfig = field(default_factory=ModelConfig)  # policy model
     actor: ActorConfig = field(default_factory=ActorConfig)  # policy training
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation

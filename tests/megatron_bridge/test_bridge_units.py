@@ -119,6 +119,26 @@ def test_qkv_fusion_matches_loop_reference():
     assert torch.equal(_fuse_qkv(q, k, v, hf), torch.stack(rows))
 
 
+@pytest.mark.parametrize("ng,per", [(2, 3), (1, 4), (4, 1)])
+def test_grouped_qkv_split_inverts_the_fusion(ng, per):
+    """The training attention's split of the fused projection output: the inverse of the fusion
+    above, head by head (so query head h = HF query head h, key/value g = HF kv head g), and an
+    exact re-indexing (the same values as megatron's own split, on any layout of groups)."""
+    from megatron_bridge.attention import grouped_qkv_split
+
+    hd, s, b = 5, 3, 2
+    nh = ng * per
+    q = torch.randn(s, b, nh, hd, dtype=torch.float64)
+    k = torch.randn(s, b, ng, hd, dtype=torch.float64)
+    v = torch.randn(s, b, ng, hd, dtype=torch.float64)
+    cols = []  # the fused output, built head by head in the layout the fusion writes
+    for g in range(ng):
+        cols += [q[:, :, h] for h in range(g * per, (g + 1) * per)] + [k[:, :, g], v[:, :, g]]
+    mixed = torch.cat(cols, dim=-1)  # [s, b, ng * (per + 2) * hd]
+    q2, k2, v2 = grouped_qkv_split(mixed, ng, per, hd)
+    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+
+
 def test_glu_shard_layout_golden():
     # gate rows 0..3, up rows 10..13 (one column). TP=2: rank 0 holds [g0 g1 u0 u1], rank 1 [g2 g3 u2 u3]
     full = torch.tensor([0., 1, 2, 3, 10, 11, 12, 13])[:, None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from trainer.workers.group import Placement, WorkerGroup, init_ray
+from trainer.workers.hybrid_worker import EngineView, HybridWorker
 from trainer.workers.megatron_worker import MegatronWorker
 from trainer.workers.resharding import Resharder
 from trainer.workers.rollout_worker import RolloutWorker
@@ -69,21 +70,35 @@ class Cluster:
         share = (lambda k: max(1, n_cpu // max(1, k))) if local_cpu else (lambda k: 1)
         addr = "127.0.0.1"
 
-        def mgroup(name: str, mcfg, role: str, optim: dict | None, path: str):
+        def mgroup(name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None):
             port = find_free_port()
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                        params_dtype=mcfg.params_dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed, num_threads=share(world))
+                        params_dtype=mcfg.params_dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
+                        num_threads=share(world), **(extra or {}))
                    for i in range(world)]
-            g = WorkerGroup(name, MegatronWorker, kws, in_process=self.in_process, placement=placement, share=0.25)
+            g = WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25)
             return g, g.call("layout")
 
+        max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
+        rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
+                   dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
+                   generate_threads=r.generate_threads or 1, engine_kwargs=dict(r.engine_kwargs),
+                   tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
+                   sglang=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
+                               gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
+                               max_num_batched_tokens=r.max_num_batched_tokens,
+                               enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager)
+                   if r.name == "sglang" else None)
+        # hybrid engine (verl's): each actor rank hosts its colocated engine, so a sync is a local copy
+        self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode != "server"
+                       and r.name == "native" and n_eng == world)
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
         self.actor, self.actor_layout = mgroup(
             "actor", a.megatron, "actor",
             bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps, use_dist=a.megatron.use_distributed_optimizer),
-            model_path)
+            model_path, *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()))
         self.ref = self.ref_layout = None
         if need_ref(cfg):
             self.ref, self.ref_layout = mgroup("ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path)
@@ -95,16 +110,6 @@ class Cluster:
                 bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
                              use_dist=c.megatron.use_distributed_optimizer),
                 c.model.path or model_path)
-        max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
-        rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
-                   dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
-                   generate_threads=r.generate_threads or 1, engine_kwargs=dict(r.engine_kwargs),
-                   tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
-                   sglang=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
-                               gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
-                               max_num_batched_tokens=r.max_num_batched_tokens,
-                               enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager)
-                   if r.name == "sglang" else None)
         if r.mode == "server":  # disaggregated: HTTP engine servers behind sglang-router, outside Ray
             from trainer.workers.fleet_rollout import FleetRollout
 
@@ -112,6 +117,8 @@ class Cluster:
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
                                         tokenizer_path=rkw["tokenizer_path"],
                                         log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"))
+        elif self.hybrid:
+            self.rollout = EngineView(self.actor)
         else:
             self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process,
                                        placement=placement, bundle_of=rollout_bundle, share=0.25)

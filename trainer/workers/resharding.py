@@ -34,6 +34,8 @@ class Resharder:
         t0 = time.perf_counter()
         if hasattr(self.rollout, "update_weights_stream"):
             return self._sync_fleet(t0)
+        if getattr(self.rollout, "hybrid", False):
+            return self._sync_hybrid(t0, verify)
         # with verify, rank 0 hashes each bucket after handing it over (in parallel with the engines' load)
         streams = self.actor.streams("weight_buckets", self.bucket_bytes, (self.engine_dtype or "none") if verify else None)
         nbytes, buckets, pending = 0, 0, []
@@ -53,6 +55,36 @@ class Resharder:
             self.verify(streamed=True)
             metrics["sync/verified"] = 1.0
         return metrics
+
+    def _sync_hybrid(self, t0: float, verify: bool) -> dict[str, float]:
+        """Hybrid engine (``trainer.workers.hybrid_worker``): every actor rank loads the engine in its
+        own process from the weight stream; checked per rank (stream digest == engine checksum) and
+        across ranks (every rank streamed the same weights)."""
+        res = self.actor.call("sync_engine", [(self.bucket_bytes, (self.engine_dtype or "none") if verify else None)]
+                              * self.actor.size)
+        dt = time.perf_counter() - t0
+        nbytes = res[0]["bytes"]
+        metrics = {"sync/seconds": dt, "sync/bytes": float(nbytes), "sync/buckets": float(res[0]["buckets"]),
+                   "sync/gbps": nbytes / max(dt, 1e-9) / 1e9}
+        if verify:
+            self._check([(r["stream"], r["engine"]) for r in res])
+            metrics["sync/verified"] = 1.0
+        return metrics
+
+    def _check(self, pairs: list[tuple[str, str]]) -> None:
+        """``pairs[i]``: (the actor's checksum on rank i, rank i's engine's checksum)."""
+        want = pairs[0][0]
+        bad = [i for i, (w, got) in enumerate(pairs) if got != w or w != want]
+        if bad:
+            i = bad[0]
+            w, got = pairs[i]
+            if w != want:
+                raise WeightSyncError(f"weight sync failed: actor rank {i}'s weights hash to {w[:12]}... but rank 0's "
+                                      f"to {want[:12]}...; the data-parallel replicas diverged, so their engines "
+                                      f"would sample from different policies")
+            raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {got[:12]}... but the "
+                                  f"actor's weights hash to {w[:12]}...; the engines would sample from stale or "
+                                  f"corrupted weights")
 
     def _sync_fleet(self, t0: float) -> dict[str, float]:
         """An HTTP fleet (``rollout.mode=server``): the actor's stream goes through the driver to the
@@ -78,6 +110,13 @@ class Resharder:
         ``streamed``: compare with the checksum rank 0 took of the sync it just streamed (no second
         pass over the actor's model); otherwise the actor recomputes it. The actor's and the engines'
         checksums run concurrently."""
+        if getattr(self.rollout, "hybrid", False):
+            if streamed:
+                got = self.rollout.call("weights_checksum")
+                self._check(list(zip(self.actor.call("stream_checksum"), got)))
+            else:
+                self._check(self.actor.call("verify_engine", dtype=self.engine_dtype))
+            return
         want_refs = (self.actor.async_call("stream_checksum") if streamed
                      else self.actor.async_call("weights_checksum", dtype=self.engine_dtype))
         got_refs = self.rollout.async_call("weights_checksum")

@@ -1,0 +1,109 @@
+"""Hybrid engine: an actor rank and its colocated rollout engine in ONE process (verl's hybrid engine,
+``actor_rollout_ref.hybrid_engine=true`` with a colocated placement and one engine per actor rank).
+
+Why: with the engine in its own process, every sync ships the full model through Ray's object store
+(a put, one get per engine, a few round trips) and hashes it on both sides; in the actor's process the
+engine can take the weights straight from megatron_bridge's HF-name iterator. Every rank of the
+iterator already sees the full tensors (gathered over TP, broadcast over PP), so each rank loads its
+own engine with a local ``copy_`` (cast to the engine's dtype): no transport at all, and the extra
+memory is one bucket's TP/PP gather, as before.
+
+Verification stays exact and per rank: each rank hashes what it streamed (``tensor_digest`` cast to
+the engine's dtype, the same rounding as the engine's ``copy_``) and its engine's own checksum of
+what it holds (``checksum_named_tensors`` over the engine's tensors); the resharding manager requires
+the two to match on every rank, and all ranks' streams to match each other (replicas that diverged
+would otherwise sample from different policies).
+
+The engine half is the same :class:`RolloutWorker` as in the separate-process fleet, reached through
+``engine(method, ...)``; :class:`EngineView` gives the driver that fleet's ``call`` interface.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from trainer.workers.megatron_worker import MegatronWorker, combine_digests
+from trainer.workers.rollout_worker import RolloutWorker
+
+
+class HybridWorker(MegatronWorker):
+    def __init__(self, *, rollout: dict, **megatron):
+        super().__init__(**megatron)
+        threads = torch.get_num_threads()
+        self.engine_worker = RolloutWorker(**{**rollout, "num_threads": threads})
+        torch.set_num_threads(threads)  # the megatron rank's share of the cores, as without the engine
+
+    def engine(self, method: str, *args, **kwargs):
+        """Run a :class:`RolloutWorker` method on this rank's engine."""
+        return getattr(self.engine_worker, method)(*args, **kwargs)
+
+    def sync_engine(self, bucket_bytes: int, digest_dtype: str | None) -> dict:
+        """Load this rank's engine from the HF-name weight stream (collective over the model-parallel
+        group). With ``digest_dtype`` (``"none"`` = as is) also hash the stream and the engine's
+        result. Returns ``{"bytes", "buckets", "stream", "engine"}`` (checksums None without it)."""
+        from megatron_bridge.export import iter_hf_weights
+
+        from trainer.rollout.engine import tensor_digest
+
+        hashing = digest_dtype is not None
+        dt = getattr(torch, digest_dtype) if hashing and digest_dtype != "none" else None
+        digests: dict[str, bytes] = {}
+        nbytes = buckets = 0
+        self._stream_done = threading.Event()
+        with torch.no_grad():
+            for bucket in iter_hf_weights(self._module(), bucket_bytes):
+                pairs = [(n, t.detach()) for n, t in bucket]  # views of live params: copied by the engine
+                nbytes += self.engine_worker.update_weights(pairs)
+                buckets += 1
+                if hashing:
+                    for n, t in pairs:
+                        if n in digests:
+                            raise ValueError(f"tensor {n!r} appears twice in the weight stream")
+                        digests[n] = tensor_digest(n, t, dt)
+        self._stream_digests = digests
+        self._stream_done.set()
+        stream = combine_digests(digests) if hashing else None
+        return {"bytes": nbytes, "buckets": buckets, "stream": stream,
+                "engine": self.engine_worker.weights_checksum() if hashing else None}
+
+    def stream_checksum(self, timeout: float = 600.0) -> str | None:
+        done = getattr(self, "_stream_done", None)
+        if done is None or not done.wait(timeout):
+            raise RuntimeError("stream_checksum: no finished sync_engine stream with digests")
+        return combine_digests(self._stream_digests) if self._stream_digests else None
+
+    def verify_engine(self, dtype: str | None) -> tuple[str, str]:
+        """(this rank's checksum of the actor's weights cast to ``dtype``, its engine's checksum);
+        collective: every rank gathers the full tensors."""
+        from megatron_bridge.export import iter_hf_param
+
+        from trainer.rollout.engine import checksum_named_tensors
+
+        dt = getattr(torch, dtype) if dtype else None
+        want = checksum_named_tensors(((n, t.detach().cpu()) for n, t in iter_hf_param(self._module())), dtype=dt)
+        return want, self.engine_worker.weights_checksum()
+
+
+class EngineView:
+    """The rollout fleet of a hybrid group, with :class:`~trainer.workers.group.WorkerGroup`'s call
+    interface: ``call("generate", ...)`` runs ``RolloutWorker.generate`` inside each actor rank."""
+
+    hybrid = True
+
+    def __init__(self, group):
+        self.group, self.name, self.size, self.in_process = group, "rollout", group.size, group.in_process
+
+    def async_call(self, method: str, args_per_rank=None, **kwargs) -> list:
+        args_per_rank = args_per_rank or [()] * self.size
+        return self.group.async_call("engine", [(method, *a) for a in args_per_rank], **kwargs)
+
+    def get(self, refs: list) -> list:
+        return self.group.get(refs)
+
+    def call(self, method: str, args_per_rank=None, **kwargs) -> list:
+        return self.get(self.async_call(method, args_per_rank, **kwargs))
+
+    def shutdown(self) -> None:  # the actor group owns the processes
+        pass
