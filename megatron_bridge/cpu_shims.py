@@ -81,6 +81,22 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
+def suspended():
+    """Run a block without the device-rewriting mode on this thread (restored afterwards). For code
+    that shares a process with megatron but never reaches its CUDA assumptions, such as a hybrid
+    engine's decode loop: under the mode every torch call, including those a compiled graph makes,
+    goes through a Python ``__torch_function__``."""
+    was = active()
+    if was:
+        uninstall_mode()
+    try:
+        yield
+    finally:
+        if was:
+            install()
+
+
+@contextlib.contextmanager
 def cuda_type_names():
     """While active, ``tensor.type()`` (no arguments) of a CPU tensor returns the ``torch.cuda.``
     name (``torch.BFloat16Tensor`` -> ``torch.cuda.BFloat16Tensor``). Process-wide, so keep the

@@ -282,3 +282,33 @@ def test_packing_roundtrip_and_block_diagonal_mask(lens, cap):
             assert int(inp.position_ids[0, q]) == q - cu[seg[q]]
             for k in range(T):
                 assert bool(inp.attention_mask[0, 0, q, k]) == (not (seg[k] == seg[q] and k <= q))
+
+
+def test_cpu_shim_can_be_suspended_for_a_block():
+    """The hybrid engine's decode loop runs outside the device-rewriting mode; the mode is back (and
+    rewriting ``device="cuda"``) afterwards. Run on a thread of its own: the mode is per thread."""
+    import threading
+
+    from megatron_bridge import cpu_shims
+
+    if not cpu_shims.needed():
+        pytest.skip("CUDA present: the shims are off")
+    seen = {}
+
+    def body():
+        cpu_shims.install()
+        seen["before"] = torch.zeros(1, device="cuda").device.type
+        with cpu_shims.suspended():
+            seen["inside"] = cpu_shims.active()
+            with pytest.raises((RuntimeError, AssertionError)):
+                torch.zeros(1, device="cuda")  # no rewriting: a CPU-only torch refuses
+        seen["after"] = (cpu_shims.active(), torch.zeros(1, device="cuda").device.type)
+        cpu_shims.uninstall_mode()
+        with cpu_shims.suspended():  # not active: stays off
+            seen["off"] = cpu_shims.active()
+        seen["off_after"] = cpu_shims.active()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == {"before": "cpu", "inside": False, "after": (True, "cpu"), "off": False, "off_after": False}

@@ -36,8 +36,13 @@ class HybridWorker(MegatronWorker):
         torch.set_num_threads(threads)  # the megatron rank's share of the cores, as without the engine
 
     def engine(self, method: str, *args, **kwargs):
-        """Run a :class:`RolloutWorker` method on this rank's engine."""
-        return getattr(self.engine_worker, method)(*args, **kwargs)
+        """Run a :class:`RolloutWorker` method on this rank's engine, outside megatron's CPU
+        device shim (``megatron_bridge.cpu_shims``): the engine needs none, and under it each of
+        the decode loop's ~4.6k torch calls per generate would pass through Python."""
+        from megatron_bridge import cpu_shims
+
+        with cpu_shims.suspended():
+            return getattr(self.engine_worker, method)(*args, **kwargs)
 
     def sync_engine(self, bucket_bytes: int, digest_dtype: str | None) -> dict:
         """Load this rank's engine from the HF-name weight stream (collective over the model-parallel
