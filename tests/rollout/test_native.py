@@ -302,6 +302,25 @@ def test_compiled_decode_equals_eager(tiny):
 
 
 @pytest.mark.slow
+def test_compiled_decode_with_a_cpp_wrapper_equals_eager(tiny):
+    # compile_options={"cpp_wrapper": True}: inductor launches the step's kernels from generated C++;
+    # the samples must not change. Two prompts x 2 samples (one bucket of 4), staggered lengths.
+    _, path = tiny["qwen2"]
+    prompts = prompts_for(2)[:2]
+    params = [SamplingParams(temperature=1.0, n=2, max_new_tokens=m, seed=7 + m) for m in (5, 3)]
+    eager = NativeEngine(path, max_batch_size=4, max_seq_len=32).generate(prompts, params)
+    eng = NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_decode=True, compile_options={"cpp_wrapper": True})
+    comp = eng.generate(prompts, params)
+    assert 4 in eng.stats["decode_buckets"]
+    for a_list, b_list in zip(eager, comp):
+        for a, b in zip(a_list, b_list):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    with pytest.raises(ValueError, match="compile_decode=true"):
+        NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_options={"cpp_wrapper": True})
+
+
+@pytest.mark.slow
 def test_compiled_decode_bf16_keeps_an_fp32_cache(tiny):
     # bf16 weights + compiled decode on CPU: keys/values kept in fp32 (the faster attention kernel
     # for this shape). Against the eager bf16 engine given the same fp32 cache: the prefill token and

@@ -227,6 +227,10 @@ class NativeEngine(RolloutEngine):
     bucket, attention spans the full ``max_seq_len`` cache, masked). The first step of each bucket
     compiles (seconds); later steps skip the per-op dispatch of ~30 kernels per layer. Same logits
     as the eager step to float rounding. Uses plain (unpacked) weights.
+    ``compile_options``: inductor options for that compile, e.g. ``{"cpp_wrapper": True}``: the
+    step's kernel launches run from generated C++ instead of Python (bench_e2e decode, one core:
+    generate 7% faster, paired over 10 calls, identical samples) at the price of a longer first
+    compile per bucket (about 20 s instead of 5-10 s with an empty inductor cache).
     """
 
     request_keyed_seeds = True  # a per-prompt params list keys prompt i by its own seed, not by i
@@ -243,6 +247,7 @@ class NativeEngine(RolloutEngine):
         prepack: bool = True,
         kv_dtype: torch.dtype | str | None = None,
         compile_decode: bool = False,
+        compile_options: dict | None = None,
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -256,7 +261,10 @@ class NativeEngine(RolloutEngine):
         self._decode_fn = None
         if compile_decode:
             self._decode_fn = torch.compile(functools.partial(decode_step, self.model.cfg), dynamic=False,
-                                            fullgraph=True)
+                                            fullgraph=True, options=dict(compile_options or {}) or None)
+        elif compile_options:
+            raise ValueError("compile_options applies to a compiled decode: set compile_decode=true too "
+                             "(actor_rollout_ref.rollout.engine_kwargs.compile_decode=true)")
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prefill_tokens = prefill_tokens

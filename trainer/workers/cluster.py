@@ -17,6 +17,13 @@ from trainer.workers.resharding import Resharder
 from trainer.workers.rollout_worker import RolloutWorker
 
 
+def _plain(d) -> dict:
+    """A config mapping as plain Python containers (nested ones too), for the engines' kwargs."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(d, resolve=True) if isinstance(d, DictConfig) else dict(d)
+
+
 def need_ref(cfg) -> bool:
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
@@ -84,7 +91,7 @@ class Cluster:
         max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
-                   generate_threads=r.generate_threads or 1, engine_kwargs=dict(r.engine_kwargs),
+                   generate_threads=r.generate_threads or 1, engine_kwargs=_plain(r.engine_kwargs),
                    tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
                    sglang=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
                                gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
