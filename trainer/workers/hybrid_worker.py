@@ -48,6 +48,7 @@ class HybridWorker(MegatronWorker):
         """Load this rank's engine from the HF-name weight stream (collective over the model-parallel
         group). With ``digest_dtype`` (``"none"`` = as is) also hash the stream and the engine's
         result. Returns ``{"bytes", "buckets", "stream", "engine"}`` (checksums None without it)."""
+        from megatron_bridge import cpu_shims
         from megatron_bridge.export import iter_hf_weights
 
         from trainer.rollout.engine import tensor_digest
@@ -59,19 +60,23 @@ class HybridWorker(MegatronWorker):
         self._stream_done = threading.Event()
         with torch.no_grad():
             for bucket in iter_hf_weights(self._module(), bucket_bytes):
-                pairs = [(n, t.detach()) for n, t in bucket]  # views of live params: copied by the engine
-                nbytes += self.engine_worker.update_weights(pairs)
-                buckets += 1
-                if hashing:
-                    for n, t in pairs:
-                        if n in digests:
-                            raise ValueError(f"tensor {n!r} appears twice in the weight stream")
-                        digests[n] = tensor_digest(n, t, dt)
+                # the iterator (megatron's gathers) runs under the CPU device shim; loading and
+                # hashing need none (a third of the sync's time went to the shim's dispatch)
+                with cpu_shims.suspended():
+                    pairs = [(n, t.detach()) for n, t in bucket]  # views of live params: copied by the engine
+                    nbytes += self.engine_worker.update_weights(pairs)
+                    buckets += 1
+                    if hashing:
+                        for n, t in pairs:
+                            if n in digests:
+                                raise ValueError(f"tensor {n!r} appears twice in the weight stream")
+                            digests[n] = tensor_digest(n, t, dt)
         self._stream_digests = digests
         self._stream_done.set()
         stream = combine_digests(digests) if hashing else None
-        return {"bytes": nbytes, "buckets": buckets, "stream": stream,
-                "engine": self.engine_worker.weights_checksum() if hashing else None}
+        with cpu_shims.suspended():
+            engine = self.engine_worker.weights_checksum() if hashing else None
+        return {"bytes": nbytes, "buckets": buckets, "stream": stream, "engine": engine}
 
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
         done = getattr(self, "_stream_done", None)
