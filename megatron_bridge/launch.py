@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as _queue
 import socket
 import time
@@ -106,7 +107,10 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, threads):
     try:
         init_distributed(rank, world_size, "127.0.0.1", port)
         out = fn(*args, **kwargs)
-        results.put((rank, True, out))
+        # by value: through the queue torch would share tensor storages as file descriptors, which
+        # the parent can only fetch while this process lives (a rank that exited first made the
+        # parent's get fail with FileNotFoundError, seen under load in CI)
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         results.put((rank, False, traceback.format_exc()))
         return
@@ -157,7 +161,7 @@ def spawn(
                     error = f"rank(s) died without a result: {dead}"
                 continue
             if ok:
-                out[rank] = val
+                out[rank] = pickle.loads(val)
             else:
                 error = f"rank {rank} failed:\n{val}"
     finally:
