@@ -13,6 +13,11 @@ Every sync is checked: the engines' ``weights_checksum`` must equal the actor's 
 HF-named tensors (``trainer.rollout.engine.checksum_named_tensors``). A mismatch raises. During a sync
 rank 0 hashes each bucket right after handing it over, while the engines load it, so the check costs
 the engines' own hash (run concurrently with fetching the actor's) and no second pass over the actor.
+
+Hybrid engine (``actor_rollout_ref.hybrid_engine``, colocated native engines inside the actor ranks'
+processes, :mod:`trainer.workers.hybrid_worker`): no transport at all. Every rank loads its own
+engine from the same iterator (which already gives every rank the full tensors) and hashes what it
+streamed; the check is per rank (stream == engine) and across ranks (every rank streamed the same).
 """
 
 from __future__ import annotations
