@@ -74,8 +74,7 @@ class HybridWorker(MegatronWorker):
         self._stream_digests = digests
         self._stream_done.set()
         stream = combine_digests(digests) if hashing else None
-        with cpu_shims.suspended():
-            engine = self.engine_worker.weights_checksum() if hashing else None
+        engine = self.engine("weights_checksum") if hashing else None
         return {"bytes": nbytes, "buckets": buckets, "stream": stream, "engine": engine}
 
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
@@ -93,7 +92,7 @@ class HybridWorker(MegatronWorker):
 
         dt = getattr(torch, dtype) if dtype else None
         want = checksum_named_tensors(((n, t.detach().cpu()) for n, t in iter_hf_param(self._module())), dtype=dt)
-        return want, self.engine_worker.weights_checksum()
+        return want, self.engine("weights_checksum")
 
 
 class EngineView:
