@@ -76,20 +76,22 @@ class Resharder:
             metrics["sync/verified"] = 1.0
         return metrics
 
-    def _check(self, pairs: list[tuple[str, str]]) -> None:
-        """``pairs[i]``: (the actor's checksum on rank i, rank i's engine's checksum)."""
+    @staticmethod
+    def _check(pairs: list[tuple[str, str]]) -> None:
+        """``pairs[i]``: (the actor's checksum seen by engine i, engine i's checksum). Every actor
+        checksum must equal the first (replicas agree) and every engine's its actor's."""
         want = pairs[0][0]
-        bad = [i for i, (w, got) in enumerate(pairs) if got != w or w != want]
+        diverged = [i for i, (w, _) in enumerate(pairs) if w != want]
+        if diverged:
+            i = diverged[0]
+            raise WeightSyncError(f"weight sync failed: actor rank(s) {diverged} diverged: rank {i}'s weights hash to "
+                                  f"{pairs[i][0][:12]}... but rank 0's to {want[:12]}...; the data-parallel replicas "
+                                  f"would give their engines different policies")
+        bad = [i for i, (_, got) in enumerate(pairs) if got != want]
         if bad:
-            i = bad[0]
-            w, got = pairs[i]
-            if w != want:
-                raise WeightSyncError(f"weight sync failed: actor rank {i}'s weights hash to {w[:12]}... but rank 0's "
-                                      f"to {want[:12]}...; the data-parallel replicas diverged, so their engines "
-                                      f"would sample from different policies")
-            raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {got[:12]}... but the "
-                                  f"actor's weights hash to {w[:12]}...; the engines would sample from stale or "
-                                  f"corrupted weights")
+            raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {pairs[bad[0]][1][:12]}... "
+                                  f"but the actor's weights hash to {want[:12]}...; the engines would sample from "
+                                  f"stale or corrupted weights")
 
     def _sync_fleet(self, t0: float) -> dict[str, float]:
         """An HTTP fleet (``rollout.mode=server``): the actor's stream goes through the driver to the
@@ -126,9 +128,4 @@ class Resharder:
                      else self.actor.async_call("weights_checksum", dtype=self.engine_dtype))
         got_refs = self.rollout.async_call("weights_checksum")
         want = next(c for c in self.actor.get(want_refs) if c is not None)
-        got = self.rollout.get(got_refs)
-        bad = [i for i, c in enumerate(got) if c != want]
-        if bad:
-            raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {got[bad[0]][:12]}... "
-                                  f"but the actor's weights hash to {want[:12]}...; the engines would sample "
-                                  f"from stale or corrupted weights")
+        self._check([(want, got) for got in self.rollout.get(got_refs)])
