@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from trainer.rollout.hf_model import CausalLM, KVCache, ModelConfig, decode_step, rope_inv_freq
+from trainer.rollout.hf_model import CausalLM, KVCache, ModelConfig, decode_attention, decode_step, rope_inv_freq
 
 from .conftest import ARCHS, VOCAB, make_hf_model, save_model
 
@@ -82,6 +82,29 @@ def test_cache_prefill_and_per_row_decode(models, arch):
             logits = ours.decode(cache, nxt, pos)
         for s in range(4):
             assert torch.allclose(logits[s], hf_logits(hf, seqs[s])[-1], atol=1e-5, rtol=0), (step, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_against_a_float64_reference(dtype):
+    # decode_attention: G query heads per kv head folded into query rows, each row b masked to cache
+    # positions <= pos[b]. Reference: float64, K/V repeated per query head, masked positions dropped
+    # outright (not -inf). bf16: HF's eager order (bf16 scores, fp32 softmax), so bf16 rounding only.
+    g = torch.Generator().manual_seed(3)
+    B, K, G, L, D = 3, 2, 3, 7, 8
+    q, k, v = (torch.randn(*s, generator=g) for s in ((B, K, G, D), (B, K, L, D), (B, K, L, D)))
+    pos = torch.tensor([0, 4, 6])
+    allowed = (torch.arange(L)[None, :] <= pos[:, None])[:, None, None, :]
+    k[0, :, 1:] = float("nan")  # beyond row 0's position: must never reach its output
+    out = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed)
+    assert out.shape == (B, K, G, D) and out.dtype == dtype
+    for b in range(B):
+        n = int(pos[b]) + 1
+        qd, kd, vd = q[b].double(), k[b, :, :n].double(), v[b, :, :n].double()
+        ref = torch.softmax(qd @ kd.transpose(-1, -2) / D ** 0.5, -1) @ vd  # [K, G, D]
+        tol = 1e-6 if dtype == torch.float32 else 5e-2
+        assert torch.allclose(out[b].double(), ref, atol=tol, rtol=0), b
+    # a wrong mask (row 0 sees everything) is caught: its NaN keys poison the output
+    assert torch.isnan(decode_attention(q, k, v, torch.ones_like(allowed))[0]).all()
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -321,20 +321,22 @@ def test_compiled_decode_with_a_cpp_wrapper_equals_eager(tiny):
 
 
 @pytest.mark.slow
-def test_compiled_decode_bf16_keeps_an_fp32_cache(tiny):
-    # bf16 weights + compiled decode on CPU: keys/values kept in fp32 (the faster attention kernel
-    # for this shape). Against the eager bf16 engine given the same fp32 cache: the prefill token and
-    # the first decode step agree (to bf16 rounding; later greedy steps may part at a bf16 near-tie,
-    # as any two bf16 kernels' can)
+def test_compiled_decode_bf16_runs_on_a_bf16_cache(tiny):
+    # bf16 weights + compiled decode: keys/values in bf16 (the model's dtype, as the eager engine),
+    # attention as HF's eager order (bf16 scores and value product, fp32 softmax). Against the eager
+    # bf16 engine: the prefill token and the first decode step agree (to bf16 rounding; later greedy
+    # steps may part at a bf16 near-tie, as any two bf16 kernels' can). An fp32 cache stays available.
     _, path = tiny["qwen2"]
     prompts = prompts_for(3)
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
     comp = NativeEngine(path, max_batch_size=8, max_seq_len=32, dtype=torch.bfloat16, compile_decode=True)
-    ref = NativeEngine(path, max_batch_size=8, max_seq_len=32, dtype=torch.bfloat16, kv_dtype="float32")
-    assert NativeEngine(path, dtype=torch.bfloat16).kv_dtype == torch.bfloat16  # eager default: the model's
+    ref = NativeEngine(path, max_batch_size=8, max_seq_len=32, dtype=torch.bfloat16)
     a, b = comp.generate(prompts, sp), ref.generate(prompts, sp)
-    assert comp.cache.k[0].dtype == torch.float32 and ref.cache.k[0].dtype == torch.float32
-    for x, y in zip(a, b):
-        assert x[0].token_ids[:2] == y[0].token_ids[:2]
+    assert comp.cache.k[0].dtype == torch.bfloat16 and ref.cache.k[0].dtype == torch.bfloat16
+    c = NativeEngine(path, max_batch_size=8, max_seq_len=32, dtype=torch.bfloat16, compile_decode=True,
+                     kv_dtype="float32").generate(prompts, sp)
+    for x, y, z in zip(a, b, c):
+        assert x[0].token_ids[:2] == y[0].token_ids[:2] == z[0].token_ids[:2]
         # bf16 logits of a few units carry ~1e-2 rounding each: a tolerance that still flags a wrong cache
         assert max(abs(p - q) for p, q in zip(x[0].logprobs[:2], y[0].logprobs[:2])) < 0.1
+        assert max(abs(p - q) for p, q in zip(z[0].logprobs[:2], y[0].logprobs[:2])) < 0.1

@@ -219,9 +219,10 @@ class NativeEngine(RolloutEngine):
     ``prefill_tokens``: padded-token budget of one prefill forward (bounds activation memory).
     ``prepack``: keep oneDNN-prepacked copies of bf16/fp16 matmul weights (bit-identical outputs,
     2-3x faster decode matmuls on CPUs with AMX/AVX512-BF16; doubles weight memory). fp32 ignores it.
-    ``kv_dtype``: KV-cache dtype (a dtype or its name); default the model's, except that a compiled
-    decode on CPU keeps bf16/fp16 keys and values in fp32: torch's CPU attention kernel runs this
-    decode shape faster in fp32 (bench_e2e, one core: 0.22-0.30 s against 0.25-0.35 s per generate call).
+    ``kv_dtype``: KV-cache dtype (a dtype or its name); default the model's. (A compiled bf16 decode
+    once kept an fp32 cache for torch's CPU flash kernel; its attention is now two matmuls and a
+    softmax, :func:`~trainer.rollout.hf_model.decode_attention`, faster on a bf16 cache: bench_e2e
+    generate, one core, interleaved in one process, median 0.358 s against 0.408 s.)
     ``compile_decode``: run decode steps through ``torch.compile`` of
     :func:`~trainer.rollout.hf_model.decode_step` (static shapes: the batch is padded to a power-of-two
     bucket, attention spans the full ``max_seq_len`` cache, masked). The first step of each bucket
@@ -271,7 +272,7 @@ class NativeEngine(RolloutEngine):
         if isinstance(kv_dtype, str):
             kv_dtype = getattr(torch, kv_dtype)
         if kv_dtype is None:
-            kv_dtype = torch.float32 if compile_decode and self.model.device.type == "cpu" else self.model.dtype
+            kv_dtype = self.model.dtype
         self.kv_dtype = kv_dtype
         self.device = self.model.device
         self.cache: KVCache | None = None
