@@ -107,16 +107,20 @@ def test_decode_attention_against_a_float64_reference(dtype):
     assert torch.isnan(decode_attention(q, k, v, torch.ones_like(allowed))[0]).all()
 
 
+@pytest.mark.parametrize("gemm_template", [False, True])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_static_decode_step_matches_transformers(models, arch):
+def test_static_decode_step_matches_transformers(models, arch, gemm_template):
     # decode_step (the compiled engine's step, run eagerly here): 3 real rows at different positions
     # padded to a bucket of 4 (the padding row: token 0 at position 0 of free slot 3), attention over
     # the cache's full length. Real rows' logits equal HF's full forward; the padding row writes only
     # its own slot's position 0; the real rows' cache writes equal the eager decode's.
+    # gemm_template: the decode_gemm="cpp" layout (linears as (W x^T)^T, keys cached transposed,
+    # filled by the same prefill): the same function.
     hf, ours = models[arch]
     g = torch.Generator().manual_seed(5)
     prompts, tokens = random_prompts(g, (8, 2, 5))
-    caches = [KVCache(ours.cfg, max_batch=4, max_len=24, dtype=torch.float32) for _ in range(2)]
+    caches = [KVCache(ours.cfg, max_batch=4, max_len=24, dtype=torch.float32, keys_transposed=t)
+              for t in (gemm_template, False)]
     with torch.inference_mode():
         for c in caches:
             ours.prefill(c, tokens, torch.tensor([8, 2, 5]), torch.arange(3), torch.arange(3))
@@ -126,19 +130,23 @@ def test_static_decode_step_matches_transformers(models, arch):
             for s in range(3):
                 seqs[s].append(int(nxt[s]))
             pos = torch.tensor([len(q) - 1 for q in seqs])
-            before = [t[3].clone() for t in caches[0].k]
+            before = [caches[0].keys(li)[3].clone() for li in range(ours.cfg.num_layers)]
             logits = decode_step(ours.cfg, ours.decode_weights(), caches[0].k, caches[0].v,
                                  torch.cat([nxt, torch.zeros(1, dtype=torch.long)]),
-                                 torch.cat([pos, torch.zeros(1, dtype=torch.long)]), ours.cos, ours.sin)
+                                 torch.cat([pos, torch.zeros(1, dtype=torch.long)]), ours.cos, ours.sin,
+                                 gemm_template=gemm_template)
             eager = ours.decode(caches[1], nxt, pos)
             assert logits.shape == (4, VOCAB)
             for s in range(3):
                 assert torch.allclose(logits[s], hf_logits(hf, seqs[s])[-1], atol=1e-5, rtol=0), (step, s)
             assert torch.allclose(logits[:3], eager, atol=1e-5, rtol=0)
             for li in range(ours.cfg.num_layers):
-                assert torch.allclose(caches[0].k[li][:3], caches[1].k[li][:3], atol=1e-5, rtol=0)
+                assert torch.allclose(caches[0].keys(li)[:3], caches[1].k[li][:3], atol=1e-5, rtol=0)
                 assert torch.allclose(caches[0].v[li][:3], caches[1].v[li][:3], atol=1e-5, rtol=0)
-                assert torch.equal(caches[0].k[li][3, :, 1:], before[li][:, 1:])  # padding: position 0 only
+                assert torch.equal(caches[0].keys(li)[3, :, 1:], before[li][:, 1:])  # padding: position 0 only
+    if gemm_template:  # the eager decode cannot read a transposed-key cache, and says so
+        with pytest.raises(ValueError, match="keys_transposed=False"):
+            ours.decode(caches[0], nxt, pos)
 
 
 def test_llama_biases_and_sharded_checkpoint(tmp_path):

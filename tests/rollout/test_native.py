@@ -321,6 +321,30 @@ def test_compiled_decode_with_a_cpp_wrapper_equals_eager(tiny):
 
 
 @pytest.mark.slow
+def test_compiled_decode_with_cpp_gemm_templates_equals_eager(tiny):
+    # decode_gemm="cpp": inductor's C++ GEMM template for the compiled step's matmuls (keys cached
+    # transposed). fp32 Qwen3 (q/k norm, GQA), one bucket of 4 rows (autotuning each graph's shapes
+    # takes a while, so one graph; the bucket logic is the aten test's): the seeded samples of the
+    # eager engine, log-probs to float rounding.
+    _, path = tiny["qwen3"]
+    prompts = prompts_for(2)[:2]
+    params = [SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=40 + i) for i in range(2)]
+    eager = NativeEngine(path, max_batch_size=4, max_seq_len=32).generate(prompts, params)
+    eng = NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_decode=True, decode_gemm="cpp")
+    comp = eng.generate(prompts, params)
+    assert eng.cache.keys_transposed and eng.cache.k[0].shape[-1] == 32  # [slots, K, D, max_len]
+    assert eng.stats["decode_buckets"] == {4}, eng.stats["decode_buckets"]
+    for a_list, b_list in zip(eager, comp):
+        for a, b in zip(a_list, b_list):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    with pytest.raises(ValueError, match="compile_decode=true"):
+        NativeEngine(path, decode_gemm="cpp")
+    with pytest.raises(ValueError, match="'aten' or 'cpp'"):
+        NativeEngine(path, compile_decode=True, decode_gemm="onednn")
+
+
+@pytest.mark.slow
 def test_compiled_decode_bf16_runs_on_a_bf16_cache(tiny):
     # bf16 weights + compiled decode: keys/values in bf16 (the model's dtype, as the eager engine),
     # attention as HF's eager order (bf16 scores and value product, fp32 softmax). Against the eager

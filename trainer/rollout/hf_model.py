@@ -197,15 +197,21 @@ class KVCache:
     uninitialised memory could hold NaN (0 * NaN = NaN).
     """
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_len: int, dtype: torch.dtype, device="cpu"):
-        self.max_batch, self.max_len = max_batch, max_len
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_len: int, dtype: torch.dtype, device="cpu",
+                 keys_transposed: bool = False):
+        self.max_batch, self.max_len, self.keys_transposed = max_batch, max_len, keys_transposed
         shape = (max_batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        kshape = (max_batch, cfg.num_kv_heads, cfg.head_dim, max_len) if keys_transposed else shape
+        self.k = [torch.zeros(kshape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    def keys(self, li: int) -> torch.Tensor:
+        """Layer ``li``'s keys as ``[max_batch, K, max_len, D]`` (a view when stored transposed)."""
+        return self.k[li].transpose(-1, -2) if self.keys_transposed else self.k[li]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions into slot ``dst`` (all layers)."""
-        for t in (*self.k, *self.v):
+        for t in (*(self.keys(li) for li in range(len(self.k))), *self.v):
             t[dst, :, :length].copy_(t[src, :, :length])
 
     @property
@@ -236,19 +242,29 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None = None) -> torch.Tensor:
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
     return F.linear(x, w, b)
 
 
+def linear_wx(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: None = None) -> torch.Tensor:
+    """``F.linear`` of ``x [M, in]`` as the batch-1 product ``(W x^T)^T``: for the compiled decode's
+    ``decode_gemm="cpp"``. Inductor's C++ GEMM template (AMX / AVX-512 micro-kernels) takes a
+    non-constant weight only as a contiguous first operand of a bmm; the transposed activation is
+    ``M x in``, a few KB, so this costs no weight copy."""
+    y = torch.bmm(w[None], x.t().contiguous()[None])[0].t()  # [M, out]
+    return y if b is None else y + b
+
+
 def qkv_heads(cfg: ModelConfig, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
-              qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, packed: torch.Tensor | None = None):
+              qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, packed: torch.Tensor | None = None,
+              lin=linear):
     """x ``[..., h]`` -> q ``[..., H, D]``, k / v ``[..., K, D]``, with the q/k norm (Qwen3; ``qk_norm``
     is the joint ``[H+K, D]`` weight) and RoPE applied: q and k are normed and rotated together as H+K
     heads. Shared by the eager passes and :func:`decode_step`."""
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(rms_norm(x, ln1, cfg.rms_norm_eps), wqkv, bqkv, packed)  # [..., (H+2K)D]
+    qkv = lin(rms_norm(x, ln1, cfg.rms_norm_eps), wqkv, bqkv, packed)  # [..., (H+2K)D]
     lead = qkv.shape[:-1]
     qk = qkv[..., : (H + K) * D].view(*lead, H + K, D)
     v = qkv[..., (H + K) * D :].view(*lead, K, D)
@@ -260,11 +276,11 @@ def qkv_heads(cfg: ModelConfig, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.
 
 def mlp_residual(cfg: ModelConfig, h: torch.Tensor, ln2: torch.Tensor, w_gu: torch.Tensor, b_gu: torch.Tensor | None,
                  w_down: torch.Tensor, b_down: torch.Tensor | None, packed_gu: torch.Tensor | None = None,
-                 packed_down: torch.Tensor | None = None) -> torch.Tensor:
+                 packed_down: torch.Tensor | None = None, lin=linear) -> torch.Tensor:
     """``h + W_down(silu(W_gate h~) * W_up h~)``, ``h~ = RMSNorm(h)`` (gate/up fused in ``w_gu``)."""
     inter = cfg.intermediate_size
-    gu = linear(rms_norm(h, ln2, cfg.rms_norm_eps), w_gu, b_gu, packed_gu)  # [..., 2I]
-    return h + linear(F.silu(gu[..., :inter]) * gu[..., inter:], w_down, b_down, packed_down)
+    gu = lin(rms_norm(h, ln2, cfg.rms_norm_eps), w_gu, b_gu, packed_gu)  # [..., 2I]
+    return h + lin(F.silu(gu[..., :inter]) * gu[..., inter:], w_down, b_down, packed_down)
 
 
 class CausalLM:
@@ -465,7 +481,7 @@ class CausalLM:
         same = rows.numel() == tokens.shape[0] and bool((rows == torch.arange(rows.numel(), device=rows.device)).all())
 
         def sink(li, k, v):  # k, v [n, K, T, D]
-            kc, vc = cache.k[li], cache.v[li]  # [B, K, Lmax, D]
+            kc, vc = cache.keys(li), cache.v[li]  # [B, K, Lmax, D]
             kc[:, :, :T].index_copy_(0, slots, (k if same else k.index_select(0, rows)).to(kc.dtype))
             vc[:, :, :T].index_copy_(0, slots, (v if same else v.index_select(0, rows)).to(vc.dtype))
 
@@ -501,6 +517,9 @@ class CausalLM:
         for li, L in enumerate(self.layers):
             q, k, v = self._qkv(L, x, cos, sin)  # [B, H, D], [B, K, D], [B, K, D]
             kc, vc = cache.k[li], cache.v[li]  # [maxB, K, maxL, D]
+            if cache.keys_transposed:
+                raise ValueError("this KV cache stores keys transposed (decode_gemm='cpp'): only the compiled "
+                                 "decode_step reads it; make the cache with keys_transposed=False")
             kc.view(-1, D).index_copy_(0, flat, k.reshape(B * K, D).to(kc.dtype))
             vc.view(-1, D).index_copy_(0, flat, v.reshape(B * K, D).to(kc.dtype))
             if kc.dtype == torch.float32:
@@ -519,7 +538,8 @@ class CausalLM:
 DECODE_WEIGHTS_PER_LAYER = 11
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     keys_transposed: bool = False) -> torch.Tensor:
     """``softmax(q k^T / sqrt(D), masked) v`` for the compiled decode step, written out as two batched
     matmuls and a softmax: q ``[B, K, G, D]`` (the G query heads of kv head j as G query rows, so K/V
     are never repeated for GQA), k / v ``[B, K, L, D]``, ``allowed`` ``[B, 1, 1, L]``.
@@ -529,16 +549,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     matmuls; on this shape (a handful of query rows against the whole masked cache) that beats
     torch's CPU flash kernel, whose per-block setup dominates at 1-3 query rows (bench_e2e decode
     step, bf16, one core, interleaved in one process over four runs: 3.2-5.4 ms on a bf16 cache
-    against 3.7-6.3 ms for flash on an fp32 cache, 12-20% less per run).
+    against 3.7-6.3 ms for flash on an fp32 cache, 12-20% less per run). ``keys_transposed``: k is
+    ``[B, K, D, L]`` (a ``KVCache(keys_transposed=True)``), the contiguous operand the C++ bmm template
+    needs; otherwise inductor would copy the whole key cache to that layout at every step.
     """
-    s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, K, G, L]
+    kt = k if keys_transposed else k.transpose(-1, -2)  # [B, K, D, L]
+    s = torch.matmul(q, kt) * (q.shape[-1] ** -0.5)  # [B, K, G, L]
     p = torch.softmax(s.float().masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.matmul(p.to(v.dtype), v)
 
 
 def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: list[torch.Tensor],
                 v_cache: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor,
-                cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+                cos_table: torch.Tensor, sin_table: torch.Tensor, gemm_template: bool = False) -> torch.Tensor:
     """:meth:`CausalLM.decode` with static shapes, for ``torch.compile``: logits ``[B, V]`` (fp32).
 
     Row ``b`` (cache slot ``b``) holds token ``tokens[b]`` at ``positions[b]``; its key/value are written
@@ -546,9 +569,15 @@ def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: l
     so one graph serves every step of a batch bucket. Rows past the real batch are padding: they
     write position 0 of free slots, which any later request's prefill overwrites. ``weights`` is
     :meth:`CausalLM.decode_weights`; ``cos_table`` / ``sin_table`` the model's RoPE tables.
+
+    ``gemm_template``: the layout for inductor's C++ GEMM template (compile with ``max_autotune`` and
+    the ``CPP`` backend; the engine's ``decode_gemm="cpp"``): every matmul a bmm whose first operand
+    is contiguous, i.e. linears as :func:`linear_wx` and keys stored transposed, ``k_cache`` ``[maxB,
+    K, D, Lmax]``. Same function, different kernels.
     """
     H, K, G, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim, cfg.rms_norm_eps
-    B, Lmax = tokens.shape[0], k_cache[0].shape[2]
+    B, Lmax = tokens.shape[0], v_cache[0].shape[2]
+    lin = linear_wx if gemm_template else linear
     embed, norm, head = weights[0], weights[1], weights[2]
     x = F.embedding(tokens, embed)  # [B, h]
     cos, sin = cos_table[positions][:, None, :], sin_table[positions][:, None, :]  # [B, 1, D]
@@ -559,13 +588,17 @@ def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: l
     for li in range(cfg.num_layers):
         ln1, wqkv, bqkv, qk_norm, wo, bo, ln2, w_gu, b_gu, w_down, b_down = \
             weights[3 + DECODE_WEIGHTS_PER_LAYER * li: 3 + DECODE_WEIGHTS_PER_LAYER * (li + 1)]
-        q, k, v = qkv_heads(cfg, x, ln1, wqkv, bqkv, qk_norm, cos, sin)  # [B, H, D], [B, K, D], [B, K, D]
-        kc, vc = k_cache[li], v_cache[li]  # [maxB, K, Lmax, D]
-        kc[rows, heads, at] = k.to(kc.dtype)  # [B, K, D] at (b, j, positions[b])
+        q, k, v = qkv_heads(cfg, x, ln1, wqkv, bqkv, qk_norm, cos, sin, lin=lin)  # [B, H, D], [B, K, D], [B, K, D]
+        kc, vc = k_cache[li], v_cache[li]  # [maxB, K, Lmax, D] ([maxB, K, D, Lmax] keys if gemm_template)
+        if gemm_template:
+            kc[rows, heads, :, at] = k.to(kc.dtype)  # [B, K, D] at (b, j, :, positions[b])
+        else:
+            kc[rows, heads, at] = k.to(kc.dtype)  # [B, K, D] at (b, j, positions[b])
         vc[rows, heads, at] = v.to(vc.dtype)
-        a = decode_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B], vc[:B], allowed).to(x.dtype)  # [B, K, G, D]
-        x = mlp_residual(cfg, x + F.linear(a.reshape(B, H * D), wo, bo), ln2, w_gu, b_gu, w_down, b_down)
-    return F.linear(rms_norm(x, norm, eps), head).float()
+        a = decode_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B], vc[:B], allowed,
+                             keys_transposed=gemm_template).to(x.dtype)  # [B, K, G, D]
+        x = mlp_residual(cfg, x + lin(a.reshape(B, H * D), wo, bo), ln2, w_gu, b_gu, w_down, b_down, lin=lin)
+    return lin(rms_norm(x, norm, eps), head, None).float()
 
 
 def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
