@@ -186,6 +186,23 @@ def sample_tokens(
 # --------------------------------------------------------------------------------------------------
 # Engine
 # --------------------------------------------------------------------------------------------------
+def _compiled_decode_step(cfg, gemm_template: bool, options: dict | None):
+    """``torch.compile`` of :func:`decode_step` for one engine, on a code object of its own.
+
+    Dynamo keeps compiled graphs, and its recompile limit (8), per code object of the compiled frame.
+    A ``functools.partial`` (or one shared closure) puts every engine of a process on one code object,
+    so their batch buckets shared that budget of 8: the ninth graph of the process, say the fourth
+    engine's third bucket, failed with ``FailOnRecompileLimitHit``. A fresh code object per engine
+    (the copy torch itself makes for nested calls) gives each engine its own.
+    """
+    def step(weights, k_cache, v_cache, tokens, positions, cos_table, sin_table):
+        return decode_step(cfg, weights, k_cache, v_cache, tokens, positions, cos_table, sin_table,
+                           gemm_template=gemm_template)
+
+    step.__code__ = step.__code__.replace(co_varnames=step.__code__.co_varnames)
+    return torch.compile(step, dynamic=False, fullgraph=True, options=options)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -281,8 +298,7 @@ class NativeEngine(RolloutEngine):
                 # ATEN too: shapes the template cannot take (it declines some) keep torch's kernel;
                 # elsewhere autotuning times both once per shape (cached on disk by inductor)
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
-            self._decode_fn = torch.compile(functools.partial(decode_step, self.model.cfg, gemm_template=decode_gemm == "cpp"),
-                                            dynamic=False, fullgraph=True, options=options or None)
+            self._decode_fn = _compiled_decode_step(self.model.cfg, decode_gemm == "cpp", options or None)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prefill_tokens = prefill_tokens
