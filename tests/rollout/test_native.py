@@ -302,7 +302,7 @@ def test_compiled_decode_equals_eager(tiny):
 
 
 @pytest.mark.slow
-def test_compiled_engines_each_have_their_own_recompile_budget(tiny, monkeypatch):
+def test_compiled_engines_each_have_their_own_recompile_budget(tiny):
     # Dynamo's recompile limit counts graphs per code object. Engines compiling one shared function
     # (a functools.partial of decode_step) shared it: with the limit at 2, the third engine's graph
     # raised FailOnRecompileLimitHit (the limit is 8; a test process, or a server hosting several
@@ -311,17 +311,18 @@ def test_compiled_engines_each_have_their_own_recompile_budget(tiny, monkeypatch
     # overflows depends on what the process compiled before, so the code objects are checked too.)
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     _, path = tiny["qwen2"]
     prompts = prompts_for(2)[:2]
     sp = SamplingParams(temperature=1.0, n=2, max_new_tokens=3, seed=11)
     eager = NativeEngine(path, max_batch_size=4, max_seq_len=32).generate(prompts, sp)
     codes = []  # the code objects themselves, kept alive so that ids cannot be reused
-    for _ in range(3):
-        eng = NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_decode=True)
-        out = eng.generate(prompts, sp)
-        assert [[o.token_ids for o in g] for g in out] == [[o.token_ids for o in g] for g in eager]
-        codes.append(eng._decode_fn._torchdynamo_orig_callable.__code__)
+    # config.patch, not monkeypatch: undoing a monkeypatch deletes the key from dynamo's config module
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(3):
+            eng = NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_decode=True)
+            out = eng.generate(prompts, sp)
+            assert [[o.token_ids for o in g] for g in out] == [[o.token_ids for o in g] for g in eager]
+            codes.append(eng._decode_fn._torchdynamo_orig_callable.__code__)
     assert len({id(c) for c in codes}) == 3
 
 
