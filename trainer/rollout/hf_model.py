@@ -571,7 +571,7 @@ def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: l
     :meth:`CausalLM.decode_weights`; ``cos_table`` / ``sin_table`` the model's RoPE tables.
 
     ``gemm_template``: the layout for inductor's C++ GEMM template (compile with ``max_autotune`` and
-    the ``CPP`` backend; the engine's ``decode_gemm="cpp"``): every matmul a bmm whose first operand
+    the ``CPP,ATEN`` backends; the engine's ``decode_gemm="cpp"``): every matmul a bmm whose first operand
     is contiguous, i.e. linears as :func:`linear_wx` and keys stored transposed, ``k_cache`` ``[maxB,
     K, D, Lmax]``. Same function, different kernels.
     """

@@ -189,11 +189,12 @@ def sample_tokens(
 def _compiled_decode_step(cfg, gemm_template: bool, options: dict | None):
     """``torch.compile`` of :func:`decode_step` for one engine, on a code object of its own.
 
-    Dynamo keeps compiled graphs, and its recompile limit (8), per code object of the compiled frame.
-    A ``functools.partial`` (or one shared closure) puts every engine of a process on one code object,
-    so their batch buckets shared that budget of 8: the ninth graph of the process, say the fourth
-    engine's third bucket, failed with ``FailOnRecompileLimitHit``. A fresh code object per engine
-    (the copy torch itself makes for nested calls) gives each engine its own.
+    Dynamo keeps compiled graphs, and counts them against its recompile limit (8), per code object
+    of the compiled frame. A ``functools.partial`` is compiled through dynamo's one shared wrapper
+    frame, so every engine of a process shared that budget: CI hit ``FailOnRecompileLimitHit`` once
+    the rollout tests had built enough compiled engines (a server hosting several engines would
+    too). A fresh code object per engine (the copy torch itself makes for nested calls) gives each
+    engine its own.
     """
     def step(weights, k_cache, v_cache, tokens, positions, cos_table, sin_table):
         return decode_step(cfg, weights, k_cache, v_cache, tokens, positions, cos_table, sin_table,
