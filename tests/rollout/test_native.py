@@ -350,12 +350,14 @@ def test_compiled_decode_with_cpp_gemm_templates_equals_eager(tiny):
     # decode_gemm="cpp": inductor's C++ GEMM template for the compiled step's matmuls (keys cached
     # transposed). fp32 Qwen3 (q/k norm, GQA), one bucket of 4 rows (autotuning each graph's shapes
     # takes a while, so one graph; the bucket logic is the aten test's): the seeded samples of the
-    # eager engine, log-probs to float rounding.
+    # eager engine, log-probs to float rounding. The CPP backend alone, so that every matmul of the
+    # step runs on a template kernel (autotuning against ATEN may pick torch's for some shapes).
     _, path = tiny["qwen3"]
     prompts = prompts_for(2)[:2]
     params = [SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=40 + i) for i in range(2)]
     eager = NativeEngine(path, max_batch_size=4, max_seq_len=32).generate(prompts, params)
-    eng = NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_decode=True, decode_gemm="cpp")
+    eng = NativeEngine(path, max_batch_size=4, max_seq_len=32, compile_decode=True, decode_gemm="cpp",
+                       compile_options={"max_autotune_gemm_backends": "CPP"})
     comp = eng.generate(prompts, params)
     assert eng.cache.keys_transposed and eng.cache.k[0].shape[-1] == 32  # [slots, K, D, max_len]
     assert eng.stats["decode_buckets"] == {4}, eng.stats["decode_buckets"]

@@ -188,7 +188,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 class KVCache:
     """Preallocated keys and values: per layer, one key and one value tensor ``[max_batch, kv_heads,
-    max_len, head_dim]`` (``k[layer]``, ``v[layer]``).
+    max_len, head_dim]`` (``k[layer]``, ``v[layer]``); with ``keys_transposed`` the keys are stored
+    ``[max_batch, kv_heads, head_dim, max_len]`` (the compiled step's ``gemm_template`` layout) and
+    :meth:`keys` gives the usual view for writers that do not care.
 
     Separate tensors rather than one block: the compiled decode step (:func:`decode_step`) mutates
     them in place as distinct graph inputs; views of one block would alias each other, and the
@@ -554,6 +556,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     needs; otherwise inductor would copy the whole key cache to that layout at every step.
     """
     kt = k if keys_transposed else k.transpose(-1, -2)  # [B, K, D, L]
+    if keys_transposed:  # the template's first operand must be contiguous; inductor may lay q out otherwise
+        q = q.contiguous(memory_format=torch.contiguous_format)
     s = torch.matmul(q, kt) * (q.shape[-1] ** -0.5)  # [B, K, G, L]
     p = torch.softmax(s.float().masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.matmul(p.to(v.dtype), v)

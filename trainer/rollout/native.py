@@ -294,11 +294,12 @@ class NativeEngine(RolloutEngine):
                              "(actor_rollout_ref.rollout.engine_kwargs.compile_decode=true)")
         self.decode_gemm = decode_gemm
         if compile_decode:
-            options = dict(compile_options or {})
+            options = {}
             if decode_gemm == "cpp":
                 # ATEN too: shapes the template cannot take (it declines some) keep torch's kernel;
                 # elsewhere autotuning times both once per shape (cached on disk by inductor)
                 options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+            options.update(compile_options or {})  # the caller's options win
             self._decode_fn = _compiled_decode_step(self.model.cfg, decode_gemm == "cpp", options or None)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
