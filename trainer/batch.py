@@ -306,6 +306,28 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
                 fields[name] = t[:, cols[dims[1]]] if len(dims) == 2 else t
         return type(self)(**fields, meta=self.meta, batch_size=self.batch_size), lead, tail
 
+    def widen(self, P: int, T: int) -> "RolloutBatch":
+        """The batch padded to prompt width ``P >= prompt_width`` (on the left) and response width
+        ``T >= response_width`` (on the right): the inverse of ``trim_padding``. Pads are 0 (ids,
+        masks, floats) and -1 for ``step_ids`` (no turn). ``cat`` widens its parts to their widest."""
+        p0, t0 = self.prompt_width, self.response_width
+        if P < p0 or T < t0:
+            raise ValueError(f"widen: ({P}, {T}) is narrower than the batch's ({p0}, {t0})")
+        if (P, T) == (p0, t0):
+            return self
+        left, right = P - p0, T - t0
+        fields = {}
+        for name, (dims, _) in FIELD_SPECS.items():
+            t = getattr(self, name)
+            if t is None or len(dims) == 1:
+                fields[name] = t
+                continue
+            fill = -1 if name == "step_ids" else 0
+            pad = {"P": (left, 0), "T": (0, right), "L": (left, right)}[dims[1]]
+            fields[name] = torch.nn.functional.pad(t, pad, value=fill) if t.dtype != torch.bool else \
+                torch.nn.functional.pad(t.to(torch.uint8), pad, value=fill).bool()
+        return type(self)(**fields, meta=self.meta, batch_size=self.batch_size)
+
     def present_fields(self) -> list[str]:
         """Names of the fields that are set (not None), in declaration order."""
         return [n for n in (*FIELD_SPECS, "meta") if getattr(self, n) is not None]
@@ -353,7 +375,8 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
 
     @classmethod
     def cat(cls, batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
-        """Concatenate along B. All parts must hold the same fields (and the same meta keys)."""
+        """Concatenate along B, each part widened to the widest (``widen``). All parts must hold the
+        same fields (and the same meta keys)."""
         batches = list(batches)
         if not batches:
             raise ValueError("RolloutBatch.cat: need at least one batch")
@@ -370,7 +393,9 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
             if any(k_ != allk for k_ in keys):
                 bad = {i: sorted(allk - k_) for i, k_ in enumerate(keys) if k_ != allk}
                 raise ValueError(f"RolloutBatch.cat: meta keys differ; missing (part index -> keys): {bad}")
-        return torch.cat(batches, dim=0)
+        P = max(b.prompt_width for b in batches)
+        T = max(b.response_width for b in batches)
+        return torch.cat([b.widen(P, T) for b in batches], dim=0)
 
     # ------------------------------------------------------------------ balanced partitioning
     def balanced_split(

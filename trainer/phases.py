@@ -1,22 +1,21 @@
-"""The pieces of one training step that the loop in ``trainer/main.py`` calls, one function each.
+"""The driver-side pieces of one training step that the loop in ``trainer/main.py`` calls.
 
-Each function does one phase and returns what the loop needs plus a metrics dict; none holds state
-between steps (the loop owns all state, so checkpoint/resume sees everything).
+Generation and scoring (``collect_batch``: rollout, reward, overlong shaping, DAPO dynamic sampling),
+the rollout-IS / rejection step, and validation. Each function does one phase over a
+:class:`~trainer.workers.rollouts.Rollout` and returns what the loop needs plus a metrics dict; none
+holds state between steps (the loop's ``LoopState`` holds it, so checkpoint/resume sees everything).
+Model passes are methods of the role groups (:mod:`trainer.workers.roles`).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Sequence
-
 import numpy as np
 import torch
 
 from trainer.algos.filtering import group_filter, overlong_reward_penalty, select_filter_metric
-from trainer.algos.losses import batch_norm_counts
-from trainer.batch import RolloutBatch, restore_order
-from trainer.rollout.engine import GenerationOutput
+from trainer.batch import RolloutBatch
 from trainer.rollout.single_turn import outputs_to_batch
 
 
@@ -35,39 +34,22 @@ def to_float_metrics(m: dict, prefix: str = "") -> dict[str, float]:
     return {prefix + k: float(v) for k, v in m.items() if v is not None}
 
 
-def mean_metrics(rows: Sequence[dict]) -> dict[str, float]:
-    keys = {k for r in rows for k in r}
-    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
-
-
 # ----------------------------------------------------------------------------------------------
 # rollout + reward
 # ----------------------------------------------------------------------------------------------
-def rollout(fleet, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
-    """Spread prompts over the engines of the fleet (contiguous chunks) and gather the outputs."""
-    k = fleet.size
-    chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
-    res = fleet.call("generate", [(c, params) for c in chunks])
-    outs = []
-    for per_engine in res:
-        for per_prompt in per_engine:
-            outs.append([GenerationOutput(list(ids), list(lps), fr) for ids, lps, fr in per_prompt])
-    return outs
-
-
-def generate_scored(fleet, reward_mgr, tokenizer, items: list[dict], group_ids: list[int], params: dict, *,
+def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids: list[int], params: dict, *,
                     max_prompt_length: int, overlong: dict | None, multi_turn: dict | None = None
                     ) -> tuple[RolloutBatch, dict]:
     """Sample ``n`` responses per prompt, score them, apply overlong shaping; the batch carries
     ``token_level_scores``, ``scores`` and ``acc``. ``multi_turn``: play the agent loop instead
     (:func:`generate_agentic`)."""
     if multi_turn is not None:
-        return generate_agentic(fleet, tokenizer, items, group_ids, params, multi_turn=multi_turn,
+        return generate_agentic(rollout, tokenizer, items, group_ids, params, multi_turn=multi_turn,
                                 max_prompt_length=max_prompt_length)
     m: dict[str, float] = {}
     prompts = [it["input_ids"] for it in items]
     with timer(m, "generate"):
-        outs = rollout(fleet, prompts, params)
+        outs = rollout.generate(prompts, params)
     meta = {"data_source": [it["data_source"] for it in items], "ground_truth": [it["ground_truth"] for it in items],
             "extra_info": [it.get("extra_info") for it in items]}
     batch = outputs_to_batch(prompts, outs, group_ids, max_prompt_length=max_prompt_length,
@@ -94,11 +76,10 @@ def generate_scored(fleet, reward_mgr, tokenizer, items: list[dict], group_ids: 
     return batch, m
 
 
-def generate_agentic(fleet, tokenizer, items: list[dict], group_ids: list[int], params: dict, *, multi_turn: dict,
+def generate_agentic(rollout, tokenizer, items: list[dict], group_ids: list[int], params: dict, *, multi_turn: dict,
                      max_prompt_length: int) -> tuple[RolloutBatch, dict]:
     """Multi-turn: ``n`` episodes per task of the environment ``multi_turn["environment"]`` with the
-    agent loop (:mod:`trainer.rollout.multi_turn`) inside each engine's worker, prompts spread over the
-    engines in contiguous chunks. The response is the whole episode after the opening prompt (sampled
+    agent loop (:mod:`trainer.rollout.multi_turn`) played by the rollout (``Rollout.play``). The response is the whole episode after the opening prompt (sampled
     turns in the loss mask, environment turns not), ``step_ids`` number the assistant turns, and the
     outcome score is the episode's return (the sum of the environment's rewards), placed on the last
     (sampled) token; ``acc`` is the environment's success flag. ``meta["messages"]`` keeps each
@@ -108,17 +89,10 @@ def generate_agentic(fleet, tokenizer, items: list[dict], group_ids: list[int], 
     m: dict[str, float] = {}
     tasks = [{"prompt": it["messages"], "data_source": it["data_source"], "extra_info": it.get("extra_info") or {},
               "reward_model": {"ground_truth": it["ground_truth"]}} for it in items]
-    k = fleet.size
-    bounds = [i * len(tasks) // k for i in range(k + 1)]
     with timer(m, "generate"):
-        res = fleet.call("generate_multi_turn", [(tasks[bounds[e]:bounds[e + 1]], params, multi_turn) for e in range(k)])
-    trajs = []
-    for e, per_engine in enumerate(res):
-        for t in per_engine:
-            t.task_index += bounds[e]  # chunk-local -> batch-local
-            trajs.append(t)
-    batch = trajectories_to_batch(trajs, pad_id=tokenizer.pad_token_id, max_prompt_length=max_prompt_length,
-                                  max_response_length=multi_turn["max_response_length"], group_ids=group_ids,
+        trajs = rollout.play(tasks, params, multi_turn)
+    # as wide as the longest episode (the episode budget keeps it within the caps)
+    batch = trajectories_to_batch(trajs, pad_id=tokenizer.pad_token_id, group_ids=group_ids,
                                   meta={"ground_truth": [it["ground_truth"] for it in items]})
     batch.set_meta("messages", [t.messages for t in trajs])
     scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # [B]
@@ -134,7 +108,7 @@ def generate_agentic(fleet, tokenizer, items: list[dict], group_ids: list[int], 
     return batch, m
 
 
-def collect_batch(fleet, reward_mgr, tokenizer, dataset, sampler, params_for, *, train_batch_size: int,
+def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, *, train_batch_size: int,
                   gen_batch_size: int, n: int, filter_cfg: dict, max_prompt_length: int, overlong: dict | None,
                   next_group_id: int, multi_turn: dict | None = None) -> tuple[RolloutBatch, dict, int]:
     """Generate until ``train_batch_size`` prompt groups qualify (DAPO dynamic sampling), then trim.
@@ -152,7 +126,7 @@ def collect_batch(fleet, reward_mgr, tokenizer, dataset, sampler, params_for, *,
         items = [dataset[i] for i in idx]
         gids = list(range(next_group_id, next_group_id + bs))
         next_group_id += bs
-        batch, gm = generate_scored(fleet, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
+        batch, gm = generate_scored(rollout, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
                                     max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn)
         for k, v in gm.items():
             m[k] = m.get(k, 0.0) + v if k.startswith("timing_s/") else v
@@ -181,103 +155,27 @@ def collect_batch(fleet, reward_mgr, tokenizer, dataset, sampler, params_for, *,
     return batch, m, next_group_id
 
 
-# ----------------------------------------------------------------------------------------------
-# dispatch to megatron groups
-# ----------------------------------------------------------------------------------------------
-def tensors_only(batch: RolloutBatch) -> RolloutBatch:
-    """A shallow copy without ``meta``: the megatron workers read tensor fields only, and indexing the
-    per-sample Python objects (ground truths, data sources, ...) was most of the driver's split time
-    (bench_e2e: ~4x slower indexing with meta, ~25 ms of every step)."""
-    out = batch.copy()
-    out.meta = None
-    return out
-
-
-def dp_dispatch(group, layouts: list[dict], batch: RolloutBatch, method: str, **kwargs) -> dict[str, torch.Tensor]:
-    """Length-balanced split over data-parallel ranks, run ``method`` on every rank (TP/PP peers of a
-    DP rank get the same shard), and reassemble the per-sample outputs in the original order."""
-    dp = layouts[0]["dp_size"]
-    parts, index_lists, _ = tensors_only(batch).balanced_split(dp)
-    payload = [p.to_numpy_dict() for p in parts]
-    res = group.call(method, [(payload[l["dp_rank"]],) for l in layouts], **kwargs)
-    first = {}
-    for l, r in zip(layouts, res):
-        first.setdefault(l["dp_rank"], r)
-    keys = first[0].keys()
-    # np.array copies: Ray hands back read-only zero-copy arrays, which torch would wrap with a warning
-    return {k: restore_order([torch.from_numpy(np.array(first[d][k])) for d in range(dp)], index_lists) for k in keys}
-
-
-def update_group(group, layouts: list[dict], batch: RolloutBatch, method: str, *, mini_batch_size: int, epochs: int,
-                 shuffle: bool, seed: int, loss: dict, loss_agg_mode: str, per_mini_batch: bool = False,
-                 on_policy: bool = False, **kwargs):
-    """``epochs`` x mini-batches of ``mini_batch_size`` samples; each mini-batch is split over DP
-    ranks and is one optimizer step. The global token/sequence counts of every mini-batch travel with
-    it, so each rank's loss is normalised by the whole mini-batch (not its shard).
-
-    ``on_policy`` (actor only; see ``is_on_policy``): the batch needs no ``old_log_probs``, the
-    workers take their update forward's detached log-probs instead, and the return value is
-    ``(metrics, outputs)`` with ``outputs`` = those per-token ``log_probs`` and ``entropy`` [B, T]
-    in the batch's order."""
-    dp = layouts[0]["dp_size"]
-    B = batch.batch_size[0]
-    if on_policy and not is_on_policy(num_samples=B, mini_batch_size=mini_batch_size, epochs=epochs):
-        raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({epochs} epochs, {B} samples, "
-                         f"mini-batches of {mini_batch_size})")
-    g = torch.Generator().manual_seed(seed)
-    per_rank: list[list[dict]] = [[] for _ in range(dp)]
-    counts, index_lists = [], []
-    batch = tensors_only(batch)
-    for _ in range(epochs):
-        order = torch.randperm(B, generator=g) if shuffle else torch.arange(B)
-        for s in range(0, B, mini_batch_size):
-            sel = order[s:s + mini_batch_size]
-            mb = batch[sel]
-            n_tok, n_seq = batch_norm_counts(mb.response_mask, loss_agg_mode)
-            counts.append((float(n_tok), float(n_seq)))
-            parts, idx, _ = mb.balanced_split(dp)
-            index_lists = [sel[torch.tensor(ix, dtype=torch.long)].tolist() for ix in idx]  # rows of `batch`
-            for d in range(dp):
-                per_rank[d].append(parts[d].to_numpy_dict())
-    loss = dict(loss, global_counts=counts, on_policy=on_policy)
-    res = group.call(method, [(per_rank[l["dp_rank"]],) for l in layouts], loss=loss, **kwargs)
-    outs = [r.get("outputs") if isinstance(r, dict) else None for r in res]
-    res = [r["metrics"] if isinstance(r, dict) else r for r in res]
-    rows = [r for l, rr in zip(layouts, res) if l["tp_rank"] == 0 and l["dp_rank"] == 0 for r in rr]
-    metrics = rows if per_mini_batch else mean_metrics(rows)
-    if not on_policy:
-        return metrics
-    by_dp: dict[int, dict] = {}
-    for l, o in zip(layouts, outs):  # any rank of the last pipeline stage of each DP rank
-        if o is not None:
-            by_dp.setdefault(l["dp_rank"], o)
-    outputs = {k: restore_order([torch.from_numpy(np.array(by_dp[d][k])) for d in range(dp)], index_lists)
-               for k in by_dp[0]}
-    return metrics, outputs
-
-
-def apply_rollout_is(batch: RolloutBatch, is_kwargs: dict) -> dict[str, float]:
-    """Rollout-IS weights of the batch's old vs sampler log-probs (``batch.rollout_is_weights``) and
-    the ``mismatch/`` metrics; ``is_kwargs``: the keyword arguments of ``compute_rollout_is_weights``."""
+def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True) -> dict[str, float]:
+    """The one driver site of rollout IS: the weights of the batch's old vs sampler log-probs
+    (``batch.rollout_is_weights``) and the ``mismatch/`` metrics. ``settings``: a
+    :class:`trainer.plan.RolloutIS` (or its keyword dict). ``weights=False``: metrics only (on the
+    on-policy path the actor's ranks computed the weights inside the update, where the old
+    log-probs first exist)."""
     from trainer.algos.rollout_is import compute_rollout_is_weights
 
-    w, _, is_m = compute_rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
-                                            **is_kwargs)
-    batch.rollout_is_weights = w
+    kw = settings if isinstance(settings, dict) else settings.kwargs()
+    if not weights:
+        kw = {**kw, "rollout_is": False}
+    w, _, is_m = compute_rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, **kw)
+    if weights:
+        batch.rollout_is_weights = w
     return to_float_metrics(is_m)
-
-
-def is_on_policy(*, num_samples: int, mini_batch_size: int, epochs: int) -> bool:
-    """One epoch of one mini-batch: the only forward of the update runs at the start-of-step
-    weights, so the old log-probs equal the update's own (detached) log-probs and their separate
-    forward can be skipped (verl takes the same shortcut)."""
-    return epochs == 1 and mini_batch_size >= num_samples
 
 
 # ----------------------------------------------------------------------------------------------
 # eval
 # ----------------------------------------------------------------------------------------------
-def validate(fleet, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
+def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
              batch_size: int | None, multi_turn: dict | None = None) -> dict[str, float]:
     """Score the held-out set once (greedy by default); ``val/acc`` is the headline."""
     n = len(dataset)
@@ -285,7 +183,7 @@ def validate(fleet, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_
     accs, scores, lens, per_source = [], [], [], {}
     for s in range(0, n, bs):
         items = [dataset[i] for i in range(s, min(n, s + bs))]
-        batch, _ = generate_scored(fleet, reward_mgr, tokenizer, items, list(range(len(items))), params,
+        batch, _ = generate_scored(rollout, reward_mgr, tokenizer, items, list(range(len(items))), params,
                                    max_prompt_length=max_prompt_length, overlong=None, multi_turn=multi_turn)
         accs.append(batch.acc)
         scores.append(batch.scores)
@@ -299,8 +197,107 @@ def validate(fleet, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_
     return out
 
 
-def should_eval(step: int, test_freq: int, total_steps: int, last_eval_step: int | None) -> bool:
-    """Eval at most once per step boundary: every ``test_freq`` steps and after the last step."""
-    if test_freq is None or test_freq <= 0 or step == last_eval_step:
-        return False
-    return step % test_freq == 0 or step == total_steps
+class Generation:
+    """The loop's generation phases bound to the plan, the rollout and the data."""
+
+    def __init__(self, plan, rollout, reward_mgr, tokenizer, train_ds, val_ds):
+        self.plan, self.rollout, self.reward_mgr, self.tok = plan, rollout, reward_mgr, tokenizer
+        self.train_ds, self.val_ds = train_ds, val_ds
+
+    def train_batch(self, state, step: int, m: dict) -> RolloutBatch:
+        """Steps 1-3 of ``step``: the batch of ``train_batch_size`` groups, generated with the
+        engines awake; advances the prompt sampler and the group ids in ``state``."""
+        p = self.plan
+        with self.rollout.awake():
+            batch, gm, state.next_group_id = collect_batch(
+                self.rollout, self.reward_mgr, self.tok, self.train_ds, state.sampler,
+                lambda g: p.sampling.params(step, g), train_batch_size=p.train_batch_size,
+                gen_batch_size=p.gen_batch_size, n=p.n, filter_cfg=p.filter_groups, max_prompt_length=p.max_prompt_length,
+                overlong=p.overlong, next_group_id=state.next_group_id, multi_turn=p.multi_turn)
+        m.update(gm)
+        return batch
+
+    def evaluate(self) -> dict[str, float]:
+        p = self.plan
+        with self.rollout.awake():
+            return validate(self.rollout, self.reward_mgr, self.tok, self.val_ds, p.val_sampling.params(0, 0),
+                            max_prompt_length=p.max_prompt_length, batch_size=p.val_batch_size, multi_turn=p.multi_turn)
+
+
+def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int) -> dict[str, float]:
+    """Steps 6-7 on the driver, writing the batch's fields: rejection mask, rollout-IS weights and
+    mismatch metrics, KL in reward, critic values, advantages and returns. ``old``, ``ref``,
+    ``values``: the role groups' results (``Sharded``, or None), fetched here only where this math
+    reads them. ``adca``: ``(judge, tokenizer, adca_cfg)`` for ADCA-GRPO."""
+    from trainer.algos.advantages import compute_advantage
+    from trainer.algos.kl import apply_kl_in_reward
+    from trainer.algos.rollout_is import compute_rejection_mask
+
+    m: dict[str, float] = {}
+    if old is not None and plan.driver_needs_old_log_probs():
+        batch.old_log_probs = old.fetch()["log_probs"]
+    if plan.rejection is not None:
+        r = plan.rejection
+        batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
+                                                           batch.response_mask, divergence=r.divergence, agg=r.agg,
+                                                           lower=r.lower, upper=r.upper)
+        m.update(to_float_metrics(rs_m))
+    if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
+        m.update(apply_rollout_is(batch, plan.rollout_is))
+    if plan.use_kl_in_reward:
+        batch.ref_log_probs = ref.fetch()["log_probs"]
+        batch.token_level_rewards, kl_m = apply_kl_in_reward(
+            batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+            kl_coef=kl_ctrl.value, kl_penalty=plan.kl_penalty)
+        kl_m = to_float_metrics(kl_m)
+        kl_ctrl.update(kl_m["actor/reward_kl_penalty"], n_steps=batch.num_samples)
+        m.update(kl_m)
+    else:
+        batch.token_level_rewards = batch.token_level_scores
+    if values is not None:
+        batch.values = values.fetch()["values"]
+    if adca is not None:  # ADCA-GRPO: the judge's step flags fused with the outcome
+        from trainer.credit import adca_advantages
+
+        judge, tok, adca_cfg = adca
+        batch.advantages, batch.returns, adv_m = adca_advantages(batch, tok, judge, adca_cfg, global_step=step)
+        m.update(to_float_metrics(adv_m))  # adca/*
+    else:
+        batch.advantages, batch.returns, adv_m = compute_advantage(
+            plan.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+            index=batch.group_ids, values=batch.values, gamma=plan.gamma, lam=plan.lam,
+            norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo)
+        m.update(to_float_metrics(adv_m, "adv/"))
+    return m
+
+
+def loss_fields(batch: RolloutBatch, plan) -> dict[str, torch.Tensor]:
+    """The driver-computed per-token fields the actor's loss reads (sent once per shard)."""
+    out = {"advantages": batch.advantages, "rollout_is_weights": batch.rollout_is_weights}
+    if plan.rejection is not None:  # the rejection-masked loss mask replaces the shard's own
+        out["response_mask"] = batch.response_mask
+    return out
+
+
+def check_update(m: dict, step: int) -> None:
+    import math
+
+    bad = [k for k in ("actor/loss", "actor/grad_norm") if k in m and not math.isfinite(m[k])]
+    if bad or m.get("actor/skipped", 0.0) > 0:
+        raise FloatingPointError(
+            f"step {step}: the actor's {', '.join(bad) or 'gradient'} is NaN/inf, so the update was not "
+            f"applied. Check the rewards and advantages (adv/*, reward/* above), lower "
+            f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on; the last checkpoint is intact and "
+            f"trainer.resume_mode=auto continues from it.")
+
+
+def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_coef: float | None = None) -> dict:
+    m = {"reward/mean": float(batch.scores.mean()), "reward/acc": float(batch.acc.mean()),
+         "response_length/mean": float(batch.response_length.float().mean())}
+    if kl_coef is None:
+        return m
+    m.update({"response_length/clip_fraction": float((batch.response_length >= plan.response_width).float().mean()),
+              "perf/tokens": float(batch.attention_mask.sum()), "kl_ctrl/coef": float(kl_coef)})
+    if entropy:
+        m["actor/entropy_rollout"] = entropy["sum"] / max(entropy["count"], 1.0)
+    return m

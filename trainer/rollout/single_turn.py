@@ -1,8 +1,9 @@
 """Single-turn rollout: prompts in, a typed batch of ``n`` sampled responses per prompt out.
 
 Each prompt is repeated ``n`` times under one group id (the GRPO group). Prompts are left-padded and
-responses right-padded to fixed widths (``max_prompt_length``, ``max_response_length``) so every batch
-of a run has the same shapes. The sampler's per-token log-probs go into ``rollout_log_probs`` (0 on
+responses right-padded to the batch's OWN widths (its longest prompt and response); the config's
+``max_prompt_length`` / ``max_response_length`` are caps, not widths, so no pass downstream carries
+columns that no row uses. The sampler's per-token log-probs go into ``rollout_log_probs`` (0 on
 padding); the loss mask covers exactly the sampled tokens, the stop token included.
 """
 
@@ -58,9 +59,15 @@ def outputs_to_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequenc
             finish.append(o.finish_reason)
             for k in rows_meta:
                 rows_meta[k].append(meta[k][i])
-    p_ids, p_mask = pad_left(flat_prompts, max_prompt_length, pad_id)
-    r_ids, r_mask = pad_right(flat_resp, max_response_length, pad_id, torch.long)
-    lps, _ = pad_right(flat_lp, max_response_length, 0.0, torch.float32)
+    P = max((len(p) for p in flat_prompts), default=1)
+    if P > max_prompt_length:
+        i = next(i for i, p in enumerate(flat_prompts) if len(p) > max_prompt_length)
+        raise ValueError(f"prompt {i} has {len(flat_prompts[i])} tokens, more than data.max_prompt_length="
+                         f"{max_prompt_length} (raise it or filter overlong prompts)")
+    T = min(max(1, max((len(r) for r in flat_resp), default=1)), max_response_length)
+    p_ids, p_mask = pad_left(flat_prompts, P, pad_id)
+    r_ids, r_mask = pad_right(flat_resp, T, pad_id, torch.long)
+    lps, _ = pad_right(flat_lp, T, 0.0, torch.float32)
     rows_meta["finish_reason"] = finish
     return RolloutBatch.from_tokens(
         p_ids, r_ids, p_mask, r_mask, meta=rows_meta,

@@ -1,5 +1,6 @@
-"""The controller's view of the hardware: the actor / reference / critic megatron groups and the rollout
-fleet, placed on a Ray cluster (or in the driver process for debugging), plus the resharding manager.
+"""The controller's view of the hardware: the typed role groups (``actor``, ``ref``, ``critic``:
+:mod:`trainer.workers.roles`) and the ``rollout`` (:mod:`trainer.workers.rollouts`), placed on a Ray
+cluster (or in the driver process for debugging), and the ``transport`` of the step's data plane.
 
 Ray: ``ray.init()`` with no address starts an embedded local cluster (the default); ``RAY_ADDRESS``
 joins an existing one. On CPU every rank is one CPU slot; Ray's logical CPU count is raised to the
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import os
 
+from trainer.plan import need_critic, need_ref
+from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
-from trainer.workers.hybrid_worker import EngineView, HybridWorker
+from trainer.workers.hybrid_worker import HybridWorker
 from trainer.workers.megatron_worker import MegatronWorker
-from trainer.workers.resharding import Resharder
+from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup
 from trainer.workers.rollout_worker import RolloutWorker
+from trainer.workers.rollouts import EngineRollout, FleetRollout, HybridRollout
 
 
 def _plain(d) -> dict:
@@ -22,14 +26,6 @@ def _plain(d) -> dict:
     from omegaconf import DictConfig, OmegaConf
 
     return OmegaConf.to_container(d, resolve=True) if isinstance(d, DictConfig) else dict(d)
-
-
-def need_ref(cfg) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-def need_critic(cfg) -> bool:
-    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
 
 
 def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
@@ -44,7 +40,6 @@ class Cluster:
     def __init__(self, cfg, total_steps: int):
         from megatron_bridge.launch import find_free_port
 
-        self.cfg = cfg
         t, a, r = cfg.trainer, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         world = t.nnodes * t.n_gpus_per_node
         self.in_process = t.debug.in_process
@@ -77,7 +72,9 @@ class Cluster:
         share = (lambda k: max(1, n_cpu // max(1, k))) if local_cpu else (lambda k: 1)
         addr = "127.0.0.1"
 
-        def mgroup(name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None):
+        self.transport = Transport(self.in_process)
+
+        def mgroup(kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None):
             port = find_free_port()
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
@@ -85,8 +82,8 @@ class Cluster:
                         params_dtype=mcfg.params_dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
                         num_threads=share(world), **(extra or {}))
                    for i in range(world)]
-            g = WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25)
-            return g, g.call("layout")
+            return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
+                        self.transport)
 
         max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
@@ -102,82 +99,57 @@ class Cluster:
         self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode != "server"
                        and r.name == "native" and n_eng == world)
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
-        self.actor, self.actor_layout = mgroup(
-            "actor", a.megatron, "actor",
+        self.actor = mgroup(
+            ActorGroup, "actor", a.megatron, "actor",
             bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps, use_dist=a.megatron.use_distributed_optimizer),
             model_path, *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()))
-        self.ref = self.ref_layout = None
+        self.ref = None
         if need_ref(cfg):
-            self.ref, self.ref_layout = mgroup("ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path)
-        self.critic = self.critic_layout = None
+            self.ref = mgroup(RefGroup, "ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path)
+        self.critic = None
         if need_critic(cfg):
             c = cfg.critic
-            self.critic, self.critic_layout = mgroup(
-                "critic", c.megatron, "critic",
+            self.critic = mgroup(
+                CriticGroup, "critic", c.megatron, "critic",
                 bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
                              use_dist=c.megatron.use_distributed_optimizer),
                 c.model.path or model_path)
+        bucket = r.update_weights_bucket_megabytes << 20
+        # colocated engines give their memory back while the trainer runs
+        free = self.colocated and r.free_cache_engine
         if r.mode == "server":  # disaggregated: HTTP engine servers behind sglang-router, outside Ray
-            from trainer.workers.fleet_rollout import FleetRollout
-
             self.rollout = FleetRollout(model_path, num_servers=n_eng, threads_per_server=rkw["generate_threads"],
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
-                                        tokenizer_path=rkw["tokenizer_path"],
+                                        tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
                                         log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"))
         elif self.hybrid:
-            self.rollout = EngineView(self.actor)
+            self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
         else:
-            self.rollout = WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process,
-                                       placement=placement, bundle_of=rollout_bundle, share=0.25)
-        self.resharder = Resharder(self.actor, self.rollout, r.update_weights_bucket_megabytes << 20,
-                                   engine_dtype=r.dtype)
+            self.rollout = EngineRollout(
+                WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
+                            bundle_of=rollout_bundle, share=0.25),
+                free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
 
-    def actor_loss_settings(self) -> dict:
-        a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
-        pl = a.policy_loss
-        norm = a.loss_scale_factor if a.loss_scale_factor is not None else (
-            cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
-        return dict(loss_mode=pl.loss_mode, loss_agg_mode=a.loss_agg_mode, clip_ratio=a.clip_ratio,
-                    clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                    entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-                    kl_loss_type=a.kl_loss_type, norm_constant=float(norm),
-                    policy_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
-                                       clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef))
-
-    # colocated: the engine gives its memory back while the trainer runs
-    def sleep_rollout(self) -> None:
-        if self.colocated and self.cfg.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.call("sleep")
-
-    def wake_rollout(self) -> None:
-        if self.colocated and self.cfg.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.call("wake")
-
-    def sync_weights(self) -> dict:
-        return self.resharder.sync(verify=True)
-
-    def _groups(self):
-        return [(n, g) for n, g in (("actor", self.actor), ("critic", self.critic)) if g is not None]
+    def trained(self) -> dict:
+        """The groups whose weights a checkpoint holds, by name."""
+        return {n: g for n, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
 
     def rng_states(self) -> dict:
         """Every worker's RNG state, per group and rank (for exact resume)."""
-        return {name: g.call("rng_state") for name, g in self._groups() + ([("ref", self.ref)] if self.ref else [])}
+        return {n: g.rng_state() for n, g in {**self.trained(), "ref": self.ref}.items() if g is not None}
 
     def set_rng_states(self, states: dict) -> None:
-        for name, g in self._groups() + ([("ref", self.ref)] if self.ref else []):
-            if name in states:
-                g.call("set_rng_state", [(st,) for st in states[name]])
+        for n, g in {**self.trained(), "ref": self.ref}.items():
+            if g is not None and n in states:
+                g.set_rng_state(states[n])
 
     def save(self, ckpt_dir: str) -> None:
-        for name, g in self._groups():
-            g.call("save", [(os.path.join(ckpt_dir, name),)] * g.size)
+        for n, g in self.trained().items():
+            g.save(os.path.join(ckpt_dir, n))
 
     def load(self, ckpt_dir: str) -> None:
-        for name, g in self._groups():
-            g.call("load", [(os.path.join(ckpt_dir, name),)] * g.size)
-
-    def export_hf(self, out_dir: str) -> None:
-        self.actor.call("export_hf", [(out_dir, self.cfg.actor_rollout_ref.model.path)] * self.actor.size)
+        for n, g in self.trained().items():
+            g.load(os.path.join(ckpt_dir, n))
 
     def shutdown(self) -> None:
         for g in (self.rollout, self.ref, self.critic, self.actor):

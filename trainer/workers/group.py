@@ -95,12 +95,16 @@ class WorkerGroup:
                 self.workers.append(remote.options(**opts, name=f"{name}-{i}-{os.getpid()}",
                                                    max_concurrency=2).remote(**kw))
 
-    def async_call(self, method: str, args_per_rank: Sequence[tuple] | None = None, **kwargs) -> list:
-        """Start ``method`` on every rank; Ray refs (or finished results in-process)."""
+    def async_call(self, method: str, args_per_rank: Sequence[tuple] | None = None, *, num_returns: int = 1,
+                   **kwargs) -> list:
+        """Start ``method`` on every rank; Ray refs (or finished results in-process). With
+        ``num_returns=k`` a method returning a k-tuple gives k refs per rank, so the caller can
+        fetch one part and pass the others on by reference."""
         args_per_rank = args_per_rank or [()] * self.size
         if self.in_process:
             return [getattr(w, method)(*a, **kwargs) for w, a in zip(self.workers, args_per_rank)]
-        return [getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, args_per_rank)]
+        return [getattr(w, method).options(num_returns=num_returns).remote(*a, **kwargs) if num_returns != 1
+                else getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, args_per_rank)]
 
     def get(self, refs: list) -> list:
         if self.in_process:

@@ -15,7 +15,7 @@ the two to match on every rank, and all ranks' streams to match each other (repl
 would otherwise sample from different policies).
 
 The engine half is the same :class:`RolloutWorker` as in the separate-process fleet, reached through
-``engine(method, ...)``; :class:`EngineView` gives the driver that fleet's ``call`` interface.
+``engine(method, ...)``; :class:`trainer.workers.rollouts.HybridRollout` is the driver's side.
 """
 
 from __future__ import annotations
@@ -94,25 +94,3 @@ class HybridWorker(MegatronWorker):
         want = checksum_named_tensors(((n, t.detach().cpu()) for n, t in iter_hf_param(self._module())), dtype=dt)
         return want, self.engine("weights_checksum")
 
-
-class EngineView:
-    """The rollout fleet of a hybrid group, with :class:`~trainer.workers.group.WorkerGroup`'s call
-    interface: ``call("generate", ...)`` runs ``RolloutWorker.generate`` inside each actor rank."""
-
-    hybrid = True
-
-    def __init__(self, group):
-        self.group, self.name, self.size, self.in_process = group, "rollout", group.size, group.in_process
-
-    def async_call(self, method: str, args_per_rank=None, **kwargs) -> list:
-        args_per_rank = args_per_rank or [()] * self.size
-        return self.group.async_call("engine", [(method, *a) for a in args_per_rank], **kwargs)
-
-    def get(self, refs: list) -> list:
-        return self.group.get(refs)
-
-    def call(self, method: str, args_per_rank=None, **kwargs) -> list:
-        return self.get(self.async_call(method, args_per_rank, **kwargs))
-
-    def shutdown(self) -> None:  # the actor group owns the processes
-        pass

@@ -5,8 +5,9 @@ log-probs, train step, checkpoints, weight stream) and ``trainer.algos`` (losses
 numpy arrays or a metrics dict. It runs as a Ray actor (one per rank) or, for debugging, as a plain
 object in the driver (``trainer.debug.in_process=true``), so ``breakpoint()`` works in every method.
 
-Batch shards arrive as ``RolloutBatch.to_numpy_dict()`` (numpy crosses Ray without pickling tensors).
-Per-token outputs come back for the response part only: ``[b, T]`` with ``T`` the response width.
+Batch shards arrive by object reference as the dicts of :mod:`trainer.workers.dataplane` (numpy
+crosses Ray without pickling tensors), already trimmed to the shard's own width; per-token outputs
+come back at that width, for the response part only (``[b, T_d]``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ import numpy as np
 import torch
 
 from trainer.batch import RolloutBatch
+from trainer.plan import RolloutIS, UpdateSettings
+from trainer.workers.dataplane import shard_batch
+
+
+def _entropy_summary(entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Masked sum and count of per-token entropies: the driver's ``actor/entropy_rollout`` is
+    sum over ranks / count over ranks, so no per-token entropy leaves the rank."""
+    m = mask.bool()
+    return {"sum": float(entropy.float()[m].sum()), "count": float(m.sum())}
 
 
 def combine_digests(digests: dict[str, bytes]) -> str:
@@ -66,22 +76,6 @@ class MegatronWorker:
         return self.trainer.model if self.trainer is not None else self.model
 
     @staticmethod
-    def _trimmed(batch_np: dict) -> tuple[RolloutBatch, int]:
-        """The shard without its all-padding columns (``RolloutBatch.trim_padding``) and the full
-        response width ``T`` that per-token results are padded back to."""
-        batch = RolloutBatch.from_numpy_dict(batch_np)
-        T = batch.response_width
-        return batch.trim_padding()[0], T
-
-    @staticmethod
-    def _full_width(x: torch.Tensor, T: int) -> np.ndarray:
-        """``[b, T']`` per-token results back to ``[b, T]`` (zeros on the trimmed padding columns)."""
-        x = x.float()
-        if x.shape[1] < T:
-            x = torch.nn.functional.pad(x, (0, T - x.shape[1]))
-        return x.numpy()
-
-    @staticmethod
     def _micro_batches(batch: RolloutBatch, micro_bs: int, fields: tuple[str, ...]) -> list[dict]:
         out = []
         for s in range(0, batch.batch_size[0], micro_bs):
@@ -95,134 +89,143 @@ class MegatronWorker:
         return out
 
     # ------------------------------------------------------------------ forward passes
-    def compute_log_prob(self, batch_np: dict, *, temperature: float, micro_batch_size: int,
-                         with_entropy: bool = False) -> dict[str, np.ndarray]:
-        """Per-token log-probs (and entropy) of the response tokens under the current weights."""
+    def log_probs(self, shard: dict, *, temperature: float, micro_batch_size: int,
+                  entropy: bool = False) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Per-token log-probs of the shard's responses under the current weights, ``[b, T_d]``,
+        and a summary: the entropy's masked sum and token count (``entropy``: the driver logs
+        their ratio and never needs the per-token entropy)."""
         from megatron_bridge.logprobs import compute_logprobs
 
-        batch, T = self._trimmed(batch_np)
-        P = batch.prompts.shape[1]
-        mbs = self._micro_batches(batch, micro_batch_size, ())
+        batch = shard_batch(shard)
+        P = batch.prompt_width
         with torch.no_grad():
-            outs = compute_logprobs(self._module(), mbs, temperature=temperature, with_entropy=with_entropy)
-        res = {"log_probs": self._full_width(torch.cat([o["logprobs"][:, P:] for o in outs]), T)}
-        if with_entropy:
-            res["entropy"] = self._full_width(torch.cat([o["entropy"][:, P:] for o in outs]), T)
-        return res
+            outs = compute_logprobs(self._module(), self._micro_batches(batch, micro_batch_size, ()),
+                                    temperature=temperature, with_entropy=entropy)
+        tokens = {"log_probs": torch.cat([o["logprobs"][:, P:] for o in outs]).float().numpy()}
+        summary = {}
+        if entropy:
+            summary = _entropy_summary(torch.cat([o["entropy"][:, P:] for o in outs]), batch.response_mask)
+        return tokens, summary
 
-    def compute_values(self, batch_np: dict, *, micro_batch_size: int) -> dict[str, np.ndarray]:
+    def values(self, shard: dict, *, micro_batch_size: int) -> dict[str, np.ndarray]:
         from megatron_bridge.logprobs import compute_logprobs
 
-        batch, T = self._trimmed(batch_np)
-        P = batch.prompts.shape[1]
+        batch = shard_batch(shard)
+        P = batch.prompt_width
         with torch.no_grad():
             outs = compute_logprobs(self._module(), self._micro_batches(batch, micro_batch_size, ()))
-        return {"values": self._full_width(torch.cat([o["values"][:, P:] for o in outs]), T)}
+        return {"values": torch.cat([o["values"][:, P:] for o in outs]).float().numpy()}
 
     # ------------------------------------------------------------------ updates
-    def update_actor(self, mini_batches: list[dict], *, loss: dict, temperature: float,
-                     micro_batch_size: int) -> dict:
-        """One optimizer step per mini-batch shard. ``loss`` holds the policy-loss settings and, per
-        mini-batch, the GLOBAL token / sequence counts (``global_counts[i]``) so that micro-batch and
-        data-parallel splits give the full-batch gradient (see ``trainer.algos.losses.agg_loss``).
+    def update_actor(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
+                     counts: list, on_policy: bool = False, rollout_is: RolloutIS | None = None,
+                     return_log_probs: bool = False) -> dict:
+        """One optimizer step per mini-batch: ``mini_batches[k]`` are this rank's rows (of its shard)
+        of mini-batch k, ``counts[k]`` its GLOBAL (tokens, sequences) over all ranks, so that
+        micro-batch and data-parallel splits give the full-batch gradient (``LossAgg``).
+        ``extras``: per-token fields of the shard (advantages, old / reference log-probs, IS
+        weights, ...), each a ``{field: ndarray [b, T_d]}`` resolved by Ray from its reference.
 
-        On-policy (``loss["on_policy"]``: one mini-batch, one epoch) the shard carries no old
-        log-probs: the update's own forward runs at the start-of-step weights, so the old log-probs
-        ARE its log-probs, taken detached (ratio exactly 1), and the separate old-log-prob forward is
-        skipped. Rollout-IS weights (``loss["rollout_is"]``: the keyword arguments of
-        ``compute_rollout_is_weights``) are then computed here per micro-batch from those; every
-        weight is a per-token or per-row function, so this equals the driver-side computation.
-        The detached log-probs and entropies come back as ``outputs`` ([b, T] per shard sample) for
-        the driver's metrics. Returns ``{"metrics": [one dict per mini-batch], "outputs": ... or None}``."""
+        On-policy (one mini-batch, one epoch) the shard carries no old log-probs: the update's own
+        forward runs at the start-of-step weights, so the old log-probs ARE its log-probs, taken
+        detached (ratio exactly 1), and the separate old-log-prob forward is skipped. The
+        rollout-IS weights (``rollout_is``) are then computed here, per micro-batch (every weight is
+        a per-token or per-row function, so this equals a whole-batch computation); the driver
+        computes only the mismatch metrics, from the log-probs returned with
+        ``return_log_probs``. Returns ``{"metrics": [one dict per mini-batch], "log_probs":
+        [b, T_d] in shard order or None, "entropy": summary or None}``."""
         from megatron_bridge.train import train_step
 
         from trainer.algos.kl import kl_penalty
         from trainer.algos.losses import agg_loss, get_policy_loss_fn
         from trainer.algos.rollout_is import compute_rollout_is_weights
 
-        policy_loss = get_policy_loss_fn(loss["loss_mode"])
-        dp = self.mesh["dp_size"]
-        mode = loss["loss_agg_mode"]
-        on_policy, is_kw = bool(loss.get("on_policy")), loss.get("rollout_is")
+        pl = settings.policy
+        policy_loss = get_policy_loss_fn(pl.loss_mode)
         if on_policy and len(mini_batches) != 1:
             raise ValueError(f"on_policy=True needs exactly one mini-batch (got {len(mini_batches)}): with several, "
                              f"later mini-batches run at updated weights and need the start-of-step old log-probs")
+        full = shard_batch(shard, *extras)
         fields = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_probs",
                   "rollout_log_probs")
+        apply_is = rollout_is is not None and rollout_is.rollout_is
         out, captured = [], []
-        for i, mb_np in enumerate(mini_batches):
-            batch, T = self._trimmed(mb_np)
-            P = batch.prompts.shape[1]
-            n_tok, n_seq = loss["global_counts"][i]
-            agg = dict(global_num_tokens=n_tok, global_num_seqs=n_seq, dp_size=dp, norm_constant=loss.get("norm_constant"))
+        for k, rows in enumerate(mini_batches):
+            batch = full[torch.as_tensor(rows, dtype=torch.long)]
+            P = batch.prompt_width
+            agg = pl.agg(global_num_tokens=counts[k][0], global_num_seqs=counts[k][1], dp_size=self.mesh["dp_size"])
 
             def loss_fn(outs: dict, mb: dict):
                 logp = outs["logprobs"][:, P:]  # [b, T]
                 mask = mb["response_mask"]
                 old, is_w = mb.get("old_log_probs"), mb.get("rollout_is_weights")
                 if on_policy:
-                    old = logp.detach()  # [b, T'] the start-of-step policy, exactly
-                    ent = outs["entropy"][:, P:].detach() if "entropy" in outs else None
-                    captured.append((old, ent, T))
-                    if is_kw is not None and is_kw.get("rollout_is", True) and bool(mask.any()):
-                        is_w = compute_rollout_is_weights(old, mb["rollout_log_probs"], mask, **is_kw)[0]
-                pg, metrics = policy_loss(
-                    old_log_prob=old, log_prob=logp, advantages=mb["advantages"], response_mask=mask,
-                    loss_agg_mode=mode, rollout_is_weights=is_w,
-                    clip_ratio=loss["clip_ratio"], clip_ratio_low=loss["clip_ratio_low"],
-                    clip_ratio_high=loss["clip_ratio_high"], clip_ratio_c=loss["clip_ratio_c"],
-                    **loss.get("policy_kwargs", {}), **agg)
+                    old = logp.detach()  # [b, T] the start-of-step policy, exactly
+                    captured.append((old, outs["entropy"][:, P:].detach() if "entropy" in outs else None, mask))
+                    if apply_is and bool(mask.any()):
+                        is_w = compute_rollout_is_weights(old, mb["rollout_log_probs"], mask, **rollout_is.kwargs())[0]
+                pg, metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=mb["advantages"],
+                                          response_mask=mask, agg=agg, rollout_is_weights=is_w,
+                                          clip_ratio=pl.clip_ratio, clip_ratio_low=pl.clip_ratio_low,
+                                          clip_ratio_high=pl.clip_ratio_high, clip_ratio_c=pl.clip_ratio_c,
+                                          **pl.variant_kwargs)
                 total = pg
                 metrics = {f"actor/{k}": v for k, v in metrics.items()}
                 metrics["actor/pg_loss"] = pg.detach()
-                if "entropy" in outs and loss["entropy_coeff"]:
-                    ent = agg_loss(outs["entropy"][:, P:], mask, mode, **agg)
-                    total = total - loss["entropy_coeff"] * ent
+                if "entropy" in outs and pl.entropy_coeff:
+                    ent = agg_loss(outs["entropy"][:, P:], mask, agg)
+                    total = total - pl.entropy_coeff * ent
                     metrics["actor/entropy"] = ent.detach()
-                if loss["use_kl_loss"]:
-                    kl = kl_penalty(logp, mb["ref_log_probs"], loss["kl_loss_type"])
-                    kl_l = agg_loss(kl, mask, mode, **agg)
-                    total = total + loss["kl_loss_coef"] * kl_l
+                if pl.use_kl_loss:
+                    kl_l = agg_loss(kl_penalty(logp, mb["ref_log_probs"], pl.kl_loss_type), mask, agg)
+                    total = total + pl.kl_loss_coef * kl_l
                     metrics["actor/kl_loss"] = kl_l.detach()
                 return total, metrics
 
             # entropy enters the graph only when it is trained on; on-policy it is still computed, detached,
             # for the logged rollout entropy (the skipped old-log-prob pass used to provide it)
-            m = train_step(self.trainer, self._micro_batches(batch, micro_batch_size, fields), loss_fn,
-                           temperature=temperature, with_entropy=bool(loss["entropy_coeff"]) or on_policy,
-                           entropy_grad=bool(loss["entropy_coeff"]))
+            m = train_step(self.trainer, self._micro_batches(batch, settings.micro_batch_size, fields), loss_fn,
+                           temperature=settings.temperature, with_entropy=bool(pl.entropy_coeff) or on_policy,
+                           entropy_grad=bool(pl.entropy_coeff))
             out.append({("actor/" + k if "/" not in k else k): float(v) for k, v in m.items()})
-        outputs = None
-        if captured:  # the last pipeline stage (the one that ran loss_fn)
-            outputs = {"log_probs": np.concatenate([self._full_width(c[0], c[2]) for c in captured])}
+        res = {"metrics": out, "log_probs": None, "entropy": None}
+        if captured:  # the last pipeline stage (the one that ran loss_fn); one mini-batch: rows = mini_batches[0]
+            order = torch.as_tensor(mini_batches[0], dtype=torch.long)
+            old = torch.cat([c[0] for c in captured]).float()
+            if return_log_probs:
+                lp = torch.zeros_like(old)
+                lp[order] = old
+                res["log_probs"] = {"log_probs": lp.numpy()}
             if captured[0][1] is not None:
-                outputs["entropy"] = np.concatenate([self._full_width(c[1], c[2]) for c in captured])
-        return {"metrics": out, "outputs": outputs}
+                res["entropy"] = _entropy_summary(torch.cat([c[1] for c in captured]), torch.cat([c[2] for c in captured]))
+        return res
 
-    def update_critic(self, mini_batches: list[dict], *, loss: dict, micro_batch_size: int) -> list[dict]:
+    def update_critic(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
+                      counts: list) -> dict:
         from megatron_bridge.train import train_step
 
-        from trainer.algos.losses import value_loss
+        from trainer.algos.losses import LossAgg, value_loss
 
-        dp = self.mesh["dp_size"]
+        full = shard_batch(shard, *extras)
+        vl_s = settings.value
         out = []
-        for i, mb_np in enumerate(mini_batches):
-            batch, _ = self._trimmed(mb_np)
-            P = batch.prompts.shape[1]
-            n_tok, n_seq = loss["global_counts"][i]
+        for k, rows in enumerate(mini_batches):
+            batch = full[torch.as_tensor(rows, dtype=torch.long)]
+            P = batch.prompt_width
+            agg = LossAgg(mode=vl_s.agg_mode, global_num_tokens=counts[k][0], global_num_seqs=counts[k][1],
+                          dp_size=self.mesh["dp_size"])
 
             def loss_fn(outs: dict, mb: dict):
                 vl, metrics = value_loss(outs["values"][:, P:], mb["values"], mb["returns"], mb["response_mask"],
-                                         cliprange_value=loss["cliprange_value"], loss_agg_mode=loss["loss_agg_mode"],
-                                         global_num_tokens=n_tok, global_num_seqs=n_seq, dp_size=dp)
+                                         cliprange_value=vl_s.cliprange_value, agg=agg)
                 metrics = {f"critic/{k}": v for k, v in metrics.items()}
                 metrics["critic/vf_loss"] = vl.detach()
                 return vl, metrics
 
-            m = train_step(self.trainer, self._micro_batches(batch, micro_batch_size, ("response_mask", "values", "returns")),
-                           loss_fn)
+            m = train_step(self.trainer, self._micro_batches(batch, settings.micro_batch_size,
+                                                             ("response_mask", "values", "returns")), loss_fn)
             out.append({("critic/" + k if "/" not in k else k): float(v) for k, v in m.items()})
-        return out
+        return {"metrics": out}
 
     # ------------------------------------------------------------------ weights, checkpoints
     def weight_buckets(self, bucket_bytes: int, digest_dtype: str | None = None) -> Iterator[Any]:

@@ -1,8 +1,8 @@
 """One rollout engine of the fleet: the native torch engine (CPU default), or SGLang's in-process engine on GPUs.
 
-Thin: ``generate`` takes prompt ids and sampling settings and returns plain lists (ids, log-probs,
-finish reasons) so results cross Ray cheaply; ``update_weights`` takes one bucket of HF-named tensors
-from the resharding manager.
+Thin: ``generate`` takes prompt ids and sampling settings and returns the engine's
+``GenerationOutput``s as they are; ``update_weights`` takes one bucket of HF-named tensors from a
+weight sync (:mod:`trainer.workers.rollouts`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from trainer.rollout.engine import SamplingParams
+from trainer.rollout.engine import GenerationOutput, SamplingParams
 
 
 class RolloutWorker:
@@ -36,14 +36,13 @@ class RolloutWorker:
         else:
             raise ValueError(f"unknown rollout engine '{name}'; actor_rollout_ref.rollout.name is native or sglang")
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[list[tuple[list[int], list[float], str]]]:
+    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
         prev = torch.get_num_threads()
         torch.set_num_threads(self.generate_threads)
         try:
-            outs = self.engine.generate(prompts, SamplingParams(**params))
+            return self.engine.generate(prompts, SamplingParams(**params))
         finally:
             torch.set_num_threads(prev)
-        return [[(o.token_ids, o.logprobs, o.finish_reason) for o in per_prompt] for per_prompt in outs]
 
     def generate_multi_turn(self, tasks: list[dict], params: dict, multi_turn: dict) -> list:
         """``params["n"]`` episodes per task with the agent loop over this engine (its turns batched

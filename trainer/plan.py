@@ -1,0 +1,277 @@
+"""The config resolved once: a frozen ``Plan`` of every derived setting, and the loop's ``LoopState``.
+
+Why. Defaults that depend on other keys (the response width is ``rollout.response_length`` or
+``data.max_response_length``; a mini-batch holds ``ppo_mini_batch_size * rollout.n`` responses; the
+critic's mini-batch and epochs fall back to the actor's; the warmup is a step count or a ratio of the
+horizon) used to be re-resolved at each use site, and the rollout-IS settings dict was rebuilt every
+step. ``Plan.from_config`` resolves each once; the loop and the role groups read ``plan.*`` and
+never the raw config. ``Plan`` holds only plain values (frozen dataclasses, tuples, dicts of numbers),
+so it pickles to Ray workers as it is.
+
+``LoopState`` is everything the loop carries from step to step (step, prompt sampler, KL controller,
+next group id, last eval step, tracker run id, metric history, the driver's RNG states); its
+``state_dict()`` / ``load_state_dict()`` are the one path used by both checkpoint save and resume,
+so what is saved is exactly what is restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from trainer.algos.losses import LossAgg
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The actor's loss: policy-loss variant, PPO clipping, entropy bonus, KL loss."""
+    loss_mode: str
+    agg_mode: str
+    norm_constant: float  # seq-mean-token-sum-norm's constant (loss_scale_factor, else the response width)
+    clip_ratio: float
+    clip_ratio_low: Optional[float]
+    clip_ratio_high: Optional[float]
+    clip_ratio_c: float
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    variant_kwargs: dict = field(default_factory=dict)  # the variant's own keywords (Clip-Cov, KL-Cov)
+
+    def agg(self, *, global_num_tokens: float, global_num_seqs: float, dp_size: int) -> LossAgg:
+        return LossAgg(mode=self.agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                       dp_size=dp_size, norm_constant=self.norm_constant)
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    cliprange_value: float
+    agg_mode: str
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """One role's update: ``epochs`` passes over the step's batch in mini-batches of
+    ``mini_batch_size`` RESPONSES (one optimizer step each), ``micro_batch_size`` responses per
+    forward/backward on one rank."""
+    mini_batch_size: int
+    epochs: int
+    shuffle: bool
+    micro_batch_size: int
+    temperature: float = 1.0
+    policy: Optional[PolicyLoss] = None  # actor
+    value: Optional[ValueLoss] = None  # critic
+
+
+@dataclass(frozen=True)
+class RolloutIS:
+    """Keyword arguments of ``trainer.algos.rollout_is.compute_rollout_is_weights``."""
+    rollout_is_level: str
+    rollout_is_mode: str
+    rollout_is_threshold: float
+    rollout_is_threshold_lower: Optional[float]
+    rollout_is_veto_threshold: Optional[float]
+    rollout_is: bool
+
+    def kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Keyword arguments of ``trainer.algos.rollout_is.compute_rejection_mask``."""
+    divergence: str
+    agg: str
+    lower: Optional[float]
+    upper: Optional[float]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one kind of generation (training or validation); ``params(step, g)``
+    gives the engine's ``SamplingParams`` keywords with a seed that is a function of (step,
+    generation batch), so a resumed run samples exactly the same."""
+    n: int
+    temperature: float
+    top_p: float
+    top_k: Optional[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    seed: int
+
+    def params(self, step: int, gen_batch: int) -> dict:
+        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    max_new_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
+                    seed=self.seed * 1_000_003 + step * 1009 + gen_batch)
+
+
+@dataclass(frozen=True)
+class Plan:
+    # sizes
+    total_steps: int
+    train_batch_size: int  # prompts per step
+    gen_batch_size: int  # prompts per generation batch (DAPO)
+    n: int  # responses per prompt
+    max_prompt_length: int  # a cap: batches are as wide as their longest prompt
+    response_width: int  # a cap: batches are as wide as their longest response
+    val_batch_size: Optional[int]
+    # generation
+    sampling: Sampling
+    val_sampling: Sampling
+    multi_turn: Optional[dict]  # the agent loop's settings, None = single-turn
+    filter_groups: dict
+    overlong: dict
+    # the three model roles
+    actor_update: UpdateSettings
+    critic_update: UpdateSettings
+    actor_log_prob_micro_batch: int
+    ref_log_prob_micro_batch: int
+    critic_micro_batch: int
+    # the RL math on the driver
+    rollout_is: Optional[RolloutIS]
+    rejection: Optional[Rejection]
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    need_ref: bool
+    need_critic: bool
+    critic_warmup: int
+    # schedule
+    test_freq: int
+    val_before_train: bool
+    save_freq: int
+
+    @classmethod
+    def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
+        a, r, al, c = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm, cfg.critic
+        width = int(r.response_length or cfg.data.max_response_length)
+        stops = tuple(int(t) for t in stop_token_ids)
+        mt = None
+        if r.multi_turn.enable:
+            total = cfg.data.max_prompt_length + width
+            mt = dict(environment=r.multi_turn.environment, max_assistant_turns=r.multi_turn.max_assistant_turns,
+                      max_user_turns=r.multi_turn.max_user_turns,
+                      max_tokens_per_trajectory=min(r.multi_turn.max_tokens_per_trajectory or total, total),
+                      concurrency=r.multi_turn.concurrency, max_response_length=width)
+        turn_tokens = int((mt is not None and r.multi_turn.max_tokens_per_turn) or width)
+
+        def sampling(src, n: int) -> Sampling:
+            greedy = (not src.do_sample) or src.temperature == 0
+            return Sampling(n=int(n), temperature=0.0 if greedy else float(src.temperature), top_p=float(src.top_p),
+                            top_k=src.top_k if src.top_k and src.top_k > 0 else None, max_new_tokens=turn_tokens,
+                            stop_token_ids=stops, seed=int(r.seed))
+
+        pl = a.policy_loss
+        policy = PolicyLoss(
+            loss_mode=pl.loss_mode, agg_mode=a.loss_agg_mode,
+            norm_constant=float(a.loss_scale_factor if a.loss_scale_factor is not None else width),
+            clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c, entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss),
+            kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=a.kl_loss_type,
+            variant_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                                kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef))
+        actor_update = UpdateSettings(mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                                      micro_batch_size=a.ppo_micro_batch_size_per_gpu, temperature=float(r.temperature),
+                                      policy=policy)
+        critic_update = UpdateSettings(mini_batch_size=(c.ppo_mini_batch_size or a.ppo_mini_batch_size) * r.n,
+                                       epochs=c.ppo_epochs or a.ppo_epochs, shuffle=a.shuffle,
+                                       micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+                                       value=ValueLoss(cliprange_value=c.cliprange_value, agg_mode=c.loss_agg_mode))
+        is_ = None if al.rollout_is_threshold is None else RolloutIS(
+            rollout_is_level=al.rollout_is_level, rollout_is_mode=al.rollout_is_mode,
+            rollout_is_threshold=al.rollout_is_threshold, rollout_is_threshold_lower=al.rollout_is_threshold_lower,
+            rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=bool(al.rollout_is))
+        rej = None if al.rollout_rs is None else Rejection(divergence=al.rollout_rs_divergence, agg=al.rollout_rs,
+                                                           lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold)
+        from omegaconf import OmegaConf
+
+        return cls(
+            total_steps=int(total_steps), train_batch_size=cfg.data.train_batch_size,
+            gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size, n=r.n,
+            max_prompt_length=cfg.data.max_prompt_length, response_width=width, val_batch_size=cfg.data.val_batch_size,
+            sampling=sampling(r, r.n), val_sampling=sampling(r.val_kwargs, r.val_kwargs.n), multi_turn=mt,
+            filter_groups=OmegaConf.to_container(al.filter_groups), overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer),
+            actor_update=actor_update, critic_update=critic_update,
+            actor_log_prob_micro_batch=r.log_prob_micro_batch_size_per_gpu,
+            ref_log_prob_micro_batch=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+            critic_micro_batch=c.ppo_micro_batch_size_per_gpu,
+            rollout_is=is_, rejection=rej, adv_estimator=al.adv_estimator, gamma=al.gamma, lam=al.lam,
+            norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, use_kl_in_reward=bool(al.use_kl_in_reward),
+            kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),
+            critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
+            val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq)
+
+    # ------------------------------------------------------------------ rules
+    def on_policy(self, num_samples: int, step: int) -> bool:
+        """One epoch of one mini-batch, and nothing before the update reads the old log-probs: the
+        update's own forward runs at the start-of-step weights, so its detached log-probs ARE the
+        old log-probs and their separate forward is skipped (verl takes the same shortcut)."""
+        u = self.actor_update
+        return (is_on_policy(num_samples=num_samples, mini_batch_size=u.mini_batch_size, epochs=u.epochs)
+                and step > self.critic_warmup and self.rejection is None and not self.use_kl_in_reward)
+
+    def trains_actor(self, step: int) -> bool:
+        return step > self.critic_warmup
+
+    def should_eval(self, step: int, last_eval_step: Optional[int]) -> bool:
+        """Eval at most once per step boundary: every ``test_freq`` steps and after the last step."""
+        return should_eval(step, self.test_freq, self.total_steps, last_eval_step)
+
+    def should_save(self, step: int) -> bool:
+        return self.save_freq > 0 and (step % self.save_freq == 0 or step == self.total_steps)
+
+    def driver_needs_old_log_probs(self) -> bool:
+        """The driver computes on the old log-probs only for rollout IS / rejection / KL in reward;
+        otherwise they go from the actor's ranks to its update by reference."""
+        return self.rollout_is is not None or self.rejection is not None or self.use_kl_in_reward
+
+
+def is_on_policy(*, num_samples: int, mini_batch_size: int, epochs: int) -> bool:
+    return epochs == 1 and mini_batch_size >= num_samples
+
+
+def should_eval(step: int, test_freq: int, total_steps: int, last_eval_step: Optional[int]) -> bool:
+    if test_freq is None or test_freq <= 0 or step == last_eval_step:
+        return False
+    return step % test_freq == 0 or step == total_steps
+
+
+def need_ref(cfg) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def need_critic(cfg) -> bool:
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
+@dataclass
+class LoopState:
+    """What the loop carries between steps; one ``state_dict`` for save and resume."""
+    sampler: Any  # trainer.data.dataset.PromptSampler
+    kl_ctrl: Any  # trainer.algos.kl controller
+    step: int = 0
+    next_group_id: int = 0
+    last_eval: Optional[int] = None
+    run_id: Optional[str] = None
+    history: list = field(default_factory=list)
+
+    def state_dict(self, worker_rng: dict | None = None) -> dict:
+        from trainer.checkpoint import capture_rng
+
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rng": capture_rng(), "worker_rng": worker_rng or {}, "next_group_id": self.next_group_id,
+                "last_eval": self.last_eval, "mlflow_run_id": self.run_id, "history": self.history}
+
+    def load_state_dict(self, st: dict) -> dict:
+        """Restore; returns the workers' RNG states for the role groups."""
+        from trainer.checkpoint import restore_rng
+
+        self.sampler.load_state_dict(st["sampler"])
+        self.kl_ctrl.load_state_dict(st["kl_ctrl"])
+        restore_rng(st["rng"])
+        self.step, self.next_group_id, self.last_eval = st["step"], st["next_group_id"], st["last_eval"]
+        self.run_id, self.history = st.get("mlflow_run_id"), list(st.get("history", []))
+        return st.get("worker_rng", {})

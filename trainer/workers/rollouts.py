@@ -1,0 +1,285 @@
+"""One ``Rollout`` protocol, three transports: engine workers, the hybrid engine, the HTTP fleet.
+
+The loop sees only this interface::
+
+    rollout.generate(prompts, params)      -> list[list[GenerationOutput]]   (n per prompt, prompt order)
+    rollout.play(tasks, params, settings)  -> list[Trajectory]               (the multi-turn agent loop)
+    with rollout.awake(): ...              # colocated engines give their memory back outside it
+    rollout.sync_from(actor)               -> metrics                        (bucketed, checksum-verified)
+
+Implementations, each owning its transport:
+
+* :class:`EngineRollout`: one :class:`~trainer.workers.rollout_worker.RolloutWorker` per engine in its
+  own Ray worker. A sync streams the actor's HF-named buckets through Ray's object store: actor rank 0
+  yields each bucket as an object reference, every engine reads that same stored object (one bucket in
+  flight, the actor's stream at most two ahead), and the driver only passes references.
+* :class:`HybridRollout` (verl's hybrid engine, ``actor_rollout_ref.hybrid_engine``): the engines live
+  inside the actor ranks' processes (:class:`~trainer.workers.hybrid_worker.HybridWorker`); every rank
+  loads its engine from the same HF-name iterator with a local copy, no transport at all.
+* :class:`FleetRollout` (``rollout.mode=server``): HTTP engine servers behind the real
+  ``sglang-router`` (:class:`trainer.rollout.fleet.Fleet`); the actor's stream goes through the
+  driver to the fleet client, which drains the servers, pushes every bucket and checks every
+  server's checksum before reopening them to traffic.
+
+Verification. Every sync is checked against ``trainer.rollout.engine.checksum_named_tensors`` of the
+actor's HF-named tensors cast to the engine dtype: :func:`check_checksums` is the one rule (every actor
+replica streamed the same weights; every engine holds what its actor streamed) used by the object-store
+and hybrid syncs and by ``verify``; the fleet client applies the same comparison per server inside its
+drained push (a server must not serve before it is checked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import contextmanager
+from typing import Iterator, Protocol
+
+import torch
+
+from trainer.rollout.engine import GenerationOutput, SamplingParams, WeightSyncError
+from trainer.workers.group import WorkerGroup
+
+
+def check_checksums(pairs: list[tuple[str, str]]) -> None:
+    """``pairs[i]``: (the actor's checksum that engine i was loaded from, engine i's checksum).
+    Every actor checksum must equal the first (replicas agree) and every engine's its actor's."""
+    want = pairs[0][0]
+    diverged = [i for i, (w, _) in enumerate(pairs) if w != want]
+    if diverged:
+        i = diverged[0]
+        raise WeightSyncError(f"weight sync failed: actor rank(s) {diverged} diverged: rank {i}'s weights hash to "
+                              f"{pairs[i][0][:12]}... but rank 0's to {want[:12]}...; the data-parallel replicas "
+                              f"would give their engines different policies")
+    bad = [i for i, (_, got) in enumerate(pairs) if got != want]
+    if bad:
+        raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} hold checksum {pairs[bad[0]][1][:12]}... "
+                              f"but the actor's weights hash to {want[:12]}...; the engines would sample from "
+                              f"stale or corrupted weights")
+
+
+def _sync_metrics(t0: float, nbytes: int, buckets: int) -> dict[str, float]:
+    dt = time.perf_counter() - t0
+    return {"sync/seconds": dt, "sync/bytes": float(nbytes), "sync/buckets": float(buckets),
+            "sync/gbps": nbytes / max(dt, 1e-9) / 1e9, "sync/verified": 1.0}
+
+
+class Rollout(Protocol):
+    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]: ...
+
+    def play(self, tasks: list[dict], params: dict, settings: dict) -> list: ...
+
+    def awake(self): ...
+
+    def sync_from(self, actor) -> dict[str, float]: ...
+
+    def verify(self, actor, streamed: bool = False) -> None: ...
+
+    def engine_checksums(self) -> list[str]: ...
+
+    def pids(self) -> list[int]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class _EngineCalls:
+    """Generation over engines reached through a group: prompts in contiguous chunks, one per engine."""
+
+    size: int
+    free_cache: bool
+
+    def _call(self, method: str, args_per_engine=None, **kw) -> list:
+        return self._get(self._async(method, args_per_engine, **kw))
+
+    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
+        k = self.size
+        chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
+        return [per_prompt for per_engine in self._call("generate", [(c, params) for c in chunks])
+                for per_prompt in per_engine]
+
+    def play(self, tasks: list[dict], params: dict, settings: dict) -> list:
+        k = self.size
+        bounds = [i * len(tasks) // k for i in range(k + 1)]
+        res = self._call("generate_multi_turn", [(tasks[bounds[e]:bounds[e + 1]], params, settings) for e in range(k)])
+        trajs = []
+        for e, per_engine in enumerate(res):
+            for t in per_engine:
+                t.task_index += bounds[e]  # chunk-local -> batch-local
+                trajs.append(t)
+        return trajs
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """Colocated engines hold their KV cache only inside this block (``free_cache_engine``)."""
+        if self.free_cache:
+            self._call("wake")
+        try:
+            yield
+        finally:
+            if self.free_cache:
+                self._call("sleep")
+
+    def engine_checksums(self) -> list[str]:
+        return self._call("weights_checksum")
+
+    def load_bucket(self, buckets_per_engine: list) -> None:
+        """Load ``(name, tensor)`` lists into the engines as they are, unverified (tests corrupt one)."""
+        self._call("update_weights", [(b,) for b in buckets_per_engine])
+
+    def pids(self) -> list[int]:
+        return self._call("ping")
+
+
+class EngineRollout(_EngineCalls):
+    def __init__(self, group: WorkerGroup, *, free_cache: bool, bucket_bytes: int, engine_dtype: str):
+        self.group, self.size, self.free_cache = group, group.size, free_cache
+        self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
+
+    def _async(self, method, args=None, **kw):
+        return self.group.async_call(method, args, **kw)
+
+    def _get(self, refs):
+        return self.group.get(refs)
+
+    def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
+        t0 = time.perf_counter()
+        # with verify, actor rank 0 hashes each bucket after handing it over (while the engines load it)
+        streams = actor.weight_streams(self.bucket_bytes, self.engine_dtype if verify else None)
+        nbytes, buckets, pending = 0, 0, []
+        for items in zip(*streams):
+            # items[0] is rank 0's bucket as an object ref (the other ranks yield None): the engines resolve
+            # it from the object store; the driver never deserialises or re-sends the tensors
+            nbytes += sum(self._get(pending))
+            pending = self._async("update_weights", [(items[0],)] * self.size)
+            buckets += 1
+        nbytes += sum(self._get(pending))
+        m = _sync_metrics(t0, nbytes // max(1, self.size), buckets)
+        if verify:
+            self.verify(actor, streamed=True)
+        else:
+            m.pop("sync/verified")
+        return m
+
+    def verify(self, actor, streamed: bool = False) -> None:
+        """Raise ``WeightSyncError`` unless every engine holds exactly the actor's weights:
+        against the checksum rank 0 took of the sync it just streamed, or recomputed."""
+        got = self._async("weights_checksum")
+        want = actor.stream_checksum() if streamed else actor.weights_checksum(self.engine_dtype)
+        check_checksums([(want, g) for g in self._get(got)])
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+class HybridRollout(_EngineCalls):
+    """The engines inside the actor ranks' processes, reached through the actor's own group."""
+
+    def __init__(self, actor, *, free_cache: bool, bucket_bytes: int, engine_dtype: str):
+        self.actor_group, self.size, self.free_cache = actor.group, actor.size, free_cache
+        self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
+
+    def _async(self, method, args=None, **kw):
+        args = args or [()] * self.size
+        return self.actor_group.async_call("engine", [(method, *a) for a in args], **kw)
+
+    def _get(self, refs):
+        return self.actor_group.get(refs)
+
+    def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
+        """Every actor rank loads its own engine from the weight stream; checked per rank (stream
+        == engine) and across ranks (every rank streamed the same weights)."""
+        if actor.group is not self.actor_group:
+            raise ValueError("a hybrid rollout syncs only from the actor group that hosts its engines")
+        t0 = time.perf_counter()
+        res = self.actor_group.call("sync_engine", [(self.bucket_bytes, self.engine_dtype if verify else None)]
+                                    * self.size)
+        m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
+        if verify:
+            check_checksums([(r["stream"], r["engine"]) for r in res])
+        else:
+            m.pop("sync/verified")
+        return m
+
+    def verify(self, actor, streamed: bool = False) -> None:
+        if streamed:
+            check_checksums(list(zip(self.actor_group.call("stream_checksum"), self.engine_checksums())))
+        else:
+            check_checksums(self.actor_group.call("verify_engine", dtype=self.engine_dtype))
+
+    def shutdown(self) -> None:  # the actor group owns the processes
+        pass
+
+
+class FleetRollout:
+    """HTTP engine servers behind ``sglang-router`` (disaggregated rollout, ``rollout.mode=server``).
+    The router balances requests, so this is one "engine" to the loop: every prompt of a batch
+    goes to the router at once (a server that dies mid-batch costs a retry on another, counted in
+    ``fleet/retries``); the multi-turn agent loop runs on the driver, its turns sent through the
+    router (``concurrency`` episodes in flight). The servers own their devices: nothing to free."""
+
+    size = 1
+
+    def __init__(self, model_path: str, *, num_servers: int, threads_per_server: int, max_batch_size: int,
+                 max_seq_len: int, dtype: str, tokenizer_path: str | None, log_dir: str, bucket_bytes: int = 512 << 20):
+        from trainer.rollout.fleet import Fleet
+
+        self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None
+        self.dtype, self.bucket_bytes = dtype, int(bucket_bytes)
+        os.makedirs(log_dir, exist_ok=True)
+        self.fleet = Fleet(model_path, num_servers=num_servers, threads_per_server=threads_per_server,
+                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
+                           log_dir=log_dir).start()
+        self.client = self.fleet.client
+
+    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
+        return self.client.generate(prompts, SamplingParams(**params))
+
+    def play(self, tasks: list[dict], params: dict, settings: dict) -> list:
+        from trainer.rollout.multi_turn import loop_kwargs, rollout_trajectories
+
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return asyncio.run(rollout_trajectories(
+            self.client.agenerate, self.tokenizer, settings["environment"], tasks,
+            SamplingParams(**{**params, "n": 1}), params["n"], **loop_kwargs(settings)))
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        yield
+
+    def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
+        """The actor's stream through the driver into the fleet client: drained servers, every
+        bucket pushed to each, every server's checksum checked against the stream's."""
+        t0 = time.perf_counter()
+        streams = actor.weight_streams(self.bucket_bytes, None)
+        nbytes = buckets = 0
+
+        def named():
+            nonlocal buckets, nbytes
+            for items in zip(*streams):  # rank 0's bucket; the other ranks yield None
+                buckets += 1
+                for name, t in actor.stream_get(items[0]):
+                    nbytes += t.numel() * t.element_size()
+                    yield name, t
+
+        self.client.update_weights(named(), dtype=getattr(torch, self.dtype))
+        return _sync_metrics(t0, nbytes, buckets)
+
+    def verify(self, actor, streamed: bool = False) -> None:
+        want = actor.weights_checksum(self.dtype)
+        check_checksums([(want, s) for s in self.engine_checksums()])
+
+    def engine_checksums(self) -> list[str]:
+        return list(self.client._call(self.client._checksums(list(self.client.worker_urls))).values())
+
+    def metrics(self) -> dict[str, float]:
+        return self.fleet.stats.as_metrics()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in getattr(self.fleet, "procs", [])]
+
+    def shutdown(self) -> None:
+        self.fleet.close()
