@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer.algos import losses as L
-from trainer.algos.losses import AGG_MODES, POLICY_LOSSES, agg_loss, batch_norm_counts, get_policy_loss_fn
+from trainer.algos.losses import AGG_MODES, POLICY_LOSSES, LossAgg, agg_loss, batch_norm_counts, get_policy_loss_fn
 
 F64 = torch.float64
 ALL_LOSSES = sorted(POLICY_LOSSES)
@@ -37,17 +37,17 @@ def test_agg_golden_all_modes():
     mask = t64([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # row 3 fully masked: it must neither add nor count
     # valid tokens: 1, 2, 3 | 4  -> 4 tokens, 2 sequences (the 9s and 7s are padding)
     # token-mean: (1+2+3+4)/4 = 2.5
-    assert close(agg_loss(loss, mask, "token-mean"), 2.5)
+    assert close(agg_loss(loss, mask, LossAgg("token-mean")), 2.5)
     # token-sum: 10
-    assert close(agg_loss(loss, mask, "token-sum"), 10.0)
+    assert close(agg_loss(loss, mask, LossAgg("token-sum")), 10.0)
     # seq-mean-token-sum: (6 + 4)/2 = 5
-    assert close(agg_loss(loss, mask, "seq-mean-token-sum"), 5.0)
+    assert close(agg_loss(loss, mask, LossAgg("seq-mean-token-sum")), 5.0)
     # seq-mean-token-mean: (6/3 + 4/1)/2 = (2 + 4)/2 = 3
-    assert close(agg_loss(loss, mask, "seq-mean-token-mean"), 3.0)
+    assert close(agg_loss(loss, mask, LossAgg("seq-mean-token-mean")), 3.0)
     # seq-mean-token-sum-norm, K = T = 3: (6/3 + 4/3)/2 = 5/3
-    assert close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), 5.0 / 3.0)
+    assert close(agg_loss(loss, mask, LossAgg("seq-mean-token-sum-norm")), 5.0 / 3.0)
     # ... with K = 10: (0.6 + 0.4)/2 = 0.5
-    assert close(agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=10), 0.5)
+    assert close(agg_loss(loss, mask, LossAgg("seq-mean-token-sum-norm", norm_constant=10)), 0.5)
     # counts: 4 tokens, 2 sequences with a valid token
     n_tok, n_seq = batch_norm_counts(mask, "token-mean")
     assert int(n_tok) == 4 and int(n_seq) == 2
@@ -58,34 +58,48 @@ def test_agg_global_counts_and_dp_size_golden():
     mask = t64([[1, 1], [1, 0]])
     # this micro-batch holds 3 of 12 global tokens and 2 of 5 global sequences; dp_size 2:
     # token-mean: (1+2+3)/12*2 = 1.0
-    assert close(agg_loss(loss, mask, "token-mean", global_num_tokens=12, dp_size=2), 1.0)
+    assert close(agg_loss(loss, mask, LossAgg("token-mean", global_num_tokens=12, dp_size=2)), 1.0)
     # seq-mean-token-mean: (1.5 + 3)/5*2 = 1.8
-    assert close(agg_loss(loss, mask, "seq-mean-token-mean", global_num_seqs=5, dp_size=2), 1.8)
+    assert close(agg_loss(loss, mask, LossAgg("seq-mean-token-mean", global_num_seqs=5, dp_size=2)), 1.8)
     # seq-mean-token-sum: (3 + 3)/5*2 = 2.4 ; token-sum: 6*2 = 12
-    assert close(agg_loss(loss, mask, "seq-mean-token-sum", global_num_seqs=t64(5.0), dp_size=2), 2.4)
-    assert close(agg_loss(loss, mask, "token-sum", dp_size=2), 12.0)
+    assert close(agg_loss(loss, mask, LossAgg("seq-mean-token-sum", global_num_seqs=t64(5.0), dp_size=2)), 2.4)
+    assert close(agg_loss(loss, mask, LossAgg("token-sum", dp_size=2)), 12.0)
 
 
 def test_agg_nan_padding_and_empty_batch():
     loss = t64([[1.0, float("nan")], [float("inf"), 2.0]])
     mask = torch.tensor([[True, False], [False, True]])
     # padding NaN/inf is selected out, not multiplied: (1 + 2)/2 = 1.5
-    assert close(agg_loss(loss, mask, "token-mean"), 1.5)
+    assert close(agg_loss(loss, mask, LossAgg("token-mean")), 1.5)
     empty = torch.zeros(2, 2, dtype=torch.bool)
     for mode in AGG_MODES:
-        assert close(agg_loss(loss, empty, mode), 0.0)  # 0 / max(0, 1), not NaN
+        assert close(agg_loss(loss, empty, LossAgg(mode)), 0.0)  # 0 / max(0, 1), not NaN
 
 
 def test_agg_bf16_reduces_in_float32():
     x = torch.full((4, 1024), 1.0, dtype=torch.bfloat16)
-    out = agg_loss(x, torch.ones_like(x), "token-sum")
+    out = agg_loss(x, torch.ones_like(x), LossAgg("token-sum"))
     # 4096 ones: a bf16 running sum would stall at 256; float32 gives exactly 4096
     assert out.dtype == torch.float32 and out.item() == 4096.0
 
 
 def test_agg_unknown_mode():
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "seq-mean")
+        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), LossAgg("seq-mean"))
+
+
+def test_loss_agg_is_frozen_and_gspo_gmpo_default_to_seq_mean_token_mean():
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LossAgg().mode = "token-sum"
+    with pytest.raises(TypeError, match="LossAgg"):
+        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "token-mean")
+    old, lp, adv, mask, _ = random_inputs(seed=4)
+    for fn in (L.gspo, L.geo_mean):
+        a, _ = fn(old, lp, adv, mask)
+        b, _ = fn(old, lp, adv, mask, agg=LossAgg("seq-mean-token-mean"))
+        assert close(a, b)
 
 
 # ================================================================================================
@@ -106,7 +120,7 @@ def test_vanilla_golden_clip_high_and_dual_clip():
     lp = _leaf([[math.log(1.5), math.log(5.0), math.log(1.1)]])
     adv = t64([[1.0, -1.0, 1.0]])
     mask = torch.ones(1, 3)
-    loss, met = L.vanilla(old, lp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0, loss_agg_mode="token-sum")
+    loss, met = L.vanilla(old, lp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0, agg=LossAgg("token-sum"))
     assert close(loss, -1.2 + 3.0 - 1.1)
     loss.backward()
     assert close(lp.grad, [[0.0, 0.0, -1.1]])
@@ -182,7 +196,7 @@ def test_cispo_golden():
     old = t64([[-0.5 - math.log(1.5), -2.0 - math.log(0.5), -1.0]])
     lp = _leaf([[-0.5, -2.0, -1.0]])
     adv = t64([[1.0, 1.0, -2.0]])
-    loss, met = L.cispo(old, lp, adv, torch.ones(1, 3), clip_ratio=0.2, loss_agg_mode="token-sum")
+    loss, met = L.cispo(old, lp, adv, torch.ones(1, 3), clip_ratio=0.2, agg=LossAgg("token-sum"))
     assert close(loss, 0.6 + 1.6 - 2.0)
     loss.backward()
     assert close(lp.grad, [[-1.2, -0.8, 2.0]])
@@ -405,8 +419,8 @@ def test_loss_matches_loop_reference(name, mode, with_weights):
 
     lp = lp0.clone().requires_grad_(True)
     loss, _ = POLICY_LOSSES[name](
-        old, lp, adv, mask, loss_agg_mode=mode, rollout_is_weights=w if with_weights else None,
-        norm_constant=norm, **LOSS_KW,
+        old, lp, adv, mask, agg=LossAgg(mode, norm_constant=norm), rollout_is_weights=w if with_weights else None,
+        **LOSS_KW,
     )
     loss.backward()
 
@@ -446,10 +460,10 @@ def test_clip_cov_random_subset():
     # the cut tokens are candidates: their loss is 0 and each cut token's gradient is 0
     lpa = lp.clone().requires_grad_(True)
     loss_a, _ = L.clip_cov(old, lpa, adv, mask, generator=torch.Generator().manual_seed(7),
-                           loss_agg_mode="token-sum", **kw)
+                           agg=LossAgg("token-sum"), **kw)
     loss_a.backward()
     lpv = lp.clone().requires_grad_(True)
-    loss_v, _ = L.vanilla(old, lpv, adv, mask, loss_agg_mode="token-sum",
+    loss_v, _ = L.vanilla(old, lpv, adv, mask, agg=LossAgg("token-sum"),
                           **dict(kw, clip_ratio_c=1e9))  # no dual clip, like Clip-Cov
     loss_v.backward()
     differs = (lpa.grad != lpv.grad) & mask
@@ -457,7 +471,7 @@ def test_clip_cov_random_subset():
     # same seed, same selection
     lpb = lp.clone().requires_grad_(True)
     loss_b, _ = L.clip_cov(old, lpb, adv, mask, generator=torch.Generator().manual_seed(7),
-                           loss_agg_mode="token-sum", **kw)
+                           agg=LossAgg("token-sum"), **kw)
     assert close(loss_a, loss_b)
 
 
@@ -637,9 +651,9 @@ def _loss_on(rows, theta, prob, mode, fn, agg_kw):
     lp = base[rows] + 0.3 * feats[rows] @ theta  # [b, T]
     if fn is None:  # bare aggregation of a nonlinear per-token loss
         loss_mat = torch.sin(3 * lp) * adv[rows] + (lp - old[rows]) ** 2  # [b, T]
-        return agg_loss(loss_mat, mask[rows], mode, **agg_kw)
-    return fn(old[rows], lp, adv[rows], mask[rows], loss_agg_mode=mode,
-              clip_ratio_low=0.2, clip_ratio_high=0.3, **agg_kw)[0]
+        return agg_loss(loss_mat, mask[rows], LossAgg(mode, **agg_kw))
+    return fn(old[rows], lp, adv[rows], mask[rows], agg=LossAgg(mode, **agg_kw),
+              clip_ratio_low=0.2, clip_ratio_high=0.3)[0]
 
 
 def _full_and_sharded(prob, mode, fn, shards):
@@ -707,9 +721,9 @@ def test_local_normalisation_would_not_be_invariant():
     feats, base, old, adv, mask, theta = _problem(9, 6, seed=1)
     lp = base + 0.3 * feats @ theta
     loss_mat = torch.sin(3 * lp) * adv
-    full = agg_loss(loss_mat, mask, "token-mean")
+    full = agg_loss(loss_mat, mask, LossAgg("token-mean"))
     mbs = [mb for rank in UNEVEN_SHARDS for mb in rank]
-    naive = sum(agg_loss(loss_mat[mb], mask[mb], "token-mean") for mb in mbs) / len(mbs)
+    naive = sum(agg_loss(loss_mat[mb], mask[mb], LossAgg("token-mean")) for mb in mbs) / len(mbs)
     assert not close(naive, full, tol=1e-3)
 
 
@@ -762,8 +776,8 @@ def test_one_call_site_fits_all_losses():
     # the worker passes every knob it has; each loss takes what it needs and ignores the rest
     old, lp, adv, mask, w = random_inputs(seed=1)
     n_tok, n_seq = batch_norm_counts(mask, "token-mean")
-    kw = dict(LOSS_KW, loss_agg_mode="token-mean", rollout_is_weights=w, global_num_tokens=n_tok,
-              global_num_seqs=n_seq, dp_size=1, norm_constant=None, some_future_knob=123,
+    agg = LossAgg("token-mean", global_num_tokens=n_tok, global_num_seqs=n_seq, dp_size=1, norm_constant=None)
+    kw = dict(LOSS_KW, agg=agg, rollout_is_weights=w, some_future_knob=123,
               generator=torch.Generator().manual_seed(0))
     for name in ALL_LOSSES:
         loss, met = get_policy_loss_fn(name)(old, lp, adv, mask, **kw)

@@ -41,17 +41,18 @@ Losses (``POLICY_LOSSES``; ``get_policy_loss_fn(name)`` also takes ``"pkg.module
     the IS weight is clipped and detached, so every token keeps a gradient. (The paper sets ε_l large,
     i.e. effectively no lower bound; pass ``clip_ratio_low`` accordingly.)
 
-Aggregation (``agg_loss``), with ``x = m ⊙ ℓ``, ``n_i = Σ_t m_{i,t}``, ``S`` = sequences with n_i ≥ 1:
+Aggregation (``agg_loss``; every loss takes its settings as one ``agg: LossAgg``, whose ``mode`` is one of
+the rows below), with ``x = m ⊙ ℓ``, ``n_i = Σ_t m_{i,t}``, ``S`` = sequences with n_i ≥ 1:
     token-mean               Σ_{i,t} x / N_tok
     token-sum                Σ_{i,t} x
     seq-mean-token-sum       Σ_i (Σ_t x_i)            / N_seq
     seq-mean-token-mean      Σ_i (Σ_t x_i / n_i)      / N_seq     (a sequence with n_i = 0 adds 0)
     seq-mean-token-sum-norm  Σ_i (Σ_t x_i / K)        / N_seq     (Dr.GRPO, Liu et al. 2025; K =
-                             ``norm_constant``, default T = ``loss_mat.shape[-1]``)
+                             ``agg.norm_constant``, default T = ``loss_mat.shape[-1]``)
   A sequence counts towards N_seq only if it has at least one valid token (fully masked padding rows
   neither add nor dilute). ``batch_norm_counts`` returns (N_tok, N_seq) with exactly this rule.
 
-GLOBAL normalisation (why the ``global_*`` and ``dp_size`` arguments exist). A mini-batch is split into
+GLOBAL normalisation (why ``LossAgg``'s ``global_*`` and ``dp_size`` fields exist). A mini-batch is split into
 micro-batches (gradient accumulation) and over data-parallel ranks. If every micro-batch normalised by
 its own counts, the result would weight tokens by the size of the micro-batch they landed in. Instead
 the caller sums ``batch_norm_counts`` over every micro-batch of the mini-batch on every DP rank
@@ -70,8 +71,8 @@ Caveats for the caller:
     selection (not their aggregation) depends on how the batch is split; that is the paper's (and
     verl's) behaviour, per micro-batch.
 
-Entropy bonus and KL loss: these are plain ``agg_loss(entropy, mask, mode, ...)`` and
-``agg_loss(kl, mask, mode, ...)`` with the same global counts; the worker forms
+Entropy bonus and KL loss: these are plain ``agg_loss(entropy, mask, agg)`` and
+``agg_loss(kl, mask, agg)`` with the same ``LossAgg`` (so the same global counts); the worker forms
 ``pg_loss − entropy_coeff · entropy_loss + kl_coef · kl_loss``. No helper is needed.
 
 Metrics (0-dim detached tensors, over valid tokens only; no ``.item()`` so no device sync):
@@ -94,8 +95,8 @@ multiplied by the mask), so NaN/inf log-probs, advantages or IS weights in padde
 neither the loss, the metrics nor the gradient.
 
 Deviations from verl's implementations (all deliberate): ``clip_cov``/``kl_cov``/``geo_mean`` clamp Δ to
-±20 like the others; ``gspo`` and ``geo_mean`` honour the ``loss_agg_mode`` they are given (defaults are
-the papers' choice) and use the global counts; ``geo_mean`` applies IS weights per token before
+±20 like the others; ``gspo`` and ``geo_mean`` honour the ``agg.mode`` they are given (their default
+``agg`` is the papers' ``seq-mean-token-mean``) and use the global counts; ``geo_mean`` applies IS weights per token before
 aggregation (an arithmetic mean over the sequence, where verl takes a geometric one; identical for
 sequence-level weights); ``pg_clipfrac`` keeps its meaning in every loss (Clip-Cov's own fraction is
 ``clipcov_frac``).
@@ -103,6 +104,7 @@ sequence-level weights); ``pg_clipfrac`` keeps its meaning in every loss (Clip-C
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -139,22 +141,30 @@ def batch_norm_counts(loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
     return num_tokens, num_seqs
 
 
+@dataclass(frozen=True)
+class LossAgg:
+    """How a per-token loss [B, T] becomes this micro-batch's share of the global mini-batch loss."""
+    mode: str = "token-mean"                 # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
+    global_num_tokens: float | None = None   # valid tokens in the whole mini-batch (all micro-batches, all DP ranks); None = this micro-batch's
+    global_num_seqs: float | None = None     # sequences with >= 1 valid token in the whole mini-batch; None = this micro-batch's
+    dp_size: int = 1                         # data-parallel ranks whose gradients are averaged
+    norm_constant: float | None = None       # seq-mean-token-sum-norm's constant; None = the response width
+
+    def __post_init__(self):
+        _check_mode(self.mode)
+
+
+# the papers' aggregation for gspo and geo_mean (their default when the caller passes none)
+_SEQ_MEAN_TOKEN_MEAN = LossAgg(mode="seq-mean-token-mean")
+
+
 def _as_count(n, like: torch.Tensor) -> torch.Tensor:
     """A count (int, float or tensor) as a tensor of ``like``'s dtype, at least 1 (an empty global
     batch then gives 0 / 1 = 0 instead of NaN)."""
     return torch.as_tensor(n, device=like.device).to(like.dtype).clamp_min(1.0)
 
 
-def agg_loss(
-    loss_mat: torch.Tensor,
-    loss_mask: torch.Tensor,
-    loss_agg_mode: str,
-    *,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant: float | None = None,
-) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to this micro-batch's share of the global-batch loss.
 
     See the module docstring for the five modes and the global-normalisation contract. Masked
@@ -162,28 +172,30 @@ def agg_loss(
     The reduction runs in at least float32 (a bf16 sum over many tokens would lose the loss) and the
     result keeps that dtype.
     """
-    _check_mode(loss_agg_mode)
+    if not isinstance(agg, LossAgg):
+        raise TypeError(f"agg must be a LossAgg, got {type(agg).__name__}")
+    mode = agg.mode
     acc = torch.promote_types(loss_mat.dtype, torch.float32)
     m = loss_mask.bool()  # [B, T]
     x = torch.where(m, loss_mat.to(acc), torch.zeros((), dtype=acc, device=loss_mat.device))  # [B, T]
 
-    if loss_agg_mode == "token-sum":
-        return x.sum() * dp_size
-    if loss_agg_mode == "token-mean":
-        n_tok = m.sum() if global_num_tokens is None else global_num_tokens
-        return x.sum() / _as_count(n_tok, x) * dp_size
+    if mode == "token-sum":
+        return x.sum() * agg.dp_size
+    if mode == "token-mean":
+        n_tok = m.sum() if agg.global_num_tokens is None else agg.global_num_tokens
+        return x.sum() / _as_count(n_tok, x) * agg.dp_size
 
     seq_sum = x.sum(dim=-1)  # [B]
-    if loss_agg_mode == "seq-mean-token-sum":
+    if mode == "seq-mean-token-sum":
         per_seq = seq_sum  # [B]
-    elif loss_agg_mode == "seq-mean-token-mean":
+    elif mode == "seq-mean-token-mean":
         n_i = m.sum(dim=-1).to(acc).clamp_min(1.0)  # [B]; an empty row has seq_sum 0 -> adds 0
         per_seq = seq_sum / n_i  # [B]
     else:  # seq-mean-token-sum-norm
-        k = loss_mat.shape[-1] if norm_constant is None else norm_constant
+        k = loss_mat.shape[-1] if agg.norm_constant is None else agg.norm_constant
         per_seq = seq_sum / k  # [B]
-    n_seq = m.any(dim=-1).sum() if global_num_seqs is None else global_num_seqs
-    return per_seq.sum() / _as_count(n_seq, x) * dp_size
+    n_seq = m.any(dim=-1).sum() if agg.global_num_seqs is None else agg.global_num_seqs
+    return per_seq.sum() / _as_count(n_seq, x) * agg.dp_size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,13 +280,13 @@ def _seq_ratio_metrics(seq_ratio: torch.Tensor, m: torch.Tensor) -> dict[str, to
     }
 
 
-def _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, agg_kw):
+def _finish(pg_losses, response_mask, rollout_is_weights, agg: LossAgg):
     """Apply detached IS weights per token, then aggregate. Returns (loss, detached weights or None)."""
     w = None
     if rollout_is_weights is not None:
         w = _pad0(rollout_is_weights.detach().to(pg_losses.dtype), response_mask.bool())  # [B, T]
         pg_losses = pg_losses * w  # [B, T]
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kw), w
+    return agg_loss(pg_losses, response_mask, agg), w
 
 
 def _log_ratio(old_log_prob, log_prob, m):
@@ -294,12 +306,8 @@ def vanilla(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "token-mean",
+    agg: LossAgg = LossAgg(),
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -321,9 +329,7 @@ def vanilla(
     neg = advantages < 0  # [B, T]
     pg_losses = torch.where(neg, torch.minimum(loss_ppo, loss_dual_cap), loss_ppo)  # [B, T]
 
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         r = ratio.detach()
         a = advantages.detach()
@@ -344,12 +350,8 @@ def gspo(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "seq-mean-token-mean",
+    agg: LossAgg = _SEQ_MEAN_TOKEN_MEAN,
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -375,9 +377,7 @@ def gspo(
     loss_clipped = -advantages * torch.clamp(tok_ratio, 1.0 - eps_l, 1.0 + eps_h)  # [B, T]
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
 
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         s = tok_ratio.detach()  # [B, T]
         a = advantages.detach()
@@ -399,21 +399,15 @@ def gpg(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "token-mean",
+    agg: LossAgg = LossAgg(),
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     **kwargs,
 ):
     """GPG: plain policy gradient ``−A logp`` (``old_log_prob`` only feeds the drift diagnostics)."""
     m = response_mask.bool()  # [B, T]
     advantages = _pad0(advantages, m)  # [B, T]
     pg_losses = -advantages * _pad0(log_prob, m)  # [B, T]
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         log_ratio = _log_ratio(old_log_prob, log_prob, m).detach()
         a = advantages.detach()
@@ -434,12 +428,8 @@ def clip_cov(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "token-mean",
+    agg: LossAgg = LossAgg(),
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -478,9 +468,7 @@ def clip_cov(
         cut = cut.view_as(cand)  # [B, T]
     pg_losses = torch.where(cut, torch.zeros_like(loss_ppo), loss_ppo)  # [B, T]
 
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         r = ratio.detach()
         a = advantages.detach()
@@ -499,12 +487,8 @@ def kl_cov(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "token-mean",
+    agg: LossAgg = LossAgg(),
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     kl_cov_ratio: float = 2e-4,
     ppo_kl_coef: float = 1.0,
     **kwargs,
@@ -529,9 +513,7 @@ def kl_cov(
         sel = sel.view_as(m)  # [B, T]
     pg_losses = torch.where(sel, loss_unclipped + ppo_kl_coef * log_ratio.abs(), loss_unclipped)  # [B, T]
 
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         a = advantages.detach()
         none = torch.zeros_like(m)
@@ -547,12 +529,8 @@ def geo_mean(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "seq-mean-token-mean",
+    agg: LossAgg = _SEQ_MEAN_TOKEN_MEAN,
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -575,9 +553,7 @@ def geo_mean(
     seq_loss = -seq_adv * seq_ratio  # [B] L_i
     pg_losses = seq_loss.unsqueeze(-1).expand_as(log_ratio)  # [B, T] L_i on every token of sequence i
 
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         lr = log_ratio.detach()
         a = advantages.detach()
@@ -595,12 +571,8 @@ def cispo(
     advantages,
     response_mask,
     *,
-    loss_agg_mode: str = "token-mean",
+    agg: LossAgg = LossAgg(),
     rollout_is_weights=None,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -615,9 +587,7 @@ def cispo(
     is_w = torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h).detach()  # [B, T] sg(clip(r))
     pg_losses = -is_w * advantages * _pad0(log_prob, m)  # [B, T]
 
-    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode,
-                      dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-                           dp_size=dp_size, norm_constant=norm_constant))
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
     with torch.no_grad():
         r = ratio.detach()
         a = advantages.detach()
@@ -654,11 +624,7 @@ def value_loss(
     response_mask: torch.Tensor,  # [B, T]
     *,
     cliprange_value: float = 0.5,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens=None,
-    global_num_seqs=None,
-    dp_size: int = 1,
-    norm_constant=None,
+    agg: LossAgg = LossAgg(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss (Schulman et al. 2017; the form in OpenAI baselines):
 
@@ -675,8 +641,7 @@ def value_loss(
     l1 = (vpreds_f - returns_f) ** 2
     l2 = (clipped - returns_f) ** 2
     loss_mat = 0.5 * torch.maximum(l1, l2)
-    loss = agg_loss(loss_mat, m, loss_agg_mode, global_num_tokens=global_num_tokens,
-                    global_num_seqs=global_num_seqs, dp_size=dp_size, norm_constant=norm_constant)
+    loss = agg_loss(loss_mat, m, agg)
     with torch.no_grad():
         n = m.sum().clamp_min(1)
         r = returns_f[m]
