@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
 from trainer.config import load_config
-from trainer.phases import should_eval
+from trainer.plan import should_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -171,8 +171,8 @@ def cluster(tmp_path_factory):
                               "actor_rollout_ref.hybrid_engine=false"])
     resolve_model_paths(cfg)
     c = Cluster(cfg, total_steps=1)
-    assert not c.hybrid and c.rollout.call("ping")[0] not in c.actor.call("ping")
-    c.sync_weights()
+    assert not c.hybrid and c.rollout.pids()[0] not in c.actor.pids()
+    c.rollout.sync_from(c.actor)
     yield cfg, c
     c.shutdown()
 
@@ -183,31 +183,38 @@ def _random_batch(n=16, P=6, T=6, seed=0):
 
 def test_old_log_probs_stay_anchored_across_mini_batches(cluster):
     """Two mini-batches in one step: the first sees ratio exactly 1 (weights = start of step), the
-    second sees the weights after one update against the SAME old log-probs, so its ratio moves."""
-    from trainer.phases import dp_dispatch, update_group
+    second sees the weights after one update against the SAME old log-probs (passed to the update by
+    reference, never through the driver), so its ratio moves."""
+    from dataclasses import replace
+
+    from trainer.plan import Plan
+    from trainer.workers.dataplane import StepData
 
     cfg, c = cluster
     batch = _random_batch()
-    batch.old_log_probs = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0,
-                                      micro_batch_size=8)["log_probs"]
-    rows = update_group(c.actor, c.actor_layout, batch, "update_actor", mini_batch_size=8, epochs=1, shuffle=False,
-                        seed=0, loss_agg_mode="token-mean", loss=c.actor_loss_settings(), temperature=1.0,
-                        micro_batch_size=8, per_mini_batch=True)
+    data = StepData(batch, c.transport)
+    old, _ = c.actor.log_probs_with_entropy(data, temperature=1.0, micro_batch_size=8)
+    settings = replace(Plan.from_config(cfg, total_steps=1).actor_update, mini_batch_size=8, epochs=1, shuffle=False,
+                       micro_batch_size=8, temperature=1.0)
+    c.transport.take_metrics()
+    rows = c.actor.update(data, settings, [old, data.scatter(c.actor.dp, {"advantages": batch.advantages})], seed=0,
+                          per_mini_batch=True)
+    assert c.transport.take_metrics()["dataplane/driver_bytes_in"] == 0  # the old log-probs never reached the driver
     assert len(rows) == 2
     assert abs(rows[0]["actor/ppo_kl"]) < 1e-6 and abs(rows[0]["actor/is_ratio_max"] - 1) < 1e-5
     assert abs(rows[1]["actor/ppo_kl"]) > 1e-6 or abs(rows[1]["actor/is_ratio_max"] - 1) > 1e-5
-    after = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8)
-    assert not torch.allclose(after["log_probs"], batch.old_log_probs)  # the policy did move
+    after, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
+    assert not torch.allclose(after.fetch()["log_probs"], old.fetch()["log_probs"])  # the policy did move
 
 
 def test_resharding_checksum_catches_a_bad_engine(cluster):
-    from trainer.workers.resharding import WeightSyncError
+    from trainer.rollout.engine import WeightSyncError
 
     cfg, c = cluster
-    m = c.sync_weights()
+    m = c.rollout.sync_from(c.actor)
     assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6
-    c.rollout.call("update_weights", [([("model.norm.weight", torch.zeros(96))],)])
+    c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))]])
     with pytest.raises(WeightSyncError, match="stale or corrupted"):
-        c.resharder.verify()
-    c.sync_weights()  # a full sync repairs it
-    c.resharder.verify()
+        c.rollout.verify(c.actor)
+    c.rollout.sync_from(c.actor)  # a full sync repairs it
+    c.rollout.verify(c.actor)

@@ -6,7 +6,7 @@
   same starting weights (checkpoint save / load) it must give the same losses, gradient norm and
   updated policy as the plain path (separate old-log-prob forward, driver-side IS weights), and the
   log-probs it returns must equal the separate forward's, in the batch's order;
-* the resharding sync hands the engines Ray object refs and verifies against the checksum rank 0
+* the weight sync hands the engines Ray object refs and verifies against the checksum rank 0
   took while streaming: equal to the full recomputation, and a corrupted engine is still caught;
 * the loop switches to the on-policy path by itself and still logs the rollout entropy and the
   rollout-IS metrics.
@@ -66,93 +66,114 @@ def _random_batch(n=32, P=6, T=6, seed=0):
     return random_batch(n, P, T, seed)
 
 
+def _settings(cfg, **kw):
+    from dataclasses import replace
+
+    from trainer.plan import Plan
+
+    return replace(Plan.from_config(cfg, total_steps=4).actor_update, **kw)
+
+
 def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_path):
-    from trainer.phases import apply_rollout_is, dp_dispatch, update_group
+    from trainer.phases import apply_rollout_is
+    from trainer.plan import RolloutIS
+    from trainer.workers.dataplane import StepData
 
     cfg, c = cluster
-    kw = dict(mini_batch_size=32, epochs=1, shuffle=True, seed=3, loss_agg_mode="token-mean", temperature=1.0,
-              micro_batch_size=8)  # shuffle: the returned log-probs must be put back into the batch's order
-    loss = dict(c.actor_loss_settings(), rollout_is=IS_KW)
+    IS = RolloutIS(**IS_KW)
+    # shuffle: the returned log-probs must be put back into the batch's order
+    settings = _settings(cfg, mini_batch_size=32, epochs=1, shuffle=True, micro_batch_size=8, temperature=1.0)
+    dp = c.actor.dp
+
+    def adv(b, data, **more):
+        return data.scatter(dp, {"advantages": b.advantages, **more})
+
     warm = _random_batch(seed=7)  # one step first: a checkpoint of a fresh optimizer holds no Adam state to load
-    warm.old_log_probs = torch.zeros_like(warm.advantages)
-    update_group(c.actor, c.actor_layout, warm, "update_actor", loss=c.actor_loss_settings(), **kw)
+    wd = StepData(warm, c.transport)
+    c.actor.update(wd, settings, [adv(warm, wd, old_log_probs=torch.zeros_like(warm.advantages))], seed=3)
     c.save(str(tmp_path))
     batch = _random_batch()
-    old = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8,
-                      with_entropy=True)
+    probe = StepData(batch, c.transport)
+    old_sh, ent_plain = c.actor.log_probs_with_entropy(probe, temperature=1.0, micro_batch_size=8)
+    old = old_sh.fetch()["log_probs"]
     g = torch.Generator().manual_seed(1)
     # a sampler that disagrees with the trainer by up to ~e^0.6, so some IS weights are truncated at 1.5
-    batch.rollout_log_probs = (old["log_probs"] + 0.6 * torch.randn(old["log_probs"].shape, generator=g)) * batch.response_mask
+    batch.rollout_log_probs = (old + 0.6 * torch.randn(old.shape, generator=g)) * batch.response_mask
 
-    # plain path: separate old-log-prob forward, IS weights on the driver
+    # plain path: separate old-log-prob forward (by reference), IS weights on the driver
     plain = batch.clone()
-    plain.old_log_probs = old["log_probs"]
-    is_plain = apply_rollout_is(plain, IS_KW)
+    plain.old_log_probs = old
+    is_plain = apply_rollout_is(plain, IS)
     assert 0 < is_plain["mismatch/rollout_is_clipped_fraction"] < 1  # the weights matter in this test
-    m_plain = update_group(c.actor, c.actor_layout, plain, "update_actor", loss=loss, **kw)
-    after_plain = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8)
+    pd = StepData(plain, c.transport)
+    m_plain = c.actor.update(pd, settings, [old_sh, adv(plain, pd, rollout_is_weights=plain.rollout_is_weights)], seed=3)
+    after_plain, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
 
     # on-policy path from the same weights and optimizer state
     c.load(str(tmp_path))
-    m_fast, out = update_group(c.actor, c.actor_layout, batch, "update_actor", loss=loss, on_policy=True, **kw)
-    after_fast = dp_dispatch(c.actor, c.actor_layout, batch, "compute_log_prob", temperature=1.0, micro_batch_size=8)
+    fd = StepData(batch, c.transport, with_rollout_log_probs=True)
+    m_fast, out, ent_fast = c.actor.update(fd, settings, [adv(batch, fd)], seed=3, on_policy=True, rollout_is=IS)
+    after_fast, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
 
     mask = batch.response_mask.bool()
-    torch.testing.assert_close(out["log_probs"][mask], old["log_probs"][mask], atol=2e-5, rtol=0)
-    torch.testing.assert_close(out["entropy"][mask], old["entropy"][mask], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out["log_probs"][mask], old[mask], atol=2e-5, rtol=0)
+    assert ent_fast["count"] == ent_plain["count"] == float(mask.sum())
+    assert ent_fast["sum"] == pytest.approx(ent_plain["sum"], abs=2e-5 * float(mask.sum()))
     batch.old_log_probs = out["log_probs"]
-    is_fast = apply_rollout_is(batch, IS_KW)  # what the loop logs: the same metrics
+    is_fast = apply_rollout_is(batch, IS, weights=False)  # what the loop logs: the same metrics
     for k in ("mismatch/rollout_is_mean", "mismatch/rollout_is_clipped_fraction", "mismatch/mismatch_kl"):
         assert is_fast[k] == pytest.approx(is_plain[k], abs=1e-5), k
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac"):
         assert m_fast[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-7), k
     assert m_fast["actor/ppo_kl"] == 0.0  # ratio exactly 1
-    assert not torch.allclose(after_plain["log_probs"], old["log_probs"])  # the policy moved...
-    torch.testing.assert_close(after_fast["log_probs"], after_plain["log_probs"], atol=2e-5, rtol=0)  # ...the same way
+    a_plain, a_fast = after_plain.fetch()["log_probs"], after_fast.fetch()["log_probs"]
+    assert not torch.allclose(a_plain, old)  # the policy moved...
+    torch.testing.assert_close(a_fast, a_plain, atol=2e-5, rtol=0)  # ...the same way
 
 
 def test_on_policy_refuses_several_mini_batches(cluster):
-    from trainer.phases import update_group
+    from trainer.workers.dataplane import StepData
 
     cfg, c = cluster
+    b = _random_batch()
     with pytest.raises(ValueError, match="one mini-batch"):
-        update_group(c.actor, c.actor_layout, _random_batch(), "update_actor", mini_batch_size=16, epochs=1,
-                     shuffle=False, seed=0, loss_agg_mode="token-mean", loss=c.actor_loss_settings(),
-                     temperature=1.0, micro_batch_size=8, on_policy=True)
+        c.actor.update(StepData(b, c.transport), _settings(cfg, mini_batch_size=16, epochs=1, shuffle=False,
+                                                           micro_batch_size=8), [], seed=0, on_policy=True)
 
 
 def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cluster):
-    from trainer.workers.resharding import WeightSyncError
+    from trainer.rollout.engine import WeightSyncError
 
     cfg, c = cluster
     # the default colocated layout is the hybrid engine: each engine lives in its actor rank's process
-    assert c.hybrid and c.rollout.call("ping") == c.actor.call("ping")
-    m = c.sync_weights()  # verified against the checksum taken while streaming
+    assert c.hybrid and c.rollout.pids() == c.actor.pids()
+    m = c.rollout.sync_from(c.actor)  # verified against the checksum taken while streaming
     assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] >= 1
-    streamed = next(x for x in c.actor.call("stream_checksum") if x is not None)
-    full = next(x for x in c.actor.call("weights_checksum", dtype=cfg.actor_rollout_ref.rollout.dtype) if x is not None)
-    assert streamed == full == c.rollout.call("weights_checksum")[0] == c.rollout.call("weights_checksum")[1]
-    c.resharder.verify()  # recomputed from the actor's weights on every rank
-    c.rollout.call("update_weights", [([("model.norm.weight", torch.zeros(96))],), ([],)])  # rank 0's engine only
+    streamed = c.actor.stream_checksum()
+    full = c.actor.weights_checksum(cfg.actor_rollout_ref.rollout.dtype)
+    assert streamed == full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
+    c.rollout.verify(c.actor)  # recomputed from the actor's weights on every rank
+    c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])  # rank 0's engine only
     with pytest.raises(WeightSyncError, match=r"engine\(s\) \[0\] .*stale or corrupted"):
-        c.resharder.verify()
+        c.rollout.verify(c.actor)
     with pytest.raises(WeightSyncError, match="stale or corrupted"):
-        c.resharder.verify(streamed=True)
+        c.rollout.verify(c.actor, streamed=True)
     # small buckets: many refs in flight one after another, same result
-    c.resharder.bucket_bytes = 64 << 10
-    m = c.sync_weights()
+    c.rollout.bucket_bytes = 64 << 10
+    m = c.rollout.sync_from(c.actor)
     assert m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
 
 
 def test_weight_check_names_a_bad_engine_and_diverged_replicas():
-    from trainer.workers.resharding import Resharder, WeightSyncError
+    from trainer.rollout.engine import WeightSyncError
+    from trainer.workers.rollouts import check_checksums
 
     ok = [("a" * 64, "a" * 64)] * 3
-    Resharder._check(ok)
+    check_checksums(ok)
     with pytest.raises(WeightSyncError, match=r"engine\(s\) \[2\] hold checksum bbbbbbbbbbbb.*stale"):
-        Resharder._check(ok[:2] + [("a" * 64, "b" * 64)])
+        check_checksums(ok[:2] + [("a" * 64, "b" * 64)])
     with pytest.raises(WeightSyncError, match=r"actor rank\(s\) \[1\] diverged: rank 1's weights hash to cccccccccccc"):
-        Resharder._check([ok[0], ("c" * 64, "c" * 64), ok[0]])
+        check_checksums([ok[0], ("c" * 64, "c" * 64), ok[0]])
 
 
 def test_combine_digests_is_checksum_named_tensors():

@@ -1,6 +1,6 @@
-"""The megatron worker trims all-padding columns before its passes (``RolloutBatch.trim_padding``):
-a shard padded wider than it needs gives exactly the log-probs and entropies of the tight shard, at
-the same columns, with zeros on the extra response columns."""
+"""A DP shard reaches the worker trimmed to its own width (``trainer.workers.dataplane.StepData``): a
+batch padded wider than it needs gives exactly the log-probs of the tight batch, at the same columns,
+and the gathered result has zeros on the extra response columns."""
 
 import numpy as np
 import torch
@@ -9,12 +9,12 @@ from bridge_tiny import make_case, random_seqs
 
 
 def _batch(prompts, responses, P, T):
-    from trainer.rollout.single_turn import pad_left, pad_right
     from trainer.batch import RolloutBatch
+    from trainer.rollout.single_turn import pad_left, pad_right
 
     p_ids, p_mask = pad_left(prompts, P, 0)
     r_ids, r_mask = pad_right(responses, T, 0, torch.long)
-    return RolloutBatch.from_tokens(p_ids, r_ids, p_mask, r_mask).to_numpy_dict()
+    return RolloutBatch.from_tokens(p_ids, r_ids, p_mask, r_mask)
 
 
 def job(src, prompts, responses, port):
@@ -29,11 +29,16 @@ def job(src, prompts, responses, port):
 
     L.compute_logprobs = recording
     w = MegatronWorker(role="ref", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, model_path=src)
+    from trainer.workers.dataplane import StepData, Transport
+
     P, T = max(map(len, prompts)), max(map(len, responses))
-    tight = w.compute_log_prob(_batch(prompts, responses, P, T), temperature=0.8, micro_batch_size=2, with_entropy=True)
-    wide = w.compute_log_prob(_batch(prompts, responses, P + 5, T + 4), temperature=0.8, micro_batch_size=2,
-                              with_entropy=True)
-    return tight, wide, (P, T), widths
+    out = {}
+    for name, (p, t) in {"tight": (P, T), "wide": (P + 5, T + 4)}.items():
+        data = StepData(_batch(prompts, responses, p, t), Transport(in_process=True))
+        shard = data.shards(1)[0]
+        tokens, ent = w.log_probs(shard, temperature=0.8, micro_batch_size=2, entropy=True)
+        out[name] = (data.partition(1).gather([tokens["log_probs"]]).numpy(), ent)
+    return out["tight"], out["wide"], (P, T), widths
 
 
 def test_padding_columns_do_not_change_log_probs(tmp_path):
@@ -49,10 +54,11 @@ def test_padding_columns_do_not_change_log_probs(tmp_path):
         tight, wide, (P, T), widths = pool.apply(job, (src, prompts, responses, find_free_port()))
     # the wide shard reached the model trimmed to the tight shard's shapes (P + T columns, not P+5 + T+4)
     assert widths[0] == widths[1] == [(2, P + T), (1, P + T)], widths
-    for key in ("log_probs", "entropy"):
-        assert tight[key].shape == (3, T) and wide[key].shape == (3, T + 4)
-        assert np.array_equal(wide[key][:, :T], tight[key]), key  # bit-identical: the same tensors ran
-        assert not wide[key][:, T:].any(), key
-        # real response tokens got real values; pads none
-        for i, r in enumerate(responses):
-            assert np.all(tight[key][i, 1:len(r)] != 0) and not tight[key][i, len(r):].any()
+    (tight, ent_t), (wide, ent_w) = tight, wide
+    assert tight.shape == (3, T) and wide.shape == (3, T + 4)
+    assert np.array_equal(wide[:, :T], tight)  # bit-identical: the same tensors ran
+    assert not wide[:, T:].any()
+    assert ent_t == ent_w and ent_t["count"] == sum(map(len, responses))
+    # real response tokens got real values; pads none
+    for i, r in enumerate(responses):
+        assert np.all(tight[i, 1:len(r)] != 0) and not tight[i, len(r):].any()

@@ -127,9 +127,9 @@ class Sharded:
         return {k: self.partition.gather([p[k] for p in parts]) for k in parts[0]}
 
     def refs_for(self, step: "StepData", dp: int) -> list:
-        """References for a group with ``dp`` ranks: these, or (another DP size) re-sharded through
-        the driver, the one case where a result must pass through it."""
-        if dp == self.partition.dp:
+        """References for a group with ``dp`` ranks: these, or (another DP size, hence another
+        partition) re-sharded through the driver, the one case where a result must pass through it."""
+        if step.partition(dp).index_lists == self.partition.index_lists:
             return self.refs
         return step.scatter(dp, self.fetch())
 

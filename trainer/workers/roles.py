@@ -136,10 +136,12 @@ class ActorGroup(RefGroup):
         return self._sharded(step, [r[0] for r in refs]), _sum_summaries(summaries)
 
     def update(self, step: StepData, settings: UpdateSettings, extras: Sequence, *, seed: int,
-               on_policy: bool = False, rollout_is: Optional[RolloutIS] = None):
+               on_policy: bool = False, rollout_is: Optional[RolloutIS] = None, per_mini_batch: bool = False):
         """``settings.epochs`` x mini-batches, one optimizer step each; ``extras``: the per-token
         fields the loss reads (``Sharded`` results, or ``StepData.scatter`` references). Returns
-        the mean metrics; on-policy also ``(old log-probs as a Sharded or None, entropy summary)``."""
+        the mean metrics (``per_mini_batch``: one dict per mini-batch); on-policy
+        ``(metrics, {"log_probs": [B, T]} or None, entropy summary)``: the old log-probs of the
+        update's own forward come back only when rollout IS needs them on the driver."""
         if on_policy and not (settings.epochs == 1 and settings.mini_batch_size >= step.batch.num_samples):
             raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({settings.epochs} epochs, "
                              f"{step.batch.num_samples} samples, mini-batches of {settings.mini_batch_size})")
@@ -147,7 +149,7 @@ class ActorGroup(RefGroup):
         res, rows = self._update_call("update_actor", step, settings, extras, seed=seed,
                                       agg_mode=settings.policy.agg_mode, on_policy=on_policy, rollout_is=rollout_is,
                                       return_log_probs=want_lp)
-        metrics = mean_metrics(rows)
+        metrics = rows if per_mini_batch else mean_metrics(rows)
         if not on_policy:
             return metrics
         by_dp: dict[int, dict] = {}
@@ -187,9 +189,10 @@ class CriticGroup(RoleGroup):
                                      micro_batch_size=micro_batch_size)
         return self._sharded(step, refs)
 
-    def update(self, step: StepData, settings: UpdateSettings, extras: Sequence, *, seed: int) -> dict[str, float]:
+    def update(self, step: StepData, settings: UpdateSettings, extras: Sequence, *, seed: int,
+               per_mini_batch: bool = False):
         _, rows = self._update_call("update_critic", step, settings, extras, seed=seed, agg_mode=settings.value.agg_mode)
-        return mean_metrics(rows)
+        return rows if per_mini_batch else mean_metrics(rows)
 
 
 def _sum_summaries(rows: Sequence[dict]) -> dict[str, float]:
