@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from trainer.envs.base import Environment, StepResult
 from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.rollout.multi_turn import (TemplateError, Trajectory, rollout_trajectories, run_multi_turn,
+from trainer.rollout.multi_turn import (EpisodeBudget, TemplateError, Trajectory, rollout_trajectories, run_multi_turn,
                                         trajectories_to_batch, turn_seed)
 
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -202,7 +202,8 @@ def run_scripted(c, seed=1234):
     trajs = asyncio.run(rollout_trajectories(
         eng, tok, lambda: next(envs), tasks, SamplingParams(max_new_tokens=c["per_turn"], seed=seed,
                                                             stop_token_ids=(stop_id,)),
-        n=1, max_assistant_turns=c["max_a"], max_user_turns=c["max_u"], max_tokens_per_trajectory=c["budget"],
+        n=1, budget=EpisodeBudget(max_assistant_turns=c["max_a"], max_user_turns=c["max_u"],
+                                  max_tokens_per_trajectory=c["budget"]),
         concurrency=2, on_append=lambda t: (check_lockstep(t), seen.append(len(t.response_ids)))))
     return trajs, eng, seen
 
@@ -265,7 +266,7 @@ def test_golden_chatml_trajectory():
     env = ScriptedEnv([StepResult([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], 0.5),
                        StepResult("not shown: no assistant turn is left to answer it", 0.25)])
     (traj,) = asyncio.run(rollout_trajectories(eng, tok, lambda: env, [{"prompt": [{"role": "user", "content": "q"}]}],
-                                               SamplingParams(max_new_tokens=3, seed=7), max_assistant_turns=2))
+                                               SamplingParams(max_new_tokens=3, seed=7), budget=EpisodeBudget(max_assistant_turns=2)))
     assert tok.decode(traj.prompt_ids) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
     ctx = "\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     want = encode(tok, "hi") + [im_end] + encode(tok, ctx) + encode(tok, "oka")
@@ -290,7 +291,8 @@ def test_token_budget_truncates_cleanly():
     eng = ScriptedEngine({(0, 0): (encode(tok, "abcde"), [-1.0] * 5, True)}, 3, 1, 1, im_end)
     env = ScriptedEnv([StepResult("x" * 10, 0.0)])
     (traj,) = asyncio.run(rollout_trajectories(eng, tok, lambda: env, [{"prompt": [{"role": "user", "content": "q"}]}],
-                                               SamplingParams(max_new_tokens=16, seed=3), max_tokens_per_trajectory=40))
+                                               SamplingParams(max_new_tokens=16, seed=3),
+                                               budget=EpisodeBudget(max_tokens_per_trajectory=40)))
     assert len(traj.prompt_ids) == 20 and len(traj.response_ids) == 6
     assert traj.finish_reason == "length" and traj.num_user_turns == 0 and traj.loss_mask == [1] * 6
     # the per-turn cap follows the budget: 20 prompt ids leave 20 of max_new_tokens=16 -> 16
@@ -299,7 +301,8 @@ def test_token_budget_truncates_cleanly():
     eng = ScriptedEngine({(0, 0): (encode(tok, "abcde"), [-1.0] * 5, True)}, 3, 1, 1, im_end)
     env = ScriptedEnv([StepResult("x", 0.0)])
     (traj,) = asyncio.run(rollout_trajectories(eng, tok, lambda: env, [{"prompt": [{"role": "user", "content": "q"}]}],
-                                               SamplingParams(max_new_tokens=16, seed=3), max_tokens_per_trajectory=24))
+                                               SamplingParams(max_new_tokens=16, seed=3),
+                                               budget=EpisodeBudget(max_tokens_per_trajectory=24)))
     assert traj.response_ids == encode(tok, "abcd") and traj.finish_reason == "length" and env.actions == []
 
 
@@ -316,7 +319,7 @@ def test_history_rewriting_template_is_refused():
     env = ScriptedEnv([StepResult("obs", 0.0)])
     with pytest.raises(TemplateError, match="prefix-stable"):
         asyncio.run(rollout_trajectories(eng, tok, lambda: env, [{"prompt": [{"role": "user", "content": "q"}]}],
-                                         SamplingParams(max_new_tokens=4, seed=3), max_assistant_turns=2,
+                                         SamplingParams(max_new_tokens=4, seed=3), budget=EpisodeBudget(max_assistant_turns=2),
                                          chat_template_kwargs={"chat_template": bad}))
 
 
@@ -453,7 +456,7 @@ def test_end_to_end_native_engine_alignment_and_seeded_determinism(tiny_chat_mod
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     tasks = make_tasks(3, seed=0, max_discs=2)
     params = SamplingParams(temperature=0.9, max_new_tokens=10, stop_token_ids=(im_end,), seed=2024)
-    kw = dict(n=2, max_assistant_turns=3, max_user_turns=3, max_tokens_per_trajectory=900)
+    kw = dict(n=2, budget=EpisodeBudget(max_assistant_turns=3, max_user_turns=3, max_tokens_per_trajectory=900))
     stats = EngineStats()
     eng = NativeEngine(path, max_batch_size=8, max_seq_len=1024)
     trajs = run_multi_turn(eng, tok, "hanoi", tasks, params, concurrency=4, stats=stats, **kw)
@@ -550,12 +553,32 @@ def test_hanoi_env_through_the_loop_optimal_policy():
 
     tasks = make_tasks(6, seed=1, min_discs=1, max_discs=3)
     trajs = asyncio.run(rollout_trajectories(scripted_policy(tok, decide), tok, "hanoi", tasks,
-                                             SamplingParams(max_new_tokens=20), max_assistant_turns=7, max_user_turns=6))
+                                             SamplingParams(max_new_tokens=20),
+                                             budget=EpisodeBudget(max_assistant_turns=7, max_user_turns=6)))
     for t in trajs:
         d = tasks[t.task_index]["extra_info"]["discs"]
         assert t.success and t.rewards[-1] == 1.0 and t.num_turns == 2**d - 1 == t.num_user_turns + 1
         assert t.finish_reason == "done" and t.step_ids[-1] == 2**d - 2
     # a budget of one assistant turn fewer than the optimum: unsolved, ends on the turn budget
     trajs = asyncio.run(rollout_trajectories(scripted_policy(tok, decide), tok, "hanoi", [next(r for r in tasks if r["extra_info"]["discs"] >= 2)],
-                                             SamplingParams(max_new_tokens=20), max_assistant_turns=2, max_user_turns=6))
+                                             SamplingParams(max_new_tokens=20),
+                                             budget=EpisodeBudget(max_assistant_turns=2, max_user_turns=6)))
     assert not trajs[0].success and trajs[0].finish_reason == "max_assistant_turns" and trajs[0].reward == 0.0
+
+
+def test_episode_budget_from_settings_and_loop_kwargs():
+    import dataclasses
+
+    from trainer.rollout.multi_turn import loop_kwargs
+
+    mt = dict(environment="hanoi", max_assistant_turns=3, max_user_turns=2, max_tokens_per_trajectory=512,
+              concurrency=4, max_response_length=160)
+    b = EpisodeBudget.from_settings(mt)
+    assert b == EpisodeBudget(max_assistant_turns=3, max_user_turns=2, max_tokens_per_trajectory=512,
+                              max_response_tokens=160)
+    assert loop_kwargs(mt) == {"budget": b, "concurrency": 4}
+    assert b.token_cap(100) == 260 and b.token_cap(400) == 512 and EpisodeBudget().token_cap(5) is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.max_user_turns = 9
+    with pytest.raises(ValueError, match="max_assistant_turns"):
+        EpisodeBudget(max_assistant_turns=0)

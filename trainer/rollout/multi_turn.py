@@ -30,10 +30,10 @@ environment (closing glue added by the template). After each assistant turn the 
 the trajectory ends (``finish_reason``) when
 
     "done"                 the environment says done (or has no observation)
-    "max_assistant_turns"  ``max_assistant_turns`` assistant turns were sampled
-    "max_user_turns"       ``max_user_turns`` environment turns were already appended
-    "length"               the token budget (prompt + response <= ``max_tokens_per_trajectory``, and
-                           response <= ``max_response_tokens``: the batch's response width) leaves
+    "max_assistant_turns"  ``budget.max_assistant_turns`` assistant turns were sampled
+    "max_user_turns"       ``budget.max_user_turns`` environment turns were already appended
+    "length"               the token budget (prompt + response <= ``budget.max_tokens_per_trajectory``,
+                           response <= ``budget.max_response_tokens``: the batch's response width) leaves
                            no room for the next observation plus one sampled token, or a turn was cut
                            by the budget or by the engine's sequence limit
     "abort"                the engine aborted the turn
@@ -79,6 +79,40 @@ def turn_seed(seed: int | None, index: int, turn: int | str) -> int | None:
         return None
     h = hashlib.blake2b(f"coxswain-mt:{seed}:{index}:{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") >> 2
+
+
+@dataclass(frozen=True)
+class EpisodeBudget:
+    """When one episode must stop (module docstring, "Turns and budgets"); the same for every episode
+    of a call."""
+
+    max_assistant_turns: int = 4  # assistant turns sampled per episode
+    max_user_turns: int = 4  # environment/tool turns appended per episode
+    max_tokens_per_trajectory: int | None = None  # prompt + response tokens; None = no cap of its own
+    max_response_tokens: int | None = None  # response tokens (the batch's response width); None = no cap
+
+    def __post_init__(self):
+        if self.max_assistant_turns < 1:
+            raise ValueError(f"max_assistant_turns must be >= 1, got {self.max_assistant_turns}")
+        if self.max_user_turns < 0:
+            raise ValueError(f"max_user_turns must be >= 0, got {self.max_user_turns}")
+
+    @classmethod
+    def from_settings(cls, d: dict) -> "EpisodeBudget":
+        """From the controller's multi-turn settings dict (keys ``environment``, ``max_assistant_turns``,
+        ``max_user_turns``, ``max_tokens_per_trajectory``, ``concurrency``, ``max_response_length``; the
+        environment and the concurrency are not part of an episode's budget and are ignored here)."""
+        return cls(max_assistant_turns=int(d["max_assistant_turns"]), max_user_turns=int(d["max_user_turns"]),
+                   max_tokens_per_trajectory=d["max_tokens_per_trajectory"],
+                   max_response_tokens=d["max_response_length"])
+
+    def token_cap(self, prompt_len: int) -> int | None:
+        """The most tokens (prompt + response) a trajectory with this prompt may reach; None = no cap."""
+        cap = self.max_tokens_per_trajectory
+        if self.max_response_tokens is not None:  # the response must fit the batch's response width
+            width = prompt_len + int(self.max_response_tokens)
+            cap = width if cap is None else min(cap, width)
+        return cap
 
 
 @dataclass
@@ -167,12 +201,9 @@ async def run_trajectory(
     index: int = 0,
     task_index: int = 0,
     sample_index: int = 0,
-    max_assistant_turns: int = 4,
-    max_user_turns: int = 4,
-    max_tokens_per_trajectory: int | None = None,
+    budget: EpisodeBudget = EpisodeBudget(),
     chat_template_kwargs: dict | None = None,
     on_append: Callable[[Trajectory], None] | None = None,
-    max_response_tokens: int | None = None,
 ) -> Trajectory:
     """Play one episode of ``env`` on ``task``; see the module docstring for the token layout."""
     seed = params.seed
@@ -181,13 +212,11 @@ async def run_trajectory(
     text = r.render(messages, add_generation_prompt=True)
     traj = Trajectory(index, task_index, sample_index, messages, r.encode(text), text=text,
                       data_source=str(task.get("data_source", "")))
-    budget = max_tokens_per_trajectory
-    if max_response_tokens is not None:  # the response must fit the batch's response width
-        cap = len(traj.prompt_ids) + int(max_response_tokens)
-        budget = cap if budget is None else min(budget, cap)
-    if budget is not None and len(traj.prompt_ids) >= budget:
+    max_assistant_turns, max_user_turns = budget.max_assistant_turns, budget.max_user_turns
+    token_cap = budget.token_cap(len(traj.prompt_ids))
+    if token_cap is not None and len(traj.prompt_ids) >= token_cap:
         raise ValueError(f"task {task_index}: the prompt has {len(traj.prompt_ids)} tokens, no room in the "
-                         f"trajectory budget of {budget} (raise max_tokens_per_trajectory or filter the task)")
+                         f"trajectory budget of {token_cap} (raise max_tokens_per_trajectory or filter the task)")
 
     def append(ids, mask, lps, step):
         traj.append(ids, mask, lps, step)
@@ -199,7 +228,7 @@ async def run_trajectory(
         if turn >= max_assistant_turns:
             traj.finish_reason = "max_assistant_turns"
             break
-        room = params.max_new_tokens if budget is None else budget - len(traj.prompt_ids) - len(traj.response_ids)
+        room = params.max_new_tokens if token_cap is None else token_cap - len(traj.prompt_ids) - len(traj.response_ids)
         cap = min(params.max_new_tokens, room)
         if cap < 1:
             traj.finish_reason = "length"
@@ -239,7 +268,7 @@ async def run_trajectory(
         if not new_text.startswith(traj.text):
             raise TemplateError(_mismatch(traj.text, new_text, task_index))
         ids = r.encode(new_text[len(traj.text):])
-        if budget is not None and len(traj.prompt_ids) + len(traj.response_ids) + len(ids) + 1 > budget:
+        if token_cap is not None and len(traj.prompt_ids) + len(traj.response_ids) + len(ids) + 1 > token_cap:
             traj.finish_reason = "length"
             break
         append(ids, 0, None, -1)
@@ -266,13 +295,10 @@ async def rollout_trajectories(
     params: SamplingParams,
     n: int = 1,
     *,
-    max_assistant_turns: int = 4,
-    max_user_turns: int = 4,
-    max_tokens_per_trajectory: int | None = None,
+    budget: EpisodeBudget = EpisodeBudget(),
     concurrency: int = 64,
     chat_template_kwargs: dict | None = None,
     on_append: Callable[[Trajectory], None] | None = None,
-    max_response_tokens: int | None = None,
 ) -> list[Trajectory]:
     """``n`` trajectories per task (one fresh environment each), at most ``concurrency`` in flight.
 
@@ -286,19 +312,15 @@ async def rollout_trajectories(
         async with sem:
             return await run_trajectory(
                 agenerate, tokenizer, make_env(), tasks[i], params, index=i * n + j, task_index=i, sample_index=j,
-                max_assistant_turns=max_assistant_turns, max_user_turns=max_user_turns,
-                max_tokens_per_trajectory=max_tokens_per_trajectory, chat_template_kwargs=chat_template_kwargs,
-                on_append=on_append, max_response_tokens=max_response_tokens)
+                budget=budget, chat_template_kwargs=chat_template_kwargs, on_append=on_append)
 
     return list(await asyncio.gather(*(one(i, j) for i in range(len(tasks)) for j in range(n))))
 
 
 def loop_kwargs(multi_turn: dict) -> dict:
-    """The budget and concurrency keywords of :func:`rollout_trajectories` / :func:`run_multi_turn`
-    from the controller's multi-turn settings (``trainer.main.multi_turn_settings``)."""
-    return dict(max_assistant_turns=multi_turn["max_assistant_turns"], max_user_turns=multi_turn["max_user_turns"],
-                max_tokens_per_trajectory=multi_turn["max_tokens_per_trajectory"],
-                concurrency=multi_turn["concurrency"], max_response_tokens=multi_turn["max_response_length"])
+    """The ``budget`` and ``concurrency`` keywords of :func:`rollout_trajectories` / :func:`run_multi_turn`
+    from the controller's multi-turn settings dict (see :meth:`EpisodeBudget.from_settings`)."""
+    return dict(budget=EpisodeBudget.from_settings(multi_turn), concurrency=int(multi_turn["concurrency"]))
 
 
 def run_multi_turn(
@@ -309,21 +331,18 @@ def run_multi_turn(
     params: SamplingParams,
     n: int = 1,
     *,
-    max_assistant_turns: int = 4,
-    max_user_turns: int = 4,
-    max_tokens_per_trajectory: int | None = None,
+    budget: EpisodeBudget = EpisodeBudget(),
     concurrency: int = 64,
     max_batch_samples: int | None = None,
     wait_s: float = 0.0,
     chat_template_kwargs: dict | None = None,
     stats=None,
-    max_response_tokens: int | None = None,
 ) -> list[Trajectory]:
     """Synchronous entry: run :func:`rollout_trajectories` over a :class:`~trainer.rollout.async_engine.
     Batcher` on ``engine`` (in a fresh event loop) and return the trajectories.
 
-    The token budget is clamped to the engine's ``max_seq_len`` when it has one. ``max_batch_samples``
-    (default ``concurrency``) caps the requests of one engine call; ``wait_s`` is the batcher's quiet gap
+    ``budget.max_tokens_per_trajectory`` is clamped to the engine's ``max_seq_len`` when it has one.
+    ``max_batch_samples`` (default ``concurrency``) caps the requests of one engine call; ``wait_s`` is the batcher's quiet gap
     (0 suffices in-process: every trajectory whose turn came back submits its next one before the
     batcher runs again). ``stats``: an :class:`~trainer.rollout.async_engine.EngineStats` to fill.
     """
@@ -331,17 +350,15 @@ def run_multi_turn(
 
     limit = getattr(engine, "max_seq_len", None)
     if limit is not None:
-        max_tokens_per_trajectory = min(limit, max_tokens_per_trajectory or limit)
+        budget = replace(budget, max_tokens_per_trajectory=min(limit, budget.max_tokens_per_trajectory or limit))
 
     async def main() -> list[Trajectory]:
         batcher = Batcher(engine, max_batch_samples=max_batch_samples or concurrency, wait_s=wait_s, stats=stats)
         batcher.start()
         try:
             return await rollout_trajectories(
-                batcher.submit, tokenizer, env, tasks, params, n, max_assistant_turns=max_assistant_turns,
-                max_user_turns=max_user_turns, max_tokens_per_trajectory=max_tokens_per_trajectory,
-                concurrency=concurrency, chat_template_kwargs=chat_template_kwargs,
-                max_response_tokens=max_response_tokens)
+                batcher.submit, tokenizer, env, tasks, params, n, budget=budget, concurrency=concurrency,
+                chat_template_kwargs=chat_template_kwargs)
         finally:
             await batcher.stop()
 
