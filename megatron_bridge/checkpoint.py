@@ -176,10 +176,3 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     return loaded.get("extra") or {}
-
-
-def load_common(ckpt_dir: str) -> dict:
-    """The non-sharded part of a checkpoint (scheduler state, ``extra``) without a model."""
-    from megatron.core import dist_checkpointing
-
-    return dist_checkpointing.load_common_state_dict(ckpt_dir)

@@ -351,9 +351,3 @@ def load_hf_weights(model, source) -> None:
         if shard.shape != p.shape:
             raise ValueError(f"{name} ({can}): checkpoint shard {tuple(shard.shape)} != parameter {tuple(p.shape)}")
         p.copy_(shard)
-
-
-def has_hf_value_head(source) -> bool:
-    if isinstance(source, (str, os.PathLike)):
-        source = HFCheckpoint(str(source))
-    return "score.weight" in (source.keys() if isinstance(source, HFCheckpoint) else source)

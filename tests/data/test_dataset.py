@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from trainer.data.dataset import BadRowError, PromptSampler, RLDataset, collate, render_prompt
+from trainer.data.dataset import BadRowError, PromptSampler, RLDataset, render_prompt
 
 CHARS = list("0123456789+-*=abcdefghijklmnopqrstuvwxyz ?.,:")
 SPECIAL = ["<pad>", "<unk>", "<|user|>", "<|system|>", "<|assistant|>"]
@@ -174,17 +174,6 @@ def test_overlong_truncation_left_right_and_error(tmp_path):
     assert left.stats["truncated"] == 1
     with pytest.raises(BadRowError, match=r"row 2: the prompt has 10 tokens, more than data.max_prompt_length=6"):
         RLDataset(truncation="error", **kw)
-
-
-def test_collate_left_pads():
-    tok = char_tokenizer()
-    ds = RLDataset(rows=[row("1+1="), row("12+34=")], tokenizer=tok)
-    b = collate([ds[0], ds[1]], tok.pad_token_id)
-    # lengths 6 and 8 -> row 0 gets two pads on the left
-    assert b["input_ids"].shape == (2, 8)
-    assert b["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]
-    assert b["input_ids"][0, :2].tolist() == [tok.pad_token_id] * 2
-    assert b["input_ids"][0, 2:].tolist() == ds[0]["input_ids"]
 
 
 def test_build_dataset_defaults_to_synthetic():

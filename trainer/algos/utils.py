@@ -19,12 +19,6 @@ from typing import Callable
 import torch
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of ``x`` where ``mask`` is set (over ``dim``, or everything)."""
-    m = mask.to(x.dtype)
-    return (x * m).sum() if dim is None else (x * m).sum(dim)
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None, eps: float = 0.0) -> torch.Tensor:
     """Mean of ``x`` over the set entries of ``mask``. An all-zero mask gives 0, not NaN."""
     m = mask.to(x.dtype)

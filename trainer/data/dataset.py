@@ -244,22 +244,6 @@ class RLDataset(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def collate(items: Sequence[dict], pad_token_id: int) -> dict:
-    """Left-pad ``input_ids`` into ``[B, P]`` tensors (generation appends on the right); the other
-    fields become lists."""
-    lens = [len(it["input_ids"]) for it in items]
-    p = max(lens)
-    input_ids = torch.full((len(items), p), int(pad_token_id), dtype=torch.long)  # [B, P]
-    attention_mask = torch.zeros((len(items), p), dtype=torch.long)  # [B, P]
-    for i, (it, n) in enumerate(zip(items, lens)):
-        input_ids[i, p - n :] = torch.tensor(it["input_ids"], dtype=torch.long)
-        attention_mask[i, p - n :] = 1
-    out = {"input_ids": input_ids, "attention_mask": attention_mask}
-    for key in ("data_source", "ground_truth", "extra_info", "messages", "prompt_text"):
-        out[key] = [it[key] for it in items]
-    return out
-
-
 def build_dataset(data_cfg, tokenizer, split: str = "train", synthetic_rows=None) -> RLDataset:
     """A dataset from ``data.*`` settings (``train_files`` / ``val_files``); ``None`` files give
     ``synthetic_rows(num, split)`` when given (a multi-turn environment's task generator), else the

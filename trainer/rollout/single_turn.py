@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from trainer.batch import RolloutBatch
-from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
+from trainer.rollout.engine import GenerationOutput
 
 
 def pad_left(seqs: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,12 +72,3 @@ def outputs_to_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequenc
     return RolloutBatch.from_tokens(
         p_ids, r_ids, p_mask, r_mask, meta=rows_meta,
         rollout_log_probs=lps, group_ids=torch.as_tensor(flat_gid, dtype=torch.long))
-
-
-def generate_batch(engine: RolloutEngine, prompts: Sequence[Sequence[int]], group_ids: Sequence[int],
-                   params: SamplingParams, *, max_prompt_length: int, pad_id: int,
-                   meta: dict[str, Sequence] | None = None) -> RolloutBatch:
-    """Sample ``params.n`` responses per prompt with ``engine`` and build the batch."""
-    outputs = engine.generate(prompts, params)
-    return outputs_to_batch(prompts, outputs, group_ids, max_prompt_length=max_prompt_length,
-                            max_response_length=params.max_new_tokens, pad_id=pad_id, meta=meta)
