@@ -62,6 +62,22 @@ load of a shared machine moves between runs by 2x and more).
 
 Needs TRL (``pip install "trl==1.16.0"``, the benchmark extra; it leaves torch alone).
 The last line printed is the headline: Coxswain / TRL steady-state tokens/s.
+
+History: component timings at this benchmark's model and batch size (6 query / 2 kv heads, 6 layers,
+32 x 80 tokens, one CPU core) that set choices in the product code (moved here from its docstrings):
+  * ``megatron_bridge.attention``: torch's CPU flash-attention backward in bf16 was about 10x slower
+    than in fp32 (Sapphire Rapids core: 474 ms against 47 ms per forward+backward of 6 layers), hence
+    the fp32 kernel in the bf16 run; AMX makes the matmuls around attention about 5x faster in bf16.
+  * ``megatron_bridge.attention``: SDPA's native GQA instead of ``repeat_interleave`` copies:
+    forward+backward 17 ms instead of 22 ms per layer.
+  * ``megatron_bridge.attention``: on the permuted ``[s, b, heads, d]`` views the kernel's forward ran
+    ~30% slower in the training step than on contiguous ``[b, heads, s, d]`` inputs.
+  * ``megatron_bridge.attention.grouped_qkv_split`` (QKV split on a head axis): on the flattened split the
+    fused bias + RoPE kernels ran as scalar loops, 4.5 ms of 17 per layer.
+  * ``megatron_bridge.train._use_fused_adam``: torch's fused AdamW kernel took the optimizer step from
+    32 to 9 ms per step (including the copy to the bf16 model weights).
+  * ``trainer.rollout.single_turn.pad_left``: filling the 64 rows in numpy; a per-row torch assignment
+    cost about 4x more.
 """
 
 from __future__ import annotations

@@ -12,19 +12,18 @@ packed-sequence support) in the local spec, for two reasons:
   through unchanged; every query row keeps at least its own key, so no row is fully masked (a fully
   masked row would give NaN, which pads would then spread to real tokens through the value matmul).
 
-* **bf16 / fp16 on CPU run the kernel in fp32.** torch's CPU flash-attention backward in bf16 is
-  about 10x slower than in fp32 (measured on a Sapphire Rapids core at the bench_e2e size: 474 ms
-  against 47 ms per forward+backward of 6 layers), so on CPU q, k and v are upcast and the output
-  cast back. The matmuls around attention keep the low precision (AMX makes those 5x faster).
+* **bf16 / fp16 on CPU run the kernel in fp32.** torch's CPU flash-attention backward is far slower
+  in bf16 than in fp32, so on CPU q, k and v are upcast and the output cast back. The matmuls around
+  attention keep the low precision (AMX makes those faster).
 
 Math, per head with ``q, k, v`` of one sequence: ``softmax(q k^T * scale + mask) v`` with
 ``scale = 1 / sqrt(head_dim)`` (megatron's default); GQA: query head ``h`` reads kv head
 ``h // (heads / kv_heads)`` (Ainslie et al. 2023). The kernel's native GQA (``enable_gqa``) reads the
-shared kv heads in place instead of materialising ``repeat_interleave`` copies: same values, and at
-the bench_e2e size (6 query / 2 kv heads, 32 x 80 tokens) forward+backward 17 ms instead of 22 ms
-per layer on one CPU core. The kernel gets q, k and v contiguous in ``[b, heads, s, d]`` (under
-torch.compile the copy fuses with the fp32 cast): on the permuted ``[s, b, heads, d]`` views its
-forward ran ~30% slower in the training step. Dropout is not supported (the bridge runs with ``attention_dropout = 0``).
+shared kv heads in place instead of materialising ``repeat_interleave`` copies: same values, less
+memory traffic. The kernel gets q, k and v contiguous in ``[b, heads, s, d]`` (under torch.compile
+the copy fuses with the fp32 cast), because its forward is slower on the permuted ``[s, b, heads, d]``
+views. Dropout is not supported (the bridge runs with ``attention_dropout = 0``). Timings behind
+these choices: ``benchmarks/bench_e2e.py``, History.
 """
 
 from __future__ import annotations
@@ -97,8 +96,8 @@ def grouped_qkv_split(mixed_qkv, num_groups: int, heads_per_group: int, head_dim
     The same values as ``SelfAttention.get_query_key_value_tensors``, but split on a separate head
     axis (``[s, b, ng, np/ng + 2, hn]``) instead of on the flattened ``(np/ng + 2) * hn`` axis: there,
     inductor indexes the query heads as ``(hn * h + d) % (np/ng * hn)``, a modulo on the innermost
-    (head-dim) index that it cannot vectorise, and the fused bias + RoPE kernels around it ran as
-    scalar loops (4.5 ms of 17 per layer at the bench_e2e size)."""
+    (head-dim) index that it cannot vectorise, and the fused bias + RoPE kernels around it run as
+    scalar loops."""
     s, b = mixed_qkv.shape[0], mixed_qkv.shape[1]
     mixed = mixed_qkv.view(s, b, num_groups, heads_per_group + 2, head_dim)
     query, key, value = torch.split(mixed, [heads_per_group, 1, 1], dim=3)

@@ -109,8 +109,8 @@ def make_trainer(model, optim: OptimConfig) -> Trainer:
 def _use_fused_adam(optimizer) -> None:
     """Switch megatron's fallback ``torch.optim.AdamW`` (built when TE / apex are absent, as on CPU)
     to torch's fused multi-tensor kernel: the same update rule in one kernel per step instead of
-    ~10 ops per parameter (measured at the bench_e2e size on one CPU core: 32 -> 9 ms per step,
-    including the copy to the bf16 model weights). Other optimizers (TE / apex FusedAdam, SGD) stay."""
+    ~10 ops per parameter (timing: ``benchmarks/bench_e2e.py``, History). Other optimizers (TE / apex
+    FusedAdam, SGD) stay."""
     for o in _optimizers(optimizer):
         inner = getattr(o, "optimizer", None)
         if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
