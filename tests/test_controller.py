@@ -204,7 +204,7 @@ def test_old_log_probs_stay_anchored_across_mini_batches(cluster):
     assert abs(rows[0]["actor/ppo_kl"]) < 1e-6 and abs(rows[0]["actor/is_ratio_max"] - 1) < 1e-5
     assert abs(rows[1]["actor/ppo_kl"]) > 1e-6 or abs(rows[1]["actor/is_ratio_max"] - 1) > 1e-5
     after, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
-    assert not torch.allclose(after.fetch()["log_probs"], old.fetch()["log_probs"])  # the policy did move
+    assert not torch.allclose(after.fetch()["old_log_probs"], old.fetch()["old_log_probs"])  # the policy did move
 
 
 def test_resharding_checksum_catches_a_bad_engine(cluster):

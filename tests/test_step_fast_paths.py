@@ -95,7 +95,7 @@ def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_pat
     batch = _random_batch()
     probe = StepData(batch, c.transport)
     old_sh, ent_plain = c.actor.log_probs_with_entropy(probe, temperature=1.0, micro_batch_size=8)
-    old = old_sh.fetch()["log_probs"]
+    old = old_sh.fetch()["old_log_probs"]
     g = torch.Generator().manual_seed(1)
     # a sampler that disagrees with the trainer by up to ~e^0.6, so some IS weights are truncated at 1.5
     batch.rollout_log_probs = (old + 0.6 * torch.randn(old.shape, generator=g)) * batch.response_mask
@@ -116,17 +116,17 @@ def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_pat
     after_fast, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
 
     mask = batch.response_mask.bool()
-    torch.testing.assert_close(out["log_probs"][mask], old[mask], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out["old_log_probs"][mask], old[mask], atol=2e-5, rtol=0)
     assert ent_fast["count"] == ent_plain["count"] == float(mask.sum())
     assert ent_fast["sum"] == pytest.approx(ent_plain["sum"], abs=2e-5 * float(mask.sum()))
-    batch.old_log_probs = out["log_probs"]
+    batch.old_log_probs = out["old_log_probs"]
     is_fast = apply_rollout_is(batch, IS, weights=False)  # what the loop logs: the same metrics
     for k in ("mismatch/rollout_is_mean", "mismatch/rollout_is_clipped_fraction", "mismatch/mismatch_kl"):
         assert is_fast[k] == pytest.approx(is_plain[k], abs=1e-5), k
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac"):
         assert m_fast[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-7), k
     assert m_fast["actor/ppo_kl"] == 0.0  # ratio exactly 1
-    a_plain, a_fast = after_plain.fetch()["log_probs"], after_fast.fetch()["log_probs"]
+    a_plain, a_fast = after_plain.fetch()["old_log_probs"], after_fast.fetch()["old_log_probs"]
     assert not torch.allclose(a_plain, old)  # the policy moved...
     torch.testing.assert_close(a_fast, a_plain, atol=2e-5, rtol=0)  # ...the same way
 

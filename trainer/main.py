@@ -182,7 +182,7 @@ def train(cfg) -> dict:
                     res = actor.update(data, plan.actor_update, [old, ref_lp, data.scatter(actor.dp, loss_fields(batch, plan))],
                                        seed=step, on_policy=on_policy, rollout_is=plan.rollout_is)
                     if on_policy:  # the update's own old log-probs: the IS metrics (its ranks applied the weights)
-                        res, batch.old_log_probs, ent = res[0], (res[1] or {}).get("log_probs"), res[2]
+                        res, batch.old_log_probs, ent = res[0], (res[1] or {}).get("old_log_probs"), res[2]
                         m.update(apply_rollout_is(batch, plan.rollout_is, weights=False) if plan.rollout_is else {})
                     m.update(res)
                 check_update(m, step)

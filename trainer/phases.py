@@ -235,7 +235,7 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
 
     m: dict[str, float] = {}
     if old is not None and plan.driver_needs_old_log_probs():
-        batch.old_log_probs = old.fetch()["log_probs"]
+        batch.old_log_probs = old.fetch()["old_log_probs"]
     if plan.rejection is not None:
         r = plan.rejection
         batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
@@ -245,7 +245,7 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
     if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
         m.update(apply_rollout_is(batch, plan.rollout_is))
     if plan.use_kl_in_reward:
-        batch.ref_log_probs = ref.fetch()["log_probs"]
+        batch.ref_log_probs = ref.fetch()["ref_log_probs"]
         batch.token_level_rewards, kl_m = apply_kl_in_reward(
             batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
             kl_coef=kl_ctrl.value, kl_penalty=plan.kl_penalty)

@@ -30,9 +30,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from trainer.batch import RolloutBatch, inverse_permutation
+from trainer.batch import RolloutBatch, inverse_permutation, karmarkar_karp
 
-# what a rank needs to run the model over its shard; input_ids / position_ids are rebuilt there
+# what a rank needs to run the model over its shard (ids as int32, masks as bool); input_ids /
+# position_ids are rebuilt there
 MODEL_FIELDS = ("prompts", "responses", "attention_mask", "response_mask")
 
 
@@ -93,7 +94,8 @@ class Partition:
 
     def __init__(self, batch: RolloutBatch, dp: int):
         self.dp, self.B, self.T = dp, batch.num_samples, batch.response_width
-        _, self.index_lists, self.balance = batch.balanced_split(dp)
+        # the partitioner alone (``balanced_split`` would also copy every field of every part)
+        self.index_lists = karmarkar_karp(batch.num_tokens.tolist(), dp, equal_size=True)
         self.rows = [torch.tensor(ix, dtype=torch.long) for ix in self.index_lists]
         lengths = batch.response_length  # [B]
         self.widths = [max(1, int(lengths[r].max())) if len(r) else 1 for r in self.rows]
@@ -153,19 +155,18 @@ class StepData:
         if dp not in self._refs:
             part = self.partition(dp)
             refs = []
+            P = self.batch.prompt_width
             for r, w in zip(part.rows, part.widths):
-                sub = self.batch[r]
-                P = sub.prompt_width
-                lead = int((~sub.attention_mask[:, :P].bool()).all(0).int().cumprod(0).sum())  # all-pad prompt columns
-                shard = {}
-                for f in self.fields:
-                    t = getattr(sub, f)
-                    if f == "prompts":
-                        t = t[:, lead:]
-                    elif f == "attention_mask":
-                        t = torch.cat([t[:, lead:P], t[:, P:P + w]], 1)
-                    else:  # [b, T] fields
-                        t = t[:, :w]
+                am = self.batch.attention_mask.index_select(0, r)  # [b, L]
+                lead = int((~am[:, :P].bool()).all(0).int().cumprod(0).sum())  # all-pad prompt columns
+                shard = {"attention_mask": _np(torch.cat([am[:, lead:P], am[:, P:P + w]], 1).bool())}
+                for f in self.fields:  # only these fields, only the shard's columns, copied once
+                    if f == "attention_mask":
+                        continue
+                    t = getattr(self.batch, f)
+                    t = (t[:, lead:] if f == "prompts" else t[:, :w]).index_select(0, r)
+                    if t.dtype == torch.int64 and f in ("prompts", "responses"):
+                        t = t.to(torch.int32)  # token ids fit in 31 bits: half the bytes; int64 again on the rank
                     shard[f] = _np(t)
                 refs.append(self.transport.put(shard))
             self._refs[dp] = refs
@@ -181,6 +182,8 @@ class StepData:
 def shard_batch(shard: dict, *extras: Optional[dict]) -> RolloutBatch:
     """On a rank: the shard's model inputs plus per-token extras as one ``RolloutBatch``."""
     t = {k: torch.from_numpy(np.array(v)) for k, v in shard.items()}
+    for k in ("prompts", "responses"):
+        t[k] = t[k].long()
     P = t["prompts"].shape[1]
     am = t["attention_mask"].bool()
     batch = RolloutBatch.from_tokens(t["prompts"], t["responses"], am[:, :P], am[:, P:], t["response_mask"].bool(),

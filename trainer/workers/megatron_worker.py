@@ -89,11 +89,12 @@ class MegatronWorker:
         return out
 
     # ------------------------------------------------------------------ forward passes
-    def log_probs(self, shard: dict, *, temperature: float, micro_batch_size: int,
-                  entropy: bool = False) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """Per-token log-probs of the shard's responses under the current weights, ``[b, T_d]``,
-        and a summary: the entropy's masked sum and token count (``entropy``: the driver logs
-        their ratio and never needs the per-token entropy)."""
+    def log_probs(self, shard: dict, *, temperature: float, micro_batch_size: int, entropy: bool = False,
+                  key: str = "log_probs") -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Per-token log-probs of the shard's responses under the current weights, ``{key: [b, T_d]}``
+        (``key``: the batch field they fill, e.g. ``old_log_probs``, so the update reads them as
+        they are), and a summary: the entropy's masked sum and token count (``entropy``: the driver
+        logs their ratio and never needs the per-token entropy)."""
         from megatron_bridge.logprobs import compute_logprobs
 
         batch = shard_batch(shard)
@@ -101,7 +102,7 @@ class MegatronWorker:
         with torch.no_grad():
             outs = compute_logprobs(self._module(), self._micro_batches(batch, micro_batch_size, ()),
                                     temperature=temperature, with_entropy=entropy)
-        tokens = {"log_probs": torch.cat([o["logprobs"][:, P:] for o in outs]).float().numpy()}
+        tokens = {key: torch.cat([o["logprobs"][:, P:] for o in outs]).float().numpy()}
         summary = {}
         if entropy:
             summary = _entropy_summary(torch.cat([o["entropy"][:, P:] for o in outs]), batch.response_mask)
@@ -195,7 +196,7 @@ class MegatronWorker:
             if return_log_probs:
                 lp = torch.zeros_like(old)
                 lp[order] = old
-                res["log_probs"] = {"log_probs": lp.numpy()}
+                res["log_probs"] = {"old_log_probs": lp.numpy()}
             if captured[0][1] is not None:
                 res["entropy"] = _entropy_summary(torch.cat([c[1] for c in captured]), torch.cat([c[2] for c in captured]))
         return res

@@ -120,18 +120,20 @@ class RoleGroup:
 
 class RefGroup(RoleGroup):
     def log_probs(self, step: StepData, *, temperature: float, micro_batch_size: int) -> Sharded:
+        """The reference policy's ``ref_log_probs``, left in the object store."""
         refs = self.group.async_call("log_probs", self._args([(r,) for r in step.shards(self.dp)]), num_returns=2,
-                                     temperature=temperature, micro_batch_size=micro_batch_size)
+                                     temperature=temperature, micro_batch_size=micro_batch_size, key="ref_log_probs")
         self.group.get([r[1] for r in refs])  # wait (and surface a dead worker here, not at the consumer)
         return self._sharded(step, [r[0] for r in refs])
 
 
-class ActorGroup(RefGroup):
+class ActorGroup(RoleGroup):
     def log_probs_with_entropy(self, step: StepData, *, temperature: float,
                                micro_batch_size: int) -> tuple[Sharded, dict[str, float]]:
-        """The log-probs (left in the object store) and the rollout entropy's sum and count."""
+        """The ``old_log_probs`` (left in the object store) and the rollout entropy's sum and count."""
         refs = self.group.async_call("log_probs", self._args([(r,) for r in step.shards(self.dp)]), num_returns=2,
-                                     temperature=temperature, micro_batch_size=micro_batch_size, entropy=True)
+                                     temperature=temperature, micro_batch_size=micro_batch_size, entropy=True,
+                                     key="old_log_probs")
         summaries = self.group.get([refs[i][1] for i in self.source])
         return self._sharded(step, [r[0] for r in refs]), _sum_summaries(summaries)
 
@@ -140,7 +142,7 @@ class ActorGroup(RefGroup):
         """``settings.epochs`` x mini-batches, one optimizer step each; ``extras``: the per-token
         fields the loss reads (``Sharded`` results, or ``StepData.scatter`` references). Returns
         the mean metrics (``per_mini_batch``: one dict per mini-batch); on-policy
-        ``(metrics, {"log_probs": [B, T]} or None, entropy summary)``: the old log-probs of the
+        ``(metrics, {"old_log_probs": [B, T]} or None, entropy summary)``: the old log-probs of the
         update's own forward come back only when rollout IS needs them on the driver."""
         if on_policy and not (settings.epochs == 1 and settings.mini_batch_size >= step.batch.num_samples):
             raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({settings.epochs} epochs, "
@@ -160,8 +162,9 @@ class ActorGroup(RefGroup):
         old = None
         if want_lp:
             part = step.partition(self.dp)
-            old = {"log_probs": part.gather([by_dp[d]["log_probs"]["log_probs"] for d in range(self.dp)])}
-            self.transport.bytes_in += sum(by_dp[d]["log_probs"]["log_probs"].nbytes for d in range(self.dp))
+            parts = [by_dp[d]["log_probs"]["old_log_probs"] for d in range(self.dp)]
+            old = {"old_log_probs": part.gather(parts)}
+            self.transport.bytes_in += sum(p.nbytes for p in parts)
         return metrics, old, ent
 
     # ------------------------------------------------------------------ weights
