@@ -1,14 +1,15 @@
 """Resharding throughput: TP=2 megatron actor -> native rollout engine weight sync, in GB/s, against a
 plain memcpy of the same bytes in the same run.
 
-What is timed: ``Resharder.sync(verify=False)`` of the controller's own ``Cluster`` (built from the
+What is timed: ``rollout.sync_from(actor, verify=False)`` of the controller's own ``Cluster`` (built from the
 config: actor TP=2 over ``trainer.n_gpus_per_node=2`` CPU slots, one native engine, colocated, a real
 local Ray cluster, gloo). One sync = both actor ranks walk megatron_bridge's bucketed HF-name iterator
 (TP gather per parameter), rank 0 yields each bucket through a Ray streaming generator into the object
 store, and the driver passes the bucket's object ref to the engine's ``update_weights`` (the engine
 reads the stored object; the driver never touches the bytes). The trainer's own sync,
-``sync(verify=True)`` (rank 0 hashes each bucket while the engine loads it, then the engine's checksum
-is compared), and a standalone ``Resharder.verify`` (both sides recompute) are timed separately.
+``sync_from(actor, verify=True)`` (rank 0 hashes each bucket while the engine loads it, then the
+engine's checksum is compared), and a standalone ``rollout.verify(actor)`` (both sides recompute) are
+timed separately.
 
 Baseline, same run, same bytes: ``dst.copy_(src)`` of one flat float32 tensor of the synced byte
 count in the driver (one memcpy: the floor any transport pays at least once). The ratio is
@@ -93,11 +94,11 @@ def build_cluster(model_dir: str, run_dir: str, bucket_mib: int):
     return Cluster(cfg, total_steps=1)
 
 
-def stream_only(resharder) -> int:
+def stream_only(cluster) -> int:
     """The actor's bucket stream drained into the driver; no engine update."""
-    actor = resharder.actor
+    actor = cluster.actor
     nbytes = 0
-    for items in zip(*actor.streams("weight_buckets", resharder.bucket_bytes)):
+    for items in zip(*actor.weight_streams(cluster.rollout.bucket_bytes, None)):
         bucket = actor.stream_get(items[0])
         for other in items[1:]:
             actor.stream_get(other)
@@ -117,27 +118,26 @@ def _gather_in_worker(worker, bucket_bytes: int) -> float:
     return _t.perf_counter() - t0
 
 
-def gather_only(resharder) -> int:
+def gather_only(cluster) -> int:
     """Every actor rank walks the bucketed HF iterator (TP gathers over gloo, clone) inside its own
     process; nothing leaves the workers. Uses Ray's ``__ray_call__`` to run a function on the actor."""
     import ray
 
-    actor = resharder.actor
-    ray.get([w.__ray_call__.remote(_gather_in_worker, resharder.bucket_bytes) for w in actor.workers])
+    ray.get([w.__ray_call__.remote(_gather_in_worker, cluster.rollout.bucket_bytes) for w in cluster.actor.group.workers])
     return 0
 
 
-def driver_relay(resharder) -> int:
-    """The previous ``Resharder.sync`` loop, for comparison: each bucket is fetched into the driver
-    (deserialised) and handed to the engines as a value (re-serialised into the object store)."""
-    actor, fleet = resharder.actor, resharder.rollout
+def driver_relay(cluster) -> int:
+    """An older sync loop, for comparison: each bucket is fetched into the driver (deserialised) and
+    handed to the engines as a value (re-serialised into the object store)."""
+    actor, fleet = cluster.actor, cluster.rollout
     nbytes = 0
-    for items in zip(*actor.streams("weight_buckets", resharder.bucket_bytes)):
+    for items in zip(*actor.weight_streams(fleet.bucket_bytes, None)):
         bucket = actor.stream_get(items[0])
         for other in items[1:]:
             actor.stream_get(other)
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        fleet.call("update_weights", [(bucket,)] * fleet.size)
+        fleet.load_bucket([bucket] * fleet.size)
     return nbytes
 
 
@@ -163,13 +163,13 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     cluster = build_cluster(model_dir, os.path.join(tmp, "run"), buckets[-1])
     t_cluster = time.perf_counter() - t_start
-    res = cluster.resharder
+    res = cluster.rollout
     import ray  # noqa: E402  (imported by the cluster)
 
     zero_copy_driver = ray._private.ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS
     try:
         # First sync, verified: proves the engine ends up with exactly the TP=2 actor's weights.
-        first = res.sync(verify=True)
+        first = res.sync_from(cluster.actor, verify=True)
         nbytes = int(first["sync/bytes"])
         src = torch.randn(nbytes // 4)  # same bytes, float32
         dst = torch.empty_like(src)
@@ -192,23 +192,23 @@ def main(argv=None) -> dict:
             times["memcpy"].append(timed(memcpy)[0])
             for b in buckets:
                 res.bucket_bytes = b * MiB
-                t, m = timed(lambda: res.sync(verify=False))
+                t, m = timed(lambda: res.sync_from(cluster.actor, verify=False))
                 assert int(m["sync/bytes"]) == nbytes
                 n_buckets[b] = int(m["sync/buckets"])
                 times[f"sync {b} MiB"].append(t)
-                t, got = timed(lambda: stream_only(res))
+                t, got = timed(lambda: stream_only(cluster))
                 assert got == nbytes
                 times[f"stream only {b} MiB"].append(t)
-                times[f"gather only {b} MiB"].append(timed(lambda: gather_only(res))[0])
+                times[f"gather only {b} MiB"].append(timed(lambda: gather_only(cluster))[0])
                 if not a.no_relay:
-                    t, got = timed(lambda: driver_relay(res))
+                    t, got = timed(lambda: driver_relay(cluster))
                     assert got == nbytes
                     times[f"driver relay {b} MiB"].append(t)
-            verify_t.append(timed(res.verify)[0])  # raises on a mismatch: the last variant left a correct copy
+            verify_t.append(timed(lambda: res.verify(cluster.actor))[0])  # raises on a mismatch: the last variant left a correct copy
             res.bucket_bytes = buckets[-1] * MiB
-            sync_verified_t.append(timed(lambda: res.sync(verify=True))[0])
+            sync_verified_t.append(timed(lambda: res.sync_from(cluster.actor, verify=True))[0])
         res.bucket_bytes = buckets[-1] * MiB
-        res.sync(verify=True)
+        res.sync_from(cluster.actor, verify=True)
     finally:
         cluster.shutdown()
         ray.shutdown()  # stops worker log forwarding, so the headline stays the last line
@@ -223,13 +223,13 @@ def main(argv=None) -> dict:
             k = f"{kind} {b} MiB"
             if k not in summ:
                 continue
-            label = {"sync": "Resharder.sync(verify=False)", "stream only": "actor stream -> driver only",
+            label = {"sync": "rollout.sync_from(actor, verify=False)", "stream only": "actor stream -> driver only",
                      "gather only": "actor-side TP gather only",
                      "driver relay": "old path: driver relay (comparison)"}[kind]
             rows.append([f"{label}, {b} MiB buckets", n_buckets[b], summ[k]["best"] * 1e3, summ[k]["median"] * 1e3,
                          gbps[k], f"{gbps[k] / base:.4f}x"])
     v = summary(verify_t)
-    rows.append(["Resharder.verify (both sides recompute, concurrently)", "-", v["best"] * 1e3, v["median"] * 1e3,
+    rows.append(["rollout.verify(actor) (both sides recompute)", "-", v["best"] * 1e3, v["median"] * 1e3,
                  nbytes / v["best"] / 1e9, "-"])
     sv = summary(sync_verified_t)
     rows.append([f"trainer's sync(verify=True), {buckets[-1]} MiB (streamed checksum)", n_buckets[buckets[-1]],

@@ -48,7 +48,7 @@ def test_multi_turn_through_the_fleet_equals_the_in_worker_agent_loop(tmp_path):
     """The agent loop on the driver over the router (FleetRollout) and inside a rollout worker over its
     own engine: per-turn seeds are sent as they are, so the episodes are the same token for token."""
     from trainer.envs import task_maker
-    from trainer.workers.fleet_rollout import FleetRollout
+    from trainer.workers.rollouts import FleetRollout
     from trainer.workers.rollout_worker import RolloutWorker
 
     agent = str(ROOT / "recipes" / "cpu" / "tiny_agent_model")
@@ -60,7 +60,7 @@ def test_multi_turn_through_the_fleet_equals_the_in_worker_agent_loop(tmp_path):
     fleet = FleetRollout(agent, num_servers=2, threads_per_server=1, max_batch_size=16, max_seq_len=512,
                          dtype="float32", tokenizer_path=None, log_dir=str(tmp_path / "logs"))
     try:
-        remote = fleet.call("generate_multi_turn", [(tasks, params, mt)])[0]
+        remote = fleet.play(tasks, params, mt)
     finally:
         fleet.shutdown()
     assert len(local) == len(remote) == 6
