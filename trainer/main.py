@@ -1,16 +1,24 @@
 """Coxswain's entry point and training loop: ``python -m trainer.main [--config FILE.yaml] key.sub=value ...``.
 
-One step, in order (``train`` below is the whole loop; each phase is one call):
-  1. rollout: ``n`` responses per prompt from the rollout fleet, keeping the sampler's log-probs;
+``train`` below is setup, the loop and teardown. The config is resolved once into a frozen ``Plan``
+(:mod:`trainer.plan`); the loop reads ``plan.*`` and ``state.*`` (a ``LoopState``, the one thing
+checkpoints save and resume restores) and calls typed role groups (``actor``, ``ref``, ``critic``:
+:mod:`trainer.workers.roles`) and one ``Rollout`` (:mod:`trainer.workers.rollouts`). The step's batch
+goes to the data-parallel ranks once, by object reference (``StepData``,
+:mod:`trainer.workers.dataplane`); the driver receives only what it computes on.
+
+One step, in order (each phase is one call):
+  1. rollout: ``n`` responses per prompt from the rollout, keeping the sampler's log-probs;
   2. reward: the reward manager scores them; DAPO overlong shaping;
   3. dynamic sampling: drop constant groups, generate again until ``data.train_batch_size`` groups;
   4. old log-probs: the actor at its start-of-step weights (fixed for every mini-batch of the step);
      skipped when the update is one mini-batch x one epoch: its own forward gives them, exactly;
-  5. reference log-probs (KL loss or KL-in-reward only);
-  6. rollout IS weights and mismatch metrics, on the driver;
-  7. advantages (values from the critic for GAE);
+  5. reference log-probs (KL loss or KL-in-reward only) and critic values (GAE);
+  6. rollout IS weights / rejection and mismatch metrics, on the driver (on the on-policy path the
+     update's ranks apply the weights and the driver computes the metrics);
+  7. KL in reward, advantages;
   8. critic update, then actor update: ppo_epochs x mini-batches x micro-batches;
-  9. resharding sync of the actor's weights into the engines, checksum-verified;
+  9. weight sync of the actor into the rollout engines, checksum-verified;
  10. eval every ``trainer.test_freq`` steps, checkpoint every ``trainer.save_freq`` steps, log.
 """
 
@@ -179,7 +187,8 @@ def train(cfg) -> dict:
                                            seed=step))
             if plan.trains_actor(step):
                 with timer(m, "update_actor"):
-                    res = actor.update(data, plan.actor_update, [old, ref_lp, data.scatter(actor.dp, loss_fields(batch, plan))],
+                    kl_ref = ref_lp if plan.actor_update.policy.use_kl_loss else None  # by reference, rank to rank
+                    res = actor.update(data, plan.actor_update, [old, kl_ref, data.scatter(actor.dp, loss_fields(batch, plan))],
                                        seed=step, on_policy=on_policy, rollout_is=plan.rollout_is)
                     if on_policy:  # the update's own old log-probs: the IS metrics (its ranks applied the weights)
                         res, batch.old_log_probs, ent = res[0], (res[1] or {}).get("old_log_probs"), res[2]
