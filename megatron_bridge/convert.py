@@ -27,7 +27,6 @@ All transforms are pure copies and concatenations, so HF -> megatron -> HF is bi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Callable, Iterator
@@ -35,47 +34,7 @@ from typing import Callable, Iterator
 import torch
 
 from megatron_bridge.hf_config import HFModelConfig, padded_vocab_size, pipeline_layout
-
-# ---------------------------------------------------------------------------------------------------
-# HF checkpoint reading
-
-
-class HFCheckpoint:
-    """Lazy reader over ``*.safetensors`` in a directory (single file, or sharded with an index)."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
-        self.path = path
-        idx = os.path.join(path, "model.safetensors.index.json")
-        self.where: dict[str, str] = {}
-        if os.path.exists(idx):
-            with open(idx, encoding="utf-8") as f:
-                self.where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors in {path}")
-            for fn in files:
-                with safe_open(os.path.join(path, fn), framework="pt") as f:
-                    for k in f.keys():
-                        self.where[k] = os.path.join(path, fn)
-        self._handles: dict[str, object] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def keys(self):
-        return self.where.keys()
-
-    def get(self, name: str) -> torch.Tensor:
-        fn = self.where[name]
-        h = self._handles.get(fn)
-        if h is None:
-            h = self._handles[fn] = self._safe_open(fn, framework="pt")
-        return h.get_tensor(name)
-
+from trainer.hf_io import SafetensorsDir as HFCheckpoint  # the shared safetensors reader, by its bridge name
 
 # ---------------------------------------------------------------------------------------------------
 # names

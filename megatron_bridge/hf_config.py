@@ -10,10 +10,11 @@ RMSNorm on q and k (``qk_layernorm``) and no qkv bias; Llama has neither (``atte
 put a bias on o_proj too, which megatron cannot express separately from the MLP biases, so it is
 refused). Any number of key/value heads that divides the query heads is accepted (GQA/MQA).
 
-RoPE inverse frequencies are computed here with the exact float32 arithmetic of ``transformers``
-(``modeling_rope_utils``) for the types ``default``, ``linear`` and ``llama3``; other types (yarn,
-longrope, dynamic) change the attention scale or depend on the sequence length and are refused
-rather than silently approximated.
+``config.json`` is read by :mod:`trainer.hf_io` (the reader the rollout engines use too, so a
+checkpoint loads in both or in neither); RoPE inverse frequencies come from
+:func:`trainer.hf_io.rope_inv_freq` (``default``, ``linear``, ``llama3``, bit-identical to
+``transformers``). On top of what that reader refuses, :func:`read_hf_config` refuses Llama / Qwen3
+``attention_bias`` and Llama ``mlp_bias``, which the native engine runs but megatron cannot place.
 
 Vocabulary padding: megatron splits the embedding and output rows evenly over tensor-parallel ranks,
 so the vocabulary is padded with zero rows to a multiple of ``lcm(vocab_multiple, tp)``
@@ -24,153 +25,43 @@ rows never reach a probability: :mod:`megatron_bridge.logprobs` masks them out o
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass
-class HFModelConfig:
-    """The subset of a HF decoder config the bridge needs, normalised across families."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_parameters: dict = field(default_factory=dict)  # full HF rope dict (type, factor, ...)
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    max_position_embeddings: int = 4096
-    raw: dict = field(default_factory=dict)  # the config.json as read, written back on export
-
-    @property
-    def rope_type(self) -> str:
-        return self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
-
-
-def _get(d: dict, *keys, default=None):
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    return default
+from trainer.hf_io import (  # noqa: F401  (re-exported: the bridge's names for the shared reader)
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    UnsupportedConfig,
+    read_config,
+    rope_inv_freq,
+)
+from trainer.hf_io import ArchConfig as HFModelConfig
 
 
 def read_hf_config(src: str | os.PathLike | dict) -> HFModelConfig:
-    """Parse ``config.json`` (a directory, a file path, or an already-loaded dict)."""
-    if isinstance(src, dict):
-        raw = dict(src)
-    else:
-        path = os.path.join(src, "config.json") if os.path.isdir(src) else src
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    mt = raw.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {mt!r} not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    heads = int(raw["num_attention_heads"])
-    kv = int(_get(raw, "num_key_value_heads", default=heads))
-    if heads % kv:
-        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
-    head_dim = int(_get(raw, "head_dim", default=raw["hidden_size"] // heads))
-
-    # RoPE: transformers >= 5 writes ``rope_parameters`` (with rope_theta inside); older configs have
-    # a top-level ``rope_theta`` and an optional ``rope_scaling`` dict. Accept both.
-    rope = dict(_get(raw, "rope_parameters", "rope_scaling", default={}) or {})
-    if "rope_type" not in rope:
-        rope["rope_type"] = rope.get("type", "default")
-    theta = float(_get(rope, "rope_theta", default=_get(raw, "rope_theta", default=10000.0)))
-    rope["rope_theta"] = theta
-    if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
-    if rope["rope_type"] == "llama3":
-        rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
-    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise NotImplementedError(f"rope type {rope['rope_type']!r} not supported; use one of {SUPPORTED_ROPE_TYPES}")
-
-    if raw.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {raw.get('hidden_act')!r}: only SwiGLU (silu) is supported")
-    if raw.get("use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention is not supported")
-    if raw.get("mlp_bias", False):
-        raise NotImplementedError("mlp_bias=True is not supported")
-
-    if mt == "qwen2":
-        qkv_bias = True  # Qwen2 always carries q/k/v biases (and none on o_proj)
-    else:
-        qkv_bias = False
-        if raw.get("attention_bias", False):
-            # Llama/Qwen3 attention_bias puts a bias on o_proj too; megatron ties that switch to the
-            # MLP biases (add_bias_linear), so it cannot be represented faithfully.
-            raise NotImplementedError(f"{mt} with attention_bias=True is not supported")
-
-    return HFModelConfig(
-        model_type=mt,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
-        rope_theta=theta,
-        rope_parameters=rope,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_norm=(mt == "qwen3"),
-        max_position_embeddings=int(_get(raw, "max_position_embeddings", default=4096)),
-        raw=raw,
-    )
+    """:func:`trainer.hf_io.read_config` (a directory, a file path, or a loaded dict), refusing as
+    well the biases this bridge does not map: Llama / Qwen3 ``attention_bias`` puts a bias on o_proj,
+    Llama ``mlp_bias`` on gate/up/down, and megatron's one switch for those (``add_bias_linear``) puts
+    biases on all four together."""
+    cfg = read_config(src)
+    if cfg.o_bias:
+        raise UnsupportedConfig(f"config.json: {cfg.model_type} with attention_bias=True (a bias on o_proj) is not "
+                                f"supported by the megatron bridge (megatron's add_bias_linear ties it to MLP biases); "
+                                f"the native engine runs it, the trainer cannot: use a checkpoint without it")
+    if cfg.mlp_bias:
+        raise UnsupportedConfig("config.json: mlp_bias=True is not supported by the megatron bridge (megatron's "
+                                "add_bias_linear ties MLP biases to an o_proj bias); the native engine runs it, the "
+                                "trainer cannot: use a checkpoint without it")
+    return cfg
 
 
 def padded_vocab_size(vocab_size: int, tp: int, vocab_multiple: int = 128) -> int:
     """Smallest multiple of ``lcm(vocab_multiple, tp)`` that holds ``vocab_size`` rows."""
     m = math.lcm(int(vocab_multiple), int(tp))
     return ((vocab_size + m - 1) // m) * m
-
-
-def rope_inv_freq(cfg: HFModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies ``[head_dim // 2]`` (float32), bit-identical to ``transformers``.
-
-    default: inv_freq_i = 1 / theta^(2i / d)
-    linear:  inv_freq_i / factor                          (position interpolation)
-    llama3:  per-band rescaling of Llama 3.1: long wavelengths divided by ``factor``, short ones
-             unchanged, and a linear blend in between (smooth = (L / wavelen - lo) / (hi - lo)).
-    """
-    p = cfg.rope_parameters
-    d = cfg.head_dim
-    base = float(cfg.rope_theta)
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
-    kind = cfg.rope_type
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / float(p["factor"])
-    if kind == "llama3":
-        factor = p["factor"]
-        lo, hi = p["low_freq_factor"], p["high_freq_factor"]
-        old = p["original_max_position_embeddings"]
-        lo_wav, hi_wav = old / lo, old / hi
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > lo_wav, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < hi_wav) * ~(wavelen > lo_wav)
-        return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(kind)
 
 
 def pipeline_layout(num_layers: int, pp: int, pp_layers: list[int] | None) -> list[int]:

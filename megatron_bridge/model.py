@@ -11,7 +11,7 @@ Two changes to the stock ``GPTModel``, both small and local to this file:
   length alone, so every row of a batch is rotated as if it started at position 0 of the padded
   tensor: a left-padded prompt, or the second sequence of a packed row, gets the wrong angles. Here
   the rotary module computes ``angle[b, t] = position_ids[b, t] * inv_freq`` per token (the HF
-  formula, with the HF inverse frequencies from :func:`hf_config.rope_inv_freq`), so positions
+  formula, with the HF inverse frequencies from :func:`trainer.hf_io.rope_inv_freq`), so positions
   restart at every sequence. With a real THD ``PackedSeqParams`` (TE on GPU) megatron restarts the
   positions itself from ``cu_seqlens`` and the plain table is returned.
 * **Critic value head.** ``value_head=True`` replaces the vocabulary output layer by a
@@ -28,9 +28,9 @@ from megatron_bridge.hf_config import (
     HFModelConfig,
     padded_vocab_size,
     pipeline_layout,
-    rope_inv_freq,
     transformer_config_kwargs,
 )
+from trainer.hf_io import rope_inv_freq
 
 try:  # megatron-core is an install requirement; this module is the bridge's only entry to it
     from megatron.core import parallel_state as ps

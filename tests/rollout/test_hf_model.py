@@ -172,12 +172,12 @@ def test_rope_inv_freq_matches_transformers(scaling):
 
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=512)
     ours = ModelConfig.from_hf_dict(cfg.to_dict())
-    inv, scale = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+    inv = rope_inv_freq(ours)  # trainer.hf_io's, re-exported; no supported type scales the attention
     if scaling is None:
-        ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+        ref, scale = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128)), 1.0
     else:
-        ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg)
-    assert scale == 1.0
+        ref, scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg)
+    assert scale == 1.0  # HF's attention factor: 1 for every supported type, so ours has none
     assert torch.allclose(inv, ref, rtol=1e-6, atol=0)
     if scaling and scaling["rope_type"] == "llama3":
         # The recipe must actually bend the spectrum: the lowest frequency is divided by `factor`,

@@ -8,34 +8,26 @@ HF_DIR; ``--chat`` wraps it as one user message with the chat template). Other k
 output line is the input line plus ``response_ids``, ``logprobs`` (per response token, under
 ``log_softmax(logits / T)``; see :mod:`trainer.rollout.engine`) and ``finish_reason``; with ``--n > 1``
 there is one output line per sample, with ``sample_index``. When a tokenizer was loaded, ``response``
-holds the decoded text. Temperature 0 is greedy. Stop tokens default to the model's EOS ids
-(generation_config.json, then config.json, then the tokenizer); ``--stop-token-ids`` overrides.
+holds the decoded text. Temperature 0 is greedy. Stop tokens default to the model's EOS ids, the
+trainer's rule (:func:`trainer.hf_io.stop_token_ids`: the union of the tokenizer's, generation_config.json's
+and config.json's); ``--stop-token-ids`` overrides.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
+from trainer.hf_io import stop_token_ids
 from trainer.rollout.engine import SamplingParams
 from trainer.rollout.native import NativeEngine
 
 
-def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    for fname in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, fname)
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return [int(tokenizer.eos_token_id)]
-    return []
+# The shared stop-id rule under the name trainer.serve and the native server import.
+eos_token_ids = stop_token_ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise SystemExit(f"line {i + 1}: needs 'prompt_ids' or 'prompt'")
     if a.stop_token_ids is None:
-        stop = eos_token_ids(a.model, tokenizer)
+        stop = stop_token_ids(a.model, tokenizer)
     else:
         stop = [int(t) for t in a.stop_token_ids.split(",") if t.strip()]
     params = SamplingParams(

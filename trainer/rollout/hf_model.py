@@ -1,7 +1,8 @@
 """A plain-torch Llama / Qwen2 / Qwen3 decoder for inference, loaded from HF checkpoints.
 
 This is the native engine's model. It needs no transformers model code and no megatron; it reads
-``config.json`` and ``*.safetensors`` from a local directory and computes the same function as the
+``config.json`` and ``*.safetensors`` from a local directory through :mod:`trainer.hf_io` (the
+readers the trainer's megatron bridge uses too) and computes the same function as the
 HF classes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``):
 
     x_0     = E[tokens]
@@ -15,10 +16,8 @@ HF classes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``):
           k (before RoPE); Qwen2 has q/k/v biases; RoPE rotates q, k by position (Su et al. 2021,
           "RoFormer"); softmax(q k^T / sqrt(head_dim)) causal.
 
-RoPE inverse frequencies: ``theta ** (-2i / d)``, then per ``rope_scaling``:
-``linear`` divides them by ``factor`` (Chen et al. 2023, position interpolation); ``llama3`` divides
-the low frequencies by ``factor``, keeps the high ones and blends in between (Meta's Llama 3.1 recipe).
-Other types (dynamic, yarn, longrope, ...) raise.
+RoPE inverse frequencies: :func:`trainer.hf_io.rope_inv_freq` (``default``, ``linear`` (Chen et al.
+2023, position interpolation), ``llama3``; other types are refused when the config is read).
 
 Storage deviates from HF's layout for speed, not in value: q/k/v are one fused ``[(H+2K)*D, hidden]``
 matrix and gate/up one ``[2*I, hidden]`` matrix, so a layer does 4 matmuls instead of 7. The HF names
@@ -45,128 +44,14 @@ CPU kernel for its dtype).
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str  # llama | qwen2 | qwen3
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
-    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
-    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., params}; {} = default
-    max_position_embeddings: int = 2048
-    eos_token_id: tuple[int, ...] = ()  # from config.json; engines use it only as a CLI default
-
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Parse an HF ``config.json`` (transformers v4 or v5 field names)."""
-        mt = d.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} is not supported by the native engine; supported: {SUPPORTED_MODEL_TYPES}")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
-        if d.get("use_sliding_window", False):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-        heads = d["num_attention_heads"]
-        kv = d.get("num_key_value_heads") or heads
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        if heads % kv:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-        # transformers v5 keeps rope_theta inside rope_parameters; v4 has rope_theta + rope_scaling.
-        rp = dict(d.get("rope_parameters") or {})
-        if "full_attention" in rp and isinstance(rp["full_attention"], dict):  # per-layer-type v5 form
-            rp = dict(rp["full_attention"])
-        rs = dict(d.get("rope_scaling") or {})
-        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = {**rs, **rp}
-        scaling.pop("rope_theta", None)
-        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-        scaling.pop("type", None)
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported by the native engine; supported: {SUPPORTED_ROPE_TYPES}")
-        if scaling.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
-        if rope_type == "llama3":
-            scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
-        scaling["rope_type"] = rope_type
-        attn_bias = bool(d.get("attention_bias", False))
-        eos = d.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        return cls(
-            model_type=mt,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=True if mt == "qwen2" else attn_bias,
-            o_bias=False if mt == "qwen2" else attn_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,
-            qk_norm=mt == "qwen3",
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            eos_token_id=eos,
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale (1.0 for these types)."""
-    rope_type = scaling.get("rope_type", "default")
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
-    if rope_type == "default":
-        return inv, 1.0
-    if rope_type == "linear":
-        return inv / scaling["factor"], 1.0
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        # Long wavelengths (low frequencies, beyond old_len / lo) are interpolated by `factor`; short
-        # ones (below old_len / hi) are kept; in between, a linear blend in old_len / wavelen.
-        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        return torch.where(medium, blended, scaled), 1.0
-    raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+from trainer.hf_io import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, rope_inv_freq  # noqa: F401  (re-exported)
+from trainer.hf_io import ArchConfig as ModelConfig  # the engine's name for the shared config reader
+from trainer.hf_io import iter_safetensors as iter_checkpoint_tensors  # the engine's name for the shared reader
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -362,12 +247,12 @@ class CausalLM:
 
     # ---- rope tables -------------------------------------------------------------------------
     def _set_rope(self, max_len: int) -> None:
-        inv, scale = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        inv = rope_inv_freq(self.cfg)  # [D/2]; no supported type scales the attention (HF's factor is 1)
         pos = torch.arange(max_len, dtype=torch.int64).float()  # [L]
         freqs = pos[:, None] * inv[None, :]  # [L, D/2], fp32 like HF
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-        self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [L, D]
-        sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)  # [L, D]
+        self.cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [L, D]
+        sin = emb.sin().to(device=self.device, dtype=self.dtype)  # [L, D]
         half = sin.shape[-1] // 2
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [L, D] signed, see apply_rope
         self.rope_len = max_len
@@ -603,27 +488,3 @@ def decode_step(cfg: ModelConfig, weights: list[torch.Tensor | None], k_cache: l
                              keys_transposed=gemm_template).to(x.dtype)  # [B, K, G, D]
         x = mlp_residual(cfg, x + lin(a.reshape(B, H * D), wo, bo), ln2, w_gu, b_gu, w_down, b_down, lin=lin)
     return lin(rms_norm(x, norm, eps), head, None).float()
-
-
-def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) from a local HF checkpoint dir: ``model.safetensors``, a sharded
-    ``model.safetensors.index.json``, or (fallback) ``pytorch_model*.bin``."""
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if files:
-        for fname in files:
-            with safe_open(os.path.join(path, fname), framework="pt") as fh:
-                for name in fh.keys():
-                    yield name, fh.get_tensor(name)
-        return
-    bins = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin"))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
-    for fname in bins:
-        yield from torch.load(os.path.join(path, fname), map_location="cpu", weights_only=True).items()

@@ -68,7 +68,8 @@ Output and stop tokens (:func:`to_generation_output`)
     never runs on this path (we also send ``no_stop_trim=True``). Deviation from the native engine:
     SGLang also stops on the model's EOS ids from config.json and generation_config.json
     (configs/model_config.py ``_get_hf_eos_token_id`` ~1999) even when they are not in
-    ``stop_token_ids``; the trainer passes those ids as stop tokens anyway, so the two agree.
+    ``stop_token_ids``; the trainer passes those ids (:func:`trainer.hf_io.stop_token_ids`) as stop tokens anyway,
+    so the two agree.
 
 Weights (:meth:`SGLangEngine.update_weights`)
     HF names, as SGLang's ``load_weights`` takes them (models/qwen2.py ~219: it maps q/k/v and
@@ -119,7 +120,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import secrets
 import struct
@@ -130,6 +130,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.hf_io import SafetensorsDir, iter_safetensors, read_config
 from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, iter_buckets, tensor_digest
 
 SGLANG_VERSION = "0.5.21"
@@ -367,30 +368,22 @@ class TensorSpec:
 
 
 def read_checkpoint_index(model_path: str) -> tuple[dict[str, TensorSpec], frozenset[str]]:
-    """(name -> spec, names to skip) of an HF safetensors checkpoint, from file headers only.
+    """(name -> spec, names to skip) of an HF safetensors checkpoint, from file headers only
+    (:class:`trainer.hf_io.SafetensorsDir`; its config.json is read, and refused, as the trainer's).
 
     Skipped names, as the native engine skips them: rotary ``inv_freq`` buffers, and
     ``lm_head.weight`` of a tied-embedding model (the trainer's export leaves it out too).
     """
-    from safetensors import safe_open
-
-    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_path} has no *.safetensors files (the SGLang engine reads weight "
-                                f"names and shapes from them)")
-    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    tied = bool(cfg.get("tie_word_embeddings", False))
+    ck = SafetensorsDir(model_path)
+    tied = read_config(model_path).tie_word_embeddings
     specs: dict[str, TensorSpec] = {}
     skip = {"lm_head.weight"} if tied else set()
-    for fname in files:
-        with safe_open(os.path.join(model_path, fname), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    skip.add(name)
-                    continue
-                sl = f.get_slice(name)
-                specs[name] = TensorSpec(tuple(int(d) for d in sl.get_shape()), sl.get_dtype(), fname)
+    for name in ck.keys():
+        if name.endswith("rotary_emb.inv_freq"):
+            skip.add(name)
+            continue
+        shape, dtype = ck.spec(name)
+        specs[name] = TensorSpec(shape, dtype, ck.file_of(name))
     for name in skip:
         specs.pop(name, None)
     return specs, frozenset(skip)
@@ -476,19 +469,6 @@ def combine_digests(digests: Mapping[str, bytes]) -> str:
     for name in sorted(digests):
         total.update(digests[name])
     return total.hexdigest()
-
-
-def checkpoint_tensors(model_path: str, specs: Mapping[str, TensorSpec], names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read the named tensors from the checkpoint, one file open at a time."""
-    from safetensors import safe_open
-
-    by_file: dict[str, list[str]] = {}
-    for n in names:
-        by_file.setdefault(specs[n].file, []).append(n)
-    for fname, ns in sorted(by_file.items()):
-        with safe_open(os.path.join(model_path, fname), framework="pt") as f:
-            for n in ns:
-                yield n, f.get_tensor(n)
 
 
 def default_probe_names(names: Iterable[str]) -> list[str]:
@@ -779,7 +759,7 @@ class SGLangEngine(RolloutEngine):
             raise RuntimeError(f"{len(unverified)} weights (e.g. {unverified[0]!r}) were broadcast without digests; "
                                f"their contents cannot be vouched for")
         missing = [n for n in self.specs if n not in self._digests]
-        for name, t in checkpoint_tensors(self.model_path, self.specs, missing):
+        for name, t in iter_safetensors(self.model_path, missing):
             self._digests[name] = tensor_digest(name, t, self.dtype)
         return combine_digests({n: self._digests[n] for n in self.specs})  # type: ignore[misc]
 
@@ -796,7 +776,7 @@ class SGLangEngine(RolloutEngine):
                 continue  # never seen here; its digest vouches for it instead
             want = self._probes.get(name)
             if want is None:
-                (_, t), = checkpoint_tensors(self.model_path, self.specs, [name])
+                (_, t), = iter_safetensors(self.model_path, [name])
                 want = probe_rows(t, 4, self.dtype)
             want = want[:rows]
             got = self.engine.get_weights_by_name(name, truncate_size=rows)

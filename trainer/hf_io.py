@@ -1,0 +1,384 @@
+"""Hugging Face checkpoint I/O shared by the trainer (megatron bridge) and the rollout engines.
+
+One reader per thing a local HF model directory holds, so that a checkpoint the engine loads is one
+the trainer loads, and the two stop on the same tokens:
+
+* ``config.json`` -> :class:`ArchConfig` (:func:`read_config`): a Llama / Qwen2 / Qwen3 decoder,
+
+      h   = x + o_proj(Attn(rope(norm_q(q_proj(n1(x)))), rope(norm_k(k_proj(n1(x)))), v_proj(n1(x))))
+      out = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))          (pre-norm RMSNorm, SwiGLU)
+
+  with any GQA ratio, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's
+  ``attention_bias`` / ``mlp_bias``. Field names of transformers v4 (``rope_theta`` +
+  ``rope_scaling``) and v5 (``rope_parameters``, also per layer type) are both read.
+* ``*.safetensors`` (:class:`SafetensorsDir`, :func:`iter_safetensors`): one ``model.safetensors``,
+  several files, or shards listed by ``model.safetensors.index.json`` (the index is authoritative).
+  Nothing else is read: ``pytorch_model*.bin`` is refused with the command that converts it.
+* stop tokens (:func:`stop_token_ids`): the union of the tokenizer's EOS, ``generation_config.json``'s
+  and ``config.json``'s ``eos_token_id``.
+
+RoPE (:func:`rope_inv_freq`). Rotary position embedding (Su et al. 2021, "RoFormer: Enhanced
+Transformer with Rotary Position Embedding", arXiv:2104.09864) rotates the pair of q/k channels
+``(i, i + d/2)`` (HF's "rotate_half" layout) of the token at position ``p`` by the angle
+``p * inv_freq_i``, ``i = 0 .. d/2 - 1``, ``d = head_dim``, with
+
+    default:  inv_freq_i = theta ** (-2i / d)
+    linear:   inv_freq_i = theta ** (-2i / d) / factor
+              (position interpolation: Chen et al. 2023, "Extending Context Window of Large Language
+              Models via Positional Interpolation", arXiv:2306.15595)
+    llama3:   per wavelength w_i = 2 pi / inv_i, L = original_max_position_embeddings:
+              w_i > L / low_freq_factor  -> inv_i / factor             (long wavelengths interpolated)
+              w_i < L / high_freq_factor -> inv_i                      (short ones kept)
+              otherwise                  -> (1 - s) inv_i / factor + s inv_i,
+                                            s = (L / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor)
+              (the frequency-dependent interpolation released with Llama 3.1, Grattafiori et al. 2024,
+              "The Llama 3 Herd of Models", arXiv:2407.21783; an instance of the "NTK-by-parts" idea of
+              Peng et al. 2023, "YaRN", arXiv:2309.00071, without YaRN's attention temperature)
+
+computed in float32 in the order ``transformers`` (``modeling_rope_utils``) uses, so the tables are
+bit-identical to the HF models'. None of these types scales the attention logits.
+
+Refused (:class:`UnsupportedConfig`, naming the field, the value and what to do), because neither
+the engine nor the bridge computes them: a ``model_type`` other than llama / qwen2 / qwen3; an
+activation other than silu; sliding-window attention (``use_sliding_window`` or a ``layer_types``
+entry other than ``full_attention``); RoPE types other than the three above (dynamic / yarn /
+longrope change the attention scale or depend on the sequence length) or with missing parameters;
+``partial_rotary_factor != 1``; quantized checkpoints (``quantization_config``); head counts that do
+not divide. A consumer may refuse more on top (the bridge: biases megatron cannot place, see
+:func:`megatron_bridge.hf_config.read_hf_config`).
+
+A leaf module: stdlib, torch and safetensors only (transformers is never needed), so both the
+megatron bridge and the engines import it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_REQUIRED = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class UnsupportedConfig(NotImplementedError, ValueError):
+    """A ``config.json`` asks for something this code does not compute. Both a ``ValueError`` (a bad
+    input) and a ``NotImplementedError`` (a missing feature), so either ``except`` catches it."""
+
+
+def _refuse(msg: str) -> UnsupportedConfig:
+    return UnsupportedConfig(f"config.json: {msg}")
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------------
+def load_config_json(src: str | os.PathLike) -> dict:
+    """The raw ``config.json`` dict of a model directory (or of a path to the file itself)."""
+    path = os.path.join(src, "config.json") if os.path.isdir(src) else os.fspath(src)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: a Hugging Face model directory needs a config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The architecture of a HF Llama / Qwen2 / Qwen3 decoder, normalised across families and
+    transformers versions. Build it with :func:`read_config` (or :meth:`from_hf_dict`)."""
+
+    model_type: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2: always; Llama/Qwen3: attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., params}; no rope_theta in it
+    max_position_embeddings: int = 2048
+    eos_token_id: tuple[int, ...] = ()  # config.json's; see stop_token_ids for the full stop set
+    torch_dtype: torch.dtype | None = None  # the checkpoint's declared dtype (None: not given / "auto")
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as read
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", "default")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ArchConfig":
+        return read_config(d)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ArchConfig":
+        return read_config(path)
+
+
+def _int_field(d: dict, key: str) -> int:
+    v = d.get(key)
+    if v is None:
+        raise _refuse(f"'{key}' is missing; a Llama / Qwen2 / Qwen3 config.json written by transformers has it")
+    return int(v)
+
+
+def _rope(d: dict, max_pos: int) -> tuple[float, dict]:
+    """(theta, scaling dict with rope_type) from v4 ``rope_theta`` + ``rope_scaling`` and/or v5
+    ``rope_parameters`` (flat, or per layer type: its ``full_attention`` entry); v5 wins on a clash."""
+    rp = dict(d.get("rope_parameters") or {})
+    if isinstance(rp.get("full_attention"), dict):
+        rp = dict(rp["full_attention"])
+    scaling = {**dict(d.get("rope_scaling") or {}), **rp}
+    theta = scaling.pop("rope_theta", None)
+    theta = float(d.get("rope_theta") or 10000.0) if theta is None else float(theta)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _refuse(f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}); it changes the "
+                      f"attention scale or depends on the sequence length. Use a checkpoint without that rope scaling")
+    prf = scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if prf is not None and float(prf) != 1.0:
+        raise _refuse(f"partial_rotary_factor={prf} is not supported (only full rotary, 1.0)")
+    if rope_type == "llama3":
+        scaling.setdefault("original_max_position_embeddings", max_pos)
+    lacking = [k for k in _ROPE_REQUIRED[rope_type] if scaling.get(k) is None]
+    if lacking:
+        raise _refuse(f"rope type {rope_type!r} needs {lacking} in rope_scaling / rope_parameters")
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def read_config(src: str | os.PathLike | dict) -> ArchConfig:
+    """Parse a ``config.json`` (a model directory, the file's path, or the loaded dict).
+
+    Raises :class:`UnsupportedConfig` for what neither the engine nor the bridge computes (see the
+    module docstring); each message names the field, its value and the fix.
+    """
+    d = dict(src) if isinstance(src, dict) else load_config_json(src)
+    mt = d.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise _refuse(f"model_type {mt!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}. Use a Llama / Qwen2 / "
+                      f"Qwen3 checkpoint")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    if d.get("use_sliding_window", False):
+        raise _refuse("sliding-window attention (use_sliding_window=true) is not supported; every layer must attend "
+                      "to the full context")
+    other = sorted({t for t in (d.get("layer_types") or []) if t != "full_attention"})
+    if other:
+        raise _refuse(f"layer_types {other} are not supported (sliding-window attention); only 'full_attention'")
+    if d.get("quantization_config"):
+        method = (d["quantization_config"] or {}).get("quant_method", "?")
+        raise _refuse(f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
+                      f"use the unquantized (bf16 / fp32) checkpoint")
+    heads = _int_field(d, "num_attention_heads")
+    hidden = _int_field(d, "hidden_size")
+    kv = int(d.get("num_key_value_heads") or heads)
+    if heads % kv:
+        raise _refuse(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    head_dim = int(d.get("head_dim") or hidden // heads)
+    max_pos = int(d.get("max_position_embeddings") or 2048)
+    theta, scaling = _rope(d, max_pos)
+    attn_bias = bool(d.get("attention_bias", False))
+    eos = d.get("eos_token_id")
+    eos = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    dt = d.get("torch_dtype") or d.get("dtype")
+    return ArchConfig(
+        model_type=mt,
+        vocab_size=_int_field(d, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int_field(d, "intermediate_size"),
+        num_layers=_int_field(d, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=True if mt == "qwen2" else attn_bias,  # Qwen2: q/k/v biases always, none on o_proj
+        o_bias=False if mt == "qwen2" else attn_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,  # Qwen MLPs have no bias
+        qk_norm=mt == "qwen3",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        eos_token_id=eos,
+        torch_dtype=_DTYPES.get(dt) if isinstance(dt, str) else None,
+        raw=d,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[head_dim // 2]`` (float32) of ``cfg`` (its ``head_dim``,
+    ``rope_theta`` and ``rope_scaling``), bit-identical to ``transformers``; formulas in the module
+    docstring."""
+    p, d = cfg.rope_scaling, cfg.head_dim
+    kind = p.get("rope_type", "default")
+    inv = 1.0 / (float(cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(p["factor"])
+    if kind == "llama3":
+        factor = p["factor"]
+        lo, hi = p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)  # long wavelengths interpolated
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, blended, scaled)
+    raise _refuse(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors
+# --------------------------------------------------------------------------------------------------
+class SafetensorsDir:
+    """The tensors of a HF checkpoint directory: ``model.safetensors``, several ``*.safetensors``, or
+    the shards a ``model.safetensors.index.json`` lists (then its ``weight_map`` is authoritative).
+
+    Random access (:meth:`get`, :meth:`spec` from the file header only) keeps one handle per file
+    open; :meth:`iter` opens one file at a time.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"{self.path} is not a directory (expected a Hugging Face checkpoint directory)")
+        self.where: dict[str, str] = {}  # tensor name -> file name (relative to path)
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                self.where = {k: v for k, v in json.load(f)["weight_map"].items()}
+        else:
+            files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+            if not files:
+                bins = sorted(f for f in os.listdir(self.path) if f.endswith(".bin") or f.endswith(".pt"))
+                hint = (f" It holds {bins[:3]}: re-save it as safetensors, e.g. AutoModelForCausalLM."
+                        f"from_pretrained(dir).save_pretrained(dir)." if bins else "")
+                raise FileNotFoundError(f"no *.safetensors in {self.path}: weights are read from safetensors "
+                                        f"only.{hint}")
+            from safetensors import safe_open
+
+            for fn in files:
+                with safe_open(os.path.join(self.path, fn), framework="pt") as fh:
+                    for k in fh.keys():
+                        self.where[k] = fn
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.where.values()))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def keys(self):
+        return self.where.keys()
+
+    def file_of(self, name: str) -> str:
+        return self.where[name]
+
+    def _handle(self, fn: str):
+        h = self._handles.get(fn)
+        if h is None:
+            from safetensors import safe_open
+
+            h = self._handles[fn] = safe_open(os.path.join(self.path, fn), framework="pt")
+        return h
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.where[name]).get_tensor(name)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, safetensors dtype string such as "BF16")`` of one tensor, from its file header."""
+        sl = self._handle(self.where[name]).get_slice(name)
+        return tuple(int(n) for n in sl.get_shape()), sl.get_dtype()
+
+    def iter(self, names: Collection[str] | Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)``, file by file (one open at a time), in each file's order. ``names``: a
+        collection of names (each must exist: KeyError here, before anything is read) or a predicate
+        on the name; None: every tensor."""
+        if names is None or callable(names):
+            return self._iter(names)
+        wanted = set(names)
+        unknown = sorted(wanted - self.where.keys())
+        if unknown:
+            raise KeyError(f"{self.path} has no tensor {unknown[0]!r} ({len(unknown)} of the requested names missing)")
+        return self._iter(wanted.__contains__)
+
+    def _iter(self, keep: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for fn in self.files:
+            with safe_open(os.path.join(self.path, fn), framework="pt") as fh:
+                for name in fh.keys():
+                    if self.where.get(name) == fn and (keep is None or keep(name)):
+                        yield name, fh.get_tensor(name)
+
+
+def iter_safetensors(path: str | os.PathLike,
+                     names: Collection[str] | Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of a checkpoint directory (see :class:`SafetensorsDir`), optionally only
+    ``names`` (a collection, or a predicate on the name). Raises FileNotFoundError right away when the
+    directory holds no safetensors."""
+    return SafetensorsDir(path).iter(names)
+
+
+# --------------------------------------------------------------------------------------------------
+# stop tokens
+# --------------------------------------------------------------------------------------------------
+def _eos_field(path: str) -> list[int]:
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        try:
+            eos = json.load(f).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
+def stop_token_ids(model_dir: str | os.PathLike, tokenizer=None) -> list[int]:
+    """The ids that end a response, sorted: the union of ``tokenizer.eos_token_id`` (when a tokenizer
+    is given), ``generation_config.json``'s ``eos_token_id`` (an int or a list) and ``config.json``'s.
+    Chat models often name their end-of-turn token in one place and the document end in another.
+    The trainer's sampler and every server use this one rule (SGLang itself also stops on the
+    config.json and generation_config.json ids, see :mod:`trainer.rollout.sglang_engine`)."""
+    ids: set[int] = set()
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is not None:
+        ids.add(int(eos))
+    for fname in ("generation_config.json", "config.json"):
+        ids.update(_eos_field(os.path.join(model_dir, fname)))
+    return sorted(ids)
