@@ -20,9 +20,9 @@ one call per step from ``trainer/main.py``:
   5. the advantages.
 
 ``evaluation_type=local`` serves a local HF model as the judge with ``python -m trainer.serve`` in a
-subprocess (:class:`LocalJudgeServer`): by default the actor's own initial checkpoint, or
-``attribution_driven_credit_assignment.local_model_path``. ``api`` talks to ``base_url`` with the key
-from the environment variable ``api_key_env`` (``DASHSCOPE_API_KEY`` as the seed recipe sets it).
+subprocess (:class:`trainer.rewards.judge_server.LocalJudgeServer`): by default the actor's own initial
+checkpoint, or ``attribution_driven_credit_assignment.local_model_path``. ``api`` talks to ``base_url`` with
+the key from the environment variable ``api_key_env`` (``DASHSCOPE_API_KEY`` as the seed recipe sets it).
 
 Metrics: the judge's (``adca/judge_*``; ``adca/judge_fallback_fraction`` = fallbacks / trajectories the
 judge was asked about) and the fusion's (``adca/good_fraction``, ``adca/prm_fraction``,
@@ -33,10 +33,6 @@ judge was asked about) and the fusion's (``adca/good_fraction``, ``adca/prm_frac
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
-import time
 from typing import Any, Sequence
 
 import torch
@@ -44,8 +40,7 @@ import torch
 from trainer.algos.adca import (compute_adca_grpo_advantage, num_steps_from_step_ids, outcome_zscore, prm_active,
                                 select_judge_samples)
 from trainer.batch import RolloutBatch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from trainer.rewards.judge_server import LocalJudgeServer
 
 
 def adca_active(cfg) -> bool:
@@ -147,71 +142,6 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_s
 # --------------------------------------------------------------------------------------------------
 # the judge
 # --------------------------------------------------------------------------------------------------
-class LocalJudgeServer:
-    """``python -m trainer.serve`` in a subprocess on 127.0.0.1 (a free port), for ``evaluation_type=local``.
-
-    Started before the first step; ``close()`` (or the ``with`` block) terminates it. Its output goes
-    to ``log_path`` so a failed start can be explained."""
-
-    def __init__(self, model_dir: str, *, log_path: str, max_seq_len: int = 4096, threads: int = 1,
-                 start_timeout: float = 180.0):
-        from trainer.serve import READY_PREFIX
-
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        self.log_path = log_path
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("COXSWAIN_API_KEY", None)  # a local judge: no key, bound to 127.0.0.1 only
-        cmd = [sys.executable, "-m", "trainer.serve", "--model", model_dir, "--port", "0", "--host", "127.0.0.1",
-               "--threads", str(threads), "--max-seq-len", str(max_seq_len), "--served-model-name", "local-judge"]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.base_url = None
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self._log.write(line)
-            if line.startswith(READY_PREFIX):
-                self.base_url = line[len(READY_PREFIX):].split()[0]
-                break
-        self._log.flush()
-        if self.base_url is None:
-            self.close()
-            raise RuntimeError(f"the local judge server (trainer.serve --model {model_dir}) did not start within "
-                               f"{start_timeout:.0f}s; its output is in {log_path}")
-        # Keep draining its output into the log so the pipe never fills.
-        threading.Thread(target=self._drain, daemon=True, name="coxswain-judge-log").start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self._log.write(line)
-                self._log.flush()
-            except ValueError:  # closed
-                return
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        try:
-            self._log.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
 def make_judge(cfg, run_dir: str) -> tuple[Any, LocalJudgeServer | None]:
     """``(JudgeClient, server or None)`` from the config; the caller closes the server."""
     from trainer.rewards.judge import JudgeClient

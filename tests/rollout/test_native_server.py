@@ -1,6 +1,6 @@
 """The SGLang-protocol pure functions, both sides: the server's request parsing and response building
-(``trainer.rollout.native_server``) and the fleet client's payloads and response parsing
-(``trainer.rollout.fleet``), against the shapes of SGLang v0.5.8 written out by hand here (from
+(``trainer.serving.sglang_native``, the weight codec ``trainer.serving.wire``) and the fleet client's
+payloads and response parsing (``trainer.rollout.fleet``), against the shapes of SGLang v0.5.8 written out by hand here (from
 ``io_struct.GenerateReqInput``, ``sampling_params.SamplingParams``, ``schedule_batch`` finish reasons and
 ``tokenizer_manager``'s meta_info), and against each other. No process, no model.
 """
@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.rollout.fleet import (FleetError, generate_payload, parse_generate_response, parse_output, prompt_seed,
                                    sglang_sampling_params)
-from trainer.rollout.native_server import (ProtocolError, finish_reason_json, generate_response, output_json,
-                                           parse_generate_request, parse_sampling_params,
-                                           parse_update_weights_from_tensor, safetensors_to_tensors,
-                                           tensors_to_safetensors)
+from trainer.serving.sglang_native import (ProtocolError, finish_reason_json, generate_response, output_json,
+                                           parse_generate_request, parse_sampling_params)
+from trainer.serving.wire import parse_update_weights_from_tensor, safetensors_to_tensors, tensors_to_safetensors
 
 V, SEQ, EOS = 16, 64, (1,)
 

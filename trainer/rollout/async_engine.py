@@ -1,8 +1,8 @@
 """An asyncio front for a (synchronous, not thread-safe) rollout engine: many callers, batched calls.
 
 Callers ``await batcher.submit(prompt_ids, sampling_params)`` from any number of coroutines (HTTP
-handlers in :mod:`trainer.serve` and :mod:`trainer.rollout.native_server`, trajectories of the
-multi-turn agent loop). One batcher task takes the first waiting item, waits until no new item has
+handlers of the servers in :mod:`trainer.serving`, whose skeleton starts and stops the batcher;
+trajectories of the multi-turn agent loop). One batcher task takes the first waiting item, waits until no new item has
 arrived for ``wait_s`` (at most ``max_wait_s`` in all: a burst of requests arrives over many
 connections or coroutines), drains the queue up to ``max_batch_samples`` samples, and runs ONE
 ``engine.generate`` call for them in a single worker thread (the engine runs one call at a time; the

@@ -22,7 +22,7 @@ where ``logits_t`` are the model's raw next-token logits at step t, ``T`` the sa
 
 Weight sync is checked with :func:`checksum_named_tensors`, a pure function that both sides compute:
 the engine over the weights it holds (:meth:`RolloutEngine.weights_checksum`), the trainer over the
-HF-named stream it sends.
+HF-named stream it sends; a mismatch (or a failed push) is a :class:`WeightSyncError`, whoever checks.
 """
 
 from __future__ import annotations
@@ -163,6 +163,11 @@ def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) 
     h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
     h.update(_tensor_bytes(t))
     return h.digest()
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed: a push did not arrive, or an engine's (or a rank's) weights differ from the
+    source's after it (:func:`checksum_named_tensors` disagrees)."""
 
 
 def checksum_named_tensors(

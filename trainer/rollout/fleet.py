@@ -27,7 +27,7 @@ router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={})``
 retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=False)``
     Usable without a :class:`Fleet`, e.g. against real SGLang servers behind a router on GPU: the
     generate path speaks only SGLang's native ``/generate`` (v0.5.8 shapes, see
-    :mod:`trainer.rollout.native_server`).
+    :mod:`trainer.serving.sglang_native`).
     * ``generate(prompts, params)``: one ``/generate`` request per prompt (``n`` samples each) through
       the router, at most ``max_concurrency`` in flight; returns ``out[i][j]``. Blocking; call it from
       a thread that is not running an event loop.
@@ -35,10 +35,12 @@ retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=F
       loop (the multi-turn agent loop); requests run on the client's own loop thread.
     * ``update_weights(named_tensors, *, dtype=None, ignore=None, weight_version=None)``: drain (new
       requests wait, in-flight ones finish), push the (HF name, tensor) stream in buckets of
-      ``bucket_bytes`` to every worker (``POST /update_weights_from_tensor``, a safetensors blob), then
+      ``bucket_bytes`` to every worker (``POST /update_weights_from_tensor``, a safetensors blob:
+      :mod:`trainer.serving.wire`), then
       check that every worker's ``GET /weights_checksum`` equals :func:`checksum_named_tensors` of the
       stream (cast to the workers' dtype; ``lm_head.weight`` ignored for tied models); raises
-      :class:`WeightSyncError` naming the worker otherwise. Returns the names pushed.
+      :class:`~trainer.rollout.engine.WeightSyncError` (a ``RuntimeError``, not a :class:`FleetError`)
+      naming the worker otherwise. Returns the names pushed.
       A push that meets a dead worker raises too (push again once the fleet has restarted it).
     * ``weights_checksum()``: the workers' common checksum (:class:`WeightSyncError` if they differ);
       ``verify_weights(expected, urls=None)`` checks them against a given one; ``expected_checksum``
@@ -86,7 +88,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -98,21 +99,20 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, checksum_named_tensors,
-                                    iter_buckets)
+from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError,
+                                    checksum_named_tensors, iter_buckets)
+from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as SERVER_READY_PREFIX
+from trainer.serving.net import free_port, ready_url
+from trainer.serving.wire import WEIGHTS_CONTENT_TYPE, tensors_to_safetensors
 
 log = logging.getLogger(__name__)
 
-SERVER_READY_PREFIX = "coxswain-native-server: listening on "  # trainer.rollout.native_server.READY_PREFIX
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class FleetError(RuntimeError):
-    """A request the fleet could not serve (retries spent, or the request itself was refused)."""
-
-
-class WeightSyncError(FleetError):
-    """A weight push failed, or a worker's weights differ from the source's after it."""
+    """A request the fleet could not serve (retries spent, or the request itself was refused). A weight
+    push that fails raises :class:`~trainer.rollout.engine.WeightSyncError` instead (imported here)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class FleetClient(RolloutEngine):
     async def _post_blob(self, url: str, blob: bytes, weight_version: str | None) -> None:
         q = f"?weight_version={weight_version}" if weight_version is not None else ""
         async with self._session.post(url + "/update_weights_from_tensor" + q, data=blob,
-                                      headers={"Content-Type": "application/octet-stream"},
+                                      headers={"Content-Type": WEIGHTS_CONTENT_TYPE},
                                       timeout=self._timeout(self.request_timeout_s)) as r:
             body = await r.read()
             if r.status != 200:
@@ -382,11 +382,6 @@ class FleetClient(RolloutEngine):
     async def _checksums(self, urls: Sequence[str]) -> dict[str, str]:
         sums = await asyncio.gather(*(self._get_json(u + "/weights_checksum", timeout=self.request_timeout_s) for u in urls))
         return {u: s["checksum"] for u, s in zip(urls, sums)}
-
-    def _encode(self, bucket: list[tuple[str, torch.Tensor]]) -> bytes:
-        from trainer.rollout.native_server import tensors_to_safetensors
-
-        return tensors_to_safetensors(bucket)
 
     def server_info(self, url: str | None = None) -> dict:
         return self._call(self._get_json((url or self.worker_urls[0]) + "/server_info"))
@@ -417,7 +412,7 @@ class FleetClient(RolloutEngine):
             def pushed():
                 # Each bucket goes to every worker, then its tensors are hashed: one bucket in memory.
                 for bucket in iter_buckets(((n, t) for n, t in named_tensors if n not in ignore), self.bucket_bytes):
-                    self._call(self._push(urls, self._encode(bucket), weight_version))
+                    self._call(self._push(urls, tensors_to_safetensors(bucket), weight_version))
                     names.extend(n for n, _ in bucket)
                     yield from bucket
 
@@ -457,12 +452,6 @@ while child.poll() is None:
     time.sleep(0.5)
 sys.exit(child.wait())
 """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -609,8 +598,9 @@ class Fleet:
         while time.monotonic() < deadline:
             with open(path, encoding="utf-8", errors="replace") as f:
                 for line in f:
-                    if line.startswith(SERVER_READY_PREFIX):
-                        return _Server(k, proc, line[len(SERVER_READY_PREFIX):].split()[0], path, generation=generation)
+                    url = ready_url(line, SERVER_READY_PREFIX)
+                    if url is not None:
+                        return _Server(k, proc, url, path, generation=generation)
             if proc.poll() is not None:
                 break
             time.sleep(0.05)
@@ -735,7 +725,7 @@ class Fleet:
                 with urllib.request.urlopen(peer + "/weights_safetensors", timeout=600) as r:
                     blob = r.read()
                 req = urllib.request.Request(url + "/update_weights_from_tensor", data=blob, method="POST",
-                                             headers={"Content-Type": "application/octet-stream"})
+                                             headers={"Content-Type": WEIGHTS_CONTENT_TYPE})
                 with urllib.request.urlopen(req, timeout=600) as r:
                     r.read()
                 self.client.verify_weights(expected, [url])
