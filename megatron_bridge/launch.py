@@ -19,7 +19,6 @@ import datetime
 import os
 import pickle
 import queue as _queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -31,10 +30,10 @@ from megatron_bridge import cpu_shims
 
 
 def find_free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (``trainer.serving.net.free_port``)."""
+    from trainer.serving.net import free_port
+
+    return free_port()
 
 
 def default_backend() -> str:

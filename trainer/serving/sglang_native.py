@@ -48,8 +48,8 @@ runs as top_k = 1 at T = 1: the log-probs are then at T = 1, as the native engin
 only shape the text and are accepted; penalties, ``min_p``, ``min_new_tokens``, ``logit_bias``, stop
 strings / regexes and constrained decoding must stay at their defaults (400 otherwise). An unknown key
 is a 400 (SGLang's ``SamplingParams(**d)`` raises too). Stops, as in SGLang's ``check_finished``: the
-response ends on any of ``stop_token_ids`` or the model's EOS ids (generation_config / config
-``eos_token_id``); ``ignore_eos: true`` turns ALL token stops off, the listed ones included.
+response ends on any of ``stop_token_ids`` or the model's EOS ids (``trainer.hf_io.stop_token_ids``:
+the tokenizer's, generation_config's and config's ``eos_token_id``, the trainer's own rule); ``ignore_eos: true`` turns ALL token stops off, the listed ones included.
 
 /generate response: one object for one prompt with ``n == 1``, else a list of ``len(prompts) * n``
 objects, prompt-major (prompt 0's n samples first), as SGLang returns them:
