@@ -39,9 +39,9 @@ with fp32 main params, grads and Adam state, the attention kernel in fp32 on CPU
 ``torch.compile`` of the actor's model chunk, and the rollout engine in bf16 with its decode step
 compiled, ``engine_kwargs.compile_decode``, with inductor's C++ wrapper,
 ``engine_kwargs.compile_options.cpp_wrapper``, its matmuls on inductor's C++ GEMM template,
-``engine_kwargs.decode_gemm=cpp``). Every pass trims the
-batch's all-padding columns (prompts are padded to ``data.max_prompt_length``; TRL pads to the
-longest prompt of its batch, so both compute over the same widths).
+``engine_kwargs.decode_gemm=cpp``). Coxswain's batch is as wide as its longest prompt and response
+and each data-parallel shard is trimmed to its own; TRL pads to the longest prompt of its batch, so
+both compute over the same widths.
 With one mini-batch and one PPO epoch the update is on-policy, so Coxswain runs no separate old-log-prob
 forward (its update takes its own detached log-probs, exactly as TRL does with ``num_iterations=1``,
 ``beta=0``). TRL 1.16:
