@@ -19,8 +19,9 @@ Shape of the flow (slime's per-DP ``ray.put``, verl's TransferQueue idea, at the
   out the same way: ``StepData.scatter(dp, fields)`` puts one ``{field: ndarray}`` per shard.
 
 ``Transport`` is Ray's object store, or (``trainer.debug.in_process``) the identity, and counts the
-bytes that pass through the driver in each direction (``dataplane/*`` metrics,
-``benchmarks/bench_dataplane.py``).
+bytes of the training side that pass through the driver in each direction (``dataplane/*`` metrics,
+``benchmarks/bench_dataplane.py``). Generation outputs are not in them: the driver scores the
+rollouts, so they come to it by design.
 """
 
 from __future__ import annotations
