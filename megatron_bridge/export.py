@@ -1,7 +1,7 @@
 """Export megatron-core weights, from any TP/PP layout, in Hugging Face naming.
 
 :func:`iter_hf_weights` streams ``(hf_name, full tensor)`` pairs in buckets of about
-``bucket_bytes``: the API the resharding manager uses to feed rollout engines. It is collective
+``bucket_bytes``: the API the rollout's weight sync (``trainer.workers.rollouts``) uses to feed engines. It is collective
 over the model-parallel group (every TP and PP rank must iterate it), and it gathers **one
 parameter at a time**: the owning pipeline stage all-gathers the parameter's TP shards, merges them
 (:func:`convert.tp_merge`), splits it into HF tensors (:func:`convert.canonical_to_hf`) and

@@ -195,7 +195,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = 64  # responses per old-log-prob forward on one rank
     log_prob_use_dynamic_bsz: bool = False  # pack old-log-prob micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = 16384  # token budget per old-log-prob micro-batch
-    update_weights_bucket_megabytes: int = 512  # resharding bucket size in MiB
+    update_weights_bucket_megabytes: int = 512  # weight-sync bucket size in MiB (actor -> rollout engines)
     num_engines: int = 0  # rollout engines (workers) in the fleet; 0 = one per device when colocated (world / rollout TP), 1 split
     generate_threads: int = 0  # CPU torch threads per engine while generating; 0 = 1 (more only on idle cores)
     seed: int = 0  # sampling seed

@@ -10,7 +10,7 @@ memory is one bucket's TP/PP gather, as before.
 
 Verification stays exact and per rank: each rank hashes what it streamed (``tensor_digest`` cast to
 the engine's dtype, the same rounding as the engine's ``copy_``) and its engine's own checksum of
-what it holds (``checksum_named_tensors`` over the engine's tensors); the resharding manager requires
+what it holds (``checksum_named_tensors`` over the engine's tensors); ``HybridRollout.sync_from`` requires
 the two to match on every rank, and all ranks' streams to match each other (replicas that diverged
 would otherwise sample from different policies).
 
