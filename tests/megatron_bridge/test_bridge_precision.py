@@ -179,4 +179,9 @@ def test_fused_adam_is_torch_adamw(tmp_path):
         assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a, b)
     moved = max(float(abs(ref["params"][n] - ref["init"][n]).max()) for n in ref["params"])
     worst = max(float(abs(fused["params"][n] - ref["params"][n]).max()) for n in ref["params"])
-    assert moved > 1e-2 and worst < 1e-5, (moved, worst)
+    # Rounding: where a gradient is tiny, m / (sqrt(v) + eps) amplifies the kernels' different FMA
+    # order; seen up to 1.6e-5 on an AMD EPYC (under 1e-5 on Sapphire Rapids). A wrong rule is far
+    # larger: the decoupled weight decay alone moves the largest weight by 4 * lr * wd * |w| over
+    # these 4 steps, and a missing bias correction scales the first update by 10.
+    decay = 4 * 1e-2 * 0.1 * max(float(abs(v).max()) for v in ref["init"].values())
+    assert moved > 1e-2 and worst < min(5e-5, decay / 10), (moved, worst, decay)
