@@ -61,6 +61,9 @@ def test_multi_turn_through_the_fleet_equals_the_in_worker_agent_loop(tmp_path):
                          dtype="float32", tokenizer_path=None, log_dir=str(tmp_path / "logs"))
     try:
         remote = fleet.play(tasks, params, mt)
+        # the Rollout protocol's view of the fleet: one checksum per server, all the same start weights
+        sums = fleet.engine_checksums()
+        assert len(sums) == 2 and len(set(sums)) == 1 and len(set(fleet.pids())) == 2
     finally:
         fleet.shutdown()
     assert len(local) == len(remote) == 6

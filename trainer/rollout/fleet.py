@@ -426,8 +426,12 @@ class FleetClient(RolloutEngine):
             self.stats.weight_pushes += 1
             return names
 
+    def checksums(self) -> dict[str, str]:
+        """Every worker's ``checksum_named_tensors`` of the weights it holds, by URL."""
+        return self._call(self._checksums(list(self.worker_urls)))
+
     def weights_checksum(self) -> str:
-        sums = self._call(self._checksums(list(self.worker_urls)))
+        sums = self.checksums()
         if len(set(sums.values())) != 1:
             raise WeightSyncError(f"the workers hold different weights: {sums}")
         return next(iter(sums.values()))

@@ -273,13 +273,13 @@ class FleetRollout:
         check_checksums([(want, s) for s in self.engine_checksums()])
 
     def engine_checksums(self) -> list[str]:
-        return list(self.client._call(self.client._checksums(list(self.client.worker_urls))).values())
+        return list(self.client.checksums().values())
 
     def metrics(self) -> dict[str, float]:
         return self.fleet.stats.as_metrics()
 
     def pids(self) -> list[int]:
-        return [p.pid for p in getattr(self.fleet, "procs", [])]
+        return [s.proc.pid for s in self.fleet.servers]
 
     def shutdown(self) -> None:
         self.fleet.close()
