@@ -65,7 +65,7 @@ class NullWorker:
         return {"rank": self.rank, "dp_rank": self.rank, "dp_size": self.dp, "tp_rank": 0, "pp_rank": 0}
 
     # the product's methods ------------------------------------------------------------------
-    def log_probs(self, shard, *, temperature, micro_batch_size, entropy=False, key="log_probs"):
+    def log_probs(self, shard, *, settings, entropy=False, key="log_probs"):
         b, t = shard["responses"].shape
         return {key: np.zeros((b, t), np.float32)}, ({"sum": 0.0, "count": 1.0} if entropy else {})
 
@@ -183,12 +183,14 @@ def previous_step(group, batch, mini_batch_size: int) -> int:
 def by_reference_step(actor, ref, transport, batch, settings) -> int:
     """The product's step: ``StepData`` + the role groups' typed calls, as ``trainer/main.py`` runs them."""
     from trainer.phases import loss_fields
+    from trainer.plan import ForwardSettings
     from trainer.workers.dataplane import StepData
 
     transport.take_metrics()
     data = StepData(batch, transport)
-    old, _ = actor.log_probs_with_entropy(data, temperature=1.0, micro_batch_size=8)
-    ref_lp = ref.log_probs(data, temperature=1.0, micro_batch_size=8)
+    fwd = ForwardSettings(micro_batch_size=8)
+    old, _ = actor.log_probs_with_entropy(data, fwd)
+    ref_lp = ref.log_probs(data, fwd)
     batch.old_log_probs = old.fetch()["old_log_probs"]  # rollout IS reads them on the driver
     driver_math(batch)
 

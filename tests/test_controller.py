@@ -16,6 +16,9 @@ from safetensors.torch import load_file
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
 from trainer.config import load_config
+from trainer.plan import ForwardSettings
+
+FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
 from trainer.plan import should_eval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +196,7 @@ def test_old_log_probs_stay_anchored_across_mini_batches(cluster):
     cfg, c = cluster
     batch = _random_batch()
     data = StepData(batch, c.transport)
-    old, _ = c.actor.log_probs_with_entropy(data, temperature=1.0, micro_batch_size=8)
+    old, _ = c.actor.log_probs_with_entropy(data, FWD)
     settings = replace(Plan.from_config(cfg, total_steps=1).actor_update, mini_batch_size=8, epochs=1, shuffle=False,
                        micro_batch_size=8, temperature=1.0)
     c.transport.take_metrics()
@@ -203,7 +206,7 @@ def test_old_log_probs_stay_anchored_across_mini_batches(cluster):
     assert len(rows) == 2
     assert abs(rows[0]["actor/ppo_kl"]) < 1e-6 and abs(rows[0]["actor/is_ratio_max"] - 1) < 1e-5
     assert abs(rows[1]["actor/ppo_kl"]) > 1e-6 or abs(rows[1]["actor/is_ratio_max"] - 1) > 1e-5
-    after, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
+    after, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), FWD)
     assert not torch.allclose(after.fetch()["old_log_probs"], old.fetch()["old_log_probs"])  # the policy did move
 
 

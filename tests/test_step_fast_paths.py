@@ -20,6 +20,9 @@ import torch
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
 from trainer.config import load_config
+from trainer.plan import ForwardSettings
+
+FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -94,7 +97,7 @@ def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_pat
     c.save(str(tmp_path))
     batch = _random_batch()
     probe = StepData(batch, c.transport)
-    old_sh, ent_plain = c.actor.log_probs_with_entropy(probe, temperature=1.0, micro_batch_size=8)
+    old_sh, ent_plain = c.actor.log_probs_with_entropy(probe, FWD)
     old = old_sh.fetch()["old_log_probs"]
     g = torch.Generator().manual_seed(1)
     # a sampler that disagrees with the trainer by up to ~e^0.6, so some IS weights are truncated at 1.5
@@ -107,13 +110,13 @@ def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_pat
     assert 0 < is_plain["mismatch/rollout_is_clipped_fraction"] < 1  # the weights matter in this test
     pd = StepData(plain, c.transport)
     m_plain = c.actor.update(pd, settings, [old_sh, adv(plain, pd, rollout_is_weights=plain.rollout_is_weights)], seed=3)
-    after_plain, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
+    after_plain, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), FWD)
 
     # on-policy path from the same weights and optimizer state
     c.load(str(tmp_path))
     fd = StepData(batch, c.transport, with_rollout_log_probs=True)
     m_fast, out, ent_fast = c.actor.update(fd, settings, [adv(batch, fd)], seed=3, on_policy=True, rollout_is=IS)
-    after_fast, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), temperature=1.0, micro_batch_size=8)
+    after_fast, _ = c.actor.log_probs_with_entropy(StepData(batch, c.transport), FWD)
 
     mask = batch.response_mask.bool()
     torch.testing.assert_close(out["old_log_probs"][mask], old[mask], atol=2e-5, rtol=0)

@@ -83,7 +83,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
     trust_remote_code: bool = False  # allow custom HF code (never needed for Llama/Qwen2/Qwen3)
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
-    use_remove_padding: bool = True  # pack sequences (THD) instead of right-padding for log-prob passes
+    use_remove_padding: bool = True  # pack sequences (THD, no pad tokens) in every actor / ref / rollout-log-prob pass
     override_config: Dict[str, Any] = field(default_factory=dict)  # overrides applied to the HF config
 
 
@@ -222,6 +222,7 @@ class CriticModelConfig:
     path: Optional[str] = None  # HF dir of the critic trunk; None = the actor's model
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
+    use_remove_padding: bool = True  # pack sequences (THD, no pad tokens) in every critic pass
 
 
 @dataclass
@@ -232,6 +233,9 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # critic optimizer
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None = actor's
     ppo_micro_batch_size_per_gpu: int = 8  # responses per critic forward/backward on one rank
+    use_dynamic_bsz: bool = False  # fill critic micro-batches up to a token budget instead of a count
+    ppo_max_token_len_per_gpu: int = 32768  # token budget per critic update micro-batch when use_dynamic_bsz
+    forward_max_token_len_per_gpu: int = 32768  # token budget per critic value micro-batch when use_dynamic_bsz
     ppo_epochs: Optional[int] = None  # critic passes; None = actor's ppo_epochs
     cliprange_value: float = 0.5  # value clipping range
     loss_agg_mode: str = "token-mean"  # aggregation of the value loss

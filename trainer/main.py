@@ -169,15 +169,13 @@ def train(cfg) -> dict:
             ent = {}
             if not on_policy:  # 4. old log-probs: the start-of-step policy, for every mini-batch of the step
                 with timer(m, "old_log_prob"):
-                    old, ent = actor.log_probs_with_entropy(data, temperature=plan.actor_update.temperature,
-                                                            micro_batch_size=plan.actor_log_prob_micro_batch)
+                    old, ent = actor.log_probs_with_entropy(data, plan.actor_log_prob)
             if ref is not None:  # 5. reference log-probs
                 with timer(m, "ref"):
-                    ref_lp = ref.log_probs(data, temperature=plan.actor_update.temperature,
-                                           micro_batch_size=plan.ref_log_prob_micro_batch)
+                    ref_lp = ref.log_probs(data, plan.ref_log_prob)
             if critic is not None:
                 with timer(m, "values"):
-                    values = critic.values(data, micro_batch_size=plan.critic_micro_batch)
+                    values = critic.values(data, plan.critic_values)
             with timer(m, "adv"):  # 6-7. rollout IS / rejection, KL in reward, advantages: the driver's math
                 m.update(driver_math(plan, batch, old=old, ref=ref_lp, values=values, kl_ctrl=state.kl_ctrl,
                                      adca=(judge, tok, cfg.attribution_driven_credit_assignment) if judge else None, step=step))

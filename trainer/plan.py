@@ -50,10 +50,23 @@ class ValueLoss:
 
 
 @dataclass(frozen=True)
+class ForwardSettings:
+    """One role's forward-only pass (old / reference log-probs, values): ``micro_batch_size``
+    responses per forward on one rank, or (``max_token_len``, verl's ``use_dynamic_bsz``)
+    micro-batches filled up to that many tokens; ``packed`` (``use_remove_padding``): each
+    micro-batch is one THD row of its real tokens, no padding."""
+    micro_batch_size: int
+    max_token_len: Optional[int] = None
+    packed: bool = True
+    temperature: float = 1.0
+    budget_key: str = "log_prob_max_token_len_per_gpu"  # named in the error when a sequence does not fit
+
+
+@dataclass(frozen=True)
 class UpdateSettings:
     """One role's update: ``epochs`` passes over the step's batch in mini-batches of
-    ``mini_batch_size`` RESPONSES (one optimizer step each), ``micro_batch_size`` responses per
-    forward/backward on one rank."""
+    ``mini_batch_size`` RESPONSES (one optimizer step each), ``micro_batch_size`` responses (or
+    ``max_token_len`` tokens) per forward/backward on one rank, packed or padded."""
     mini_batch_size: int
     epochs: int
     shuffle: bool
@@ -61,6 +74,9 @@ class UpdateSettings:
     temperature: float = 1.0
     policy: Optional[PolicyLoss] = None  # actor
     value: Optional[ValueLoss] = None  # critic
+    max_token_len: Optional[int] = None
+    packed: bool = True
+    budget_key: str = "ppo_max_token_len_per_gpu"
 
 
 @dataclass(frozen=True)
@@ -124,9 +140,9 @@ class Plan:
     # the three model roles
     actor_update: UpdateSettings
     critic_update: UpdateSettings
-    actor_log_prob_micro_batch: int
-    ref_log_prob_micro_batch: int
-    critic_micro_batch: int
+    actor_log_prob: ForwardSettings  # old log-probs (rollout.log_prob_*)
+    ref_log_prob: ForwardSettings
+    critic_values: ForwardSettings
     # the RL math on the driver
     rollout_is: Optional[RolloutIS]
     rejection: Optional[Rejection]
@@ -173,13 +189,34 @@ class Plan:
             kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=a.kl_loss_type,
             variant_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
                                 kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef))
+        packed, temp = bool(cfg.actor_rollout_ref.model.use_remove_padding), float(r.temperature)
+        ref = cfg.actor_rollout_ref.ref
+
+        def budget(on: bool, n: int):
+            return int(n) if on else None
+
         actor_update = UpdateSettings(mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
-                                      micro_batch_size=a.ppo_micro_batch_size_per_gpu, temperature=float(r.temperature),
-                                      policy=policy)
+                                      micro_batch_size=a.ppo_micro_batch_size_per_gpu, temperature=temp, policy=policy,
+                                      max_token_len=budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu), packed=packed,
+                                      budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
         critic_update = UpdateSettings(mini_batch_size=(c.ppo_mini_batch_size or a.ppo_mini_batch_size) * r.n,
                                        epochs=c.ppo_epochs or a.ppo_epochs, shuffle=a.shuffle,
                                        micro_batch_size=c.ppo_micro_batch_size_per_gpu,
-                                       value=ValueLoss(cliprange_value=c.cliprange_value, agg_mode=c.loss_agg_mode))
+                                       value=ValueLoss(cliprange_value=c.cliprange_value, agg_mode=c.loss_agg_mode),
+                                       max_token_len=budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
+                                       packed=bool(c.model.use_remove_padding), budget_key="critic.ppo_max_token_len_per_gpu")
+        actor_log_prob = ForwardSettings(
+            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
+            max_token_len=budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
+            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+        ref_log_prob = ForwardSettings(
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
+            max_token_len=budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+        critic_values = ForwardSettings(
+            micro_batch_size=c.ppo_micro_batch_size_per_gpu, packed=bool(c.model.use_remove_padding),
+            max_token_len=budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
+            budget_key="critic.forward_max_token_len_per_gpu")
         is_ = None if al.rollout_is_threshold is None else RolloutIS(
             rollout_is_level=al.rollout_is_level, rollout_is_mode=al.rollout_is_mode,
             rollout_is_threshold=al.rollout_is_threshold, rollout_is_threshold_lower=al.rollout_is_threshold_lower,
@@ -194,10 +231,8 @@ class Plan:
             max_prompt_length=cfg.data.max_prompt_length, response_width=width, val_batch_size=cfg.data.val_batch_size,
             sampling=sampling(r, r.n), val_sampling=sampling(r.val_kwargs, r.val_kwargs.n), multi_turn=mt,
             filter_groups=OmegaConf.to_container(al.filter_groups), overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer),
-            actor_update=actor_update, critic_update=critic_update,
-            actor_log_prob_micro_batch=r.log_prob_micro_batch_size_per_gpu,
-            ref_log_prob_micro_batch=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-            critic_micro_batch=c.ppo_micro_batch_size_per_gpu,
+            actor_update=actor_update, critic_update=critic_update, actor_log_prob=actor_log_prob,
+            ref_log_prob=ref_log_prob, critic_values=critic_values,
             rollout_is=is_, rejection=rej, adv_estimator=al.adv_estimator, gamma=al.gamma, lam=al.lam,
             norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, use_kl_in_reward=bool(al.use_kl_in_reward),
             kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),

@@ -29,6 +29,7 @@ def job(src, prompts, responses, port):
 
     L.compute_logprobs = recording
     w = MegatronWorker(role="ref", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, model_path=src)
+    from trainer.plan import ForwardSettings
     from trainer.workers.dataplane import StepData, Transport
 
     P, T = max(map(len, prompts)), max(map(len, responses))
@@ -36,7 +37,8 @@ def job(src, prompts, responses, port):
     for name, (p, t) in {"tight": (P, T), "wide": (P + 5, T + 4)}.items():
         data = StepData(_batch(prompts, responses, p, t), Transport(in_process=True))
         shard = data.shards(1)[0]
-        tokens, ent = w.log_probs(shard, temperature=0.8, micro_batch_size=2, entropy=True)
+        tokens, ent = w.log_probs(shard, settings=ForwardSettings(micro_batch_size=2, packed=False, temperature=0.8),
+                                 entropy=True)
         out[name] = (data.partition(1).gather([tokens["log_probs"]]).numpy(), ent)
     return out["tight"], out["wide"], (P, T), widths
 

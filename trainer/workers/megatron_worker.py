@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from trainer.batch import RolloutBatch
-from trainer.plan import RolloutIS, UpdateSettings
+from trainer.batch import RolloutBatch, micro_batch_groups
+from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings
 from trainer.workers.dataplane import shard_batch
 
 
@@ -76,46 +76,70 @@ class MegatronWorker:
         return self.trainer.model if self.trainer is not None else self.model
 
     @staticmethod
-    def _micro_batches(batch: RolloutBatch, micro_bs: int, fields: tuple[str, ...]) -> list[dict]:
+    def _micro_batches(batch: RolloutBatch, settings, fields: tuple[str, ...]) -> list[dict]:
+        """The batch's micro-batches (``settings``: a ``ForwardSettings`` or ``UpdateSettings``):
+        ``micro_batch_size`` rows each or filled up to ``max_token_len`` tokens
+        (``trainer.batch.micro_batch_groups``); ``packed``: one THD row of the real tokens
+        (``pack_index`` maps them back to the ``[b, P+T]`` grid), else the padded rows. ``rows``:
+        each micro-batch's rows of ``batch``; ``fields``: per-row tensors the loss reads."""
+        from megatron_bridge.logprobs import pack_padded
+
+        groups = micro_batch_groups(batch.num_tokens.tolist(), size=settings.micro_batch_size,
+                                    max_tokens=settings.max_token_len, budget_key=settings.budget_key)
         out = []
-        for s in range(0, batch.batch_size[0], micro_bs):
-            mb = batch[s:s + micro_bs]
-            d = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
+        for rows in groups:
+            idx = torch.as_tensor(rows, dtype=torch.long)
+            ids, am = batch.input_ids[idx], batch.attention_mask[idx]
+            d = pack_padded(ids, am) if settings.packed else {"input_ids": ids, "attention_mask": am}
+            d["rows"] = idx
             for f in fields:
-                v = getattr(mb, f)
+                v = getattr(batch, f)
                 if v is not None:
-                    d[f] = v
+                    d[f] = v[idx]
             out.append(d)
         return out
 
+    @staticmethod
+    def _grid(outs: dict, mb: dict, width: int) -> dict:
+        """A micro-batch's per-token outputs on the ``[b, P+T]`` grid (unpacked when packed)."""
+        if "pack_index" not in mb:
+            return outs
+        from megatron_bridge.logprobs import unpack_padded
+
+        shape = (len(mb["rows"]), width)
+        return {k: unpack_padded(v, mb["pack_index"], shape) for k, v in outs.items()}
+
+    def _forward(self, batch: RolloutBatch, settings, key: str) -> tuple[torch.Tensor, list[dict]]:
+        """Forward-only outputs ``key`` of every row, ``[B, T]`` (response part), and the per-micro-batch
+        outputs (for the entropy)."""
+        from megatron_bridge.logprobs import compute_logprobs
+
+        P, L = batch.prompt_width, batch.input_ids.shape[1]
+        mbs = self._micro_batches(batch, settings, ())
+        with torch.no_grad():
+            outs = compute_logprobs(self._module(), mbs, temperature=settings.temperature,
+                                    with_entropy=key == "entropy")
+        full = {}
+        for mb, o in zip(mbs, outs):
+            for k, v in self._grid(o, mb, L).items():
+                full.setdefault(k, torch.zeros(batch.num_samples, L - P, dtype=torch.float32))[mb["rows"]] = v[:, P:].float()
+        return full
+
     # ------------------------------------------------------------------ forward passes
-    def log_probs(self, shard: dict, *, temperature: float, micro_batch_size: int, entropy: bool = False,
+    def log_probs(self, shard: dict, *, settings: ForwardSettings, entropy: bool = False,
                   key: str = "log_probs") -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Per-token log-probs of the shard's responses under the current weights, ``{key: [b, T_d]}``
         (``key``: the batch field they fill, e.g. ``old_log_probs``, so the update reads them as
         they are), and a summary: the entropy's masked sum and token count (``entropy``: the driver
         logs their ratio and never needs the per-token entropy)."""
-        from megatron_bridge.logprobs import compute_logprobs
-
         batch = shard_batch(shard)
-        P = batch.prompt_width
-        with torch.no_grad():
-            outs = compute_logprobs(self._module(), self._micro_batches(batch, micro_batch_size, ()),
-                                    temperature=temperature, with_entropy=entropy)
-        tokens = {key: torch.cat([o["logprobs"][:, P:] for o in outs]).float().numpy()}
-        summary = {}
-        if entropy:
-            summary = _entropy_summary(torch.cat([o["entropy"][:, P:] for o in outs]), batch.response_mask)
-        return tokens, summary
+        full = self._forward(batch, settings, "entropy" if entropy else "logprobs")
+        summary = _entropy_summary(full["entropy"], batch.response_mask) if entropy else {}
+        return {key: full["logprobs"].numpy()}, summary
 
-    def values(self, shard: dict, *, micro_batch_size: int) -> dict[str, np.ndarray]:
-        from megatron_bridge.logprobs import compute_logprobs
-
+    def values(self, shard: dict, *, settings: ForwardSettings) -> dict[str, np.ndarray]:
         batch = shard_batch(shard)
-        P = batch.prompt_width
-        with torch.no_grad():
-            outs = compute_logprobs(self._module(), self._micro_batches(batch, micro_batch_size, ()))
-        return {"values": torch.cat([o["values"][:, P:] for o in outs]).float().numpy()}
+        return {"values": self._forward(batch, settings, "values")["values"].numpy()}
 
     # ------------------------------------------------------------------ updates
     def update_actor(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
@@ -153,16 +177,18 @@ class MegatronWorker:
         out, captured = [], []
         for k, rows in enumerate(mini_batches):
             batch = full[torch.as_tensor(rows, dtype=torch.long)]
-            P = batch.prompt_width
+            P, L = batch.prompt_width, batch.input_ids.shape[1]
             agg = pl.agg(global_num_tokens=counts[k][0], global_num_seqs=counts[k][1], dp_size=self.mesh["dp_size"])
 
             def loss_fn(outs: dict, mb: dict):
+                outs = self._grid(outs, mb, L)
                 logp = outs["logprobs"][:, P:]  # [b, T]
                 mask = mb["response_mask"]
                 old, is_w = mb.get("old_log_probs"), mb.get("rollout_is_weights")
                 if on_policy:
                     old = logp.detach()  # [b, T] the start-of-step policy, exactly
-                    captured.append((old, outs["entropy"][:, P:].detach() if "entropy" in outs else None, mask))
+                    captured.append((old, outs["entropy"][:, P:].detach() if "entropy" in outs else None, mask,
+                                     mb["rows"]))
                     if apply_is and bool(mask.any()):
                         is_w = compute_rollout_is_weights(old, mb["rollout_log_probs"], mask, **rollout_is.kwargs())[0]
                 pg, metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=mb["advantages"],
@@ -185,13 +211,14 @@ class MegatronWorker:
 
             # entropy enters the graph only when it is trained on; on-policy it is still computed, detached,
             # for the logged rollout entropy (the skipped old-log-prob pass used to provide it)
-            m = train_step(self.trainer, self._micro_batches(batch, settings.micro_batch_size, fields), loss_fn,
+            m = train_step(self.trainer, self._micro_batches(batch, settings, fields), loss_fn,
                            temperature=settings.temperature, with_entropy=bool(pl.entropy_coeff) or on_policy,
                            entropy_grad=bool(pl.entropy_coeff))
             out.append({("actor/" + k if "/" not in k else k): float(v) for k, v in m.items()})
         res = {"metrics": out, "log_probs": None, "entropy": None}
         if captured:  # the last pipeline stage (the one that ran loss_fn); one mini-batch: rows = mini_batches[0]
-            order = torch.as_tensor(mini_batches[0], dtype=torch.long)
+            # micro-batch rows -> mini-batch rows -> shard rows
+            order = torch.as_tensor(mini_batches[0], dtype=torch.long)[torch.cat([c[3] for c in captured])]
             old = torch.cat([c[0] for c in captured]).float()
             if return_log_probs:
                 lp = torch.zeros_like(old)
@@ -212,19 +239,20 @@ class MegatronWorker:
         out = []
         for k, rows in enumerate(mini_batches):
             batch = full[torch.as_tensor(rows, dtype=torch.long)]
-            P = batch.prompt_width
+            P, L = batch.prompt_width, batch.input_ids.shape[1]
             agg = LossAgg(mode=vl_s.agg_mode, global_num_tokens=counts[k][0], global_num_seqs=counts[k][1],
                           dp_size=self.mesh["dp_size"])
 
             def loss_fn(outs: dict, mb: dict):
+                outs = self._grid(outs, mb, L)
                 vl, metrics = value_loss(outs["values"][:, P:], mb["values"], mb["returns"], mb["response_mask"],
                                          cliprange_value=vl_s.cliprange_value, agg=agg)
                 metrics = {f"critic/{k}": v for k, v in metrics.items()}
                 metrics["critic/vf_loss"] = vl.detach()
                 return vl, metrics
 
-            m = train_step(self.trainer, self._micro_batches(batch, settings.micro_batch_size,
-                                                             ("response_mask", "values", "returns")), loss_fn)
+            m = train_step(self.trainer, self._micro_batches(batch, settings, ("response_mask", "values", "returns")),
+                           loss_fn)
             out.append({("critic/" + k if "/" not in k else k): float(v) for k, v in m.items()})
         return {"metrics": out}
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from trainer.algos.losses import batch_norm_counts
-from trainer.plan import RolloutIS, UpdateSettings
+from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings
 from trainer.workers.dataplane import Partition, Sharded, StepData, Transport
 from trainer.workers.group import WorkerGroup
 
@@ -119,21 +119,19 @@ class RoleGroup:
 
 
 class RefGroup(RoleGroup):
-    def log_probs(self, step: StepData, *, temperature: float, micro_batch_size: int) -> Sharded:
+    def log_probs(self, step: StepData, settings: ForwardSettings) -> Sharded:
         """The reference policy's ``ref_log_probs``, left in the object store."""
         refs = self.group.async_call("log_probs", self._args([(r,) for r in step.shards(self.dp)]), num_returns=2,
-                                     temperature=temperature, micro_batch_size=micro_batch_size, key="ref_log_probs")
+                                     settings=settings, key="ref_log_probs")
         self.group.get([r[1] for r in refs])  # wait (and surface a dead worker here, not at the consumer)
         return self._sharded(step, [r[0] for r in refs])
 
 
 class ActorGroup(RoleGroup):
-    def log_probs_with_entropy(self, step: StepData, *, temperature: float,
-                               micro_batch_size: int) -> tuple[Sharded, dict[str, float]]:
+    def log_probs_with_entropy(self, step: StepData, settings: ForwardSettings) -> tuple[Sharded, dict[str, float]]:
         """The ``old_log_probs`` (left in the object store) and the rollout entropy's sum and count."""
         refs = self.group.async_call("log_probs", self._args([(r,) for r in step.shards(self.dp)]), num_returns=2,
-                                     temperature=temperature, micro_batch_size=micro_batch_size, entropy=True,
-                                     key="old_log_probs")
+                                     settings=settings, entropy=True, key="old_log_probs")
         summaries = self.group.get([refs[i][1] for i in self.source])
         return self._sharded(step, [r[0] for r in refs]), _sum_summaries(summaries)
 
@@ -187,9 +185,8 @@ class ActorGroup(RoleGroup):
 
 
 class CriticGroup(RoleGroup):
-    def values(self, step: StepData, *, micro_batch_size: int) -> Sharded:
-        refs = self.group.async_call("values", self._args([(r,) for r in step.shards(self.dp)]),
-                                     micro_batch_size=micro_batch_size)
+    def values(self, step: StepData, settings: ForwardSettings) -> Sharded:
+        refs = self.group.async_call("values", self._args([(r,) for r in step.shards(self.dp)]), settings=settings)
         return self._sharded(step, refs)
 
     def update(self, step: StepData, settings: UpdateSettings, extras: Sequence, *, seed: int,
