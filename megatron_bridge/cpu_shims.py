@@ -1,12 +1,15 @@
 """CPU shims that let megatron-core 0.16.1 run on a CPU-only torch with the gloo backend.
 
-megatron-core assumes CUDA in a handful of places. Three small patches cover every one that the
+megatron-core assumes CUDA in a handful of places. Four small patches cover every one that the
 bridge reaches (found by ``/work/shared/probes/megatron_cpu_check.py`` and by this package's tests):
 
 * ``torch.cuda.current_device()`` is used as a ``device=`` argument when allocating buffers
   (tensor-parallel layers, p2p shape exchange, the global memory buffer). It returns ``cpu``.
 * ``torch.cuda.synchronize()`` is called by the pipeline p2p batch path and by dist_checkpointing's
   save. It becomes a no-op.
+* activation recompute (``CheckpointFunction``) saves and restores the CUDA RNG state around each
+  recomputed block: with no CUDA device there is none, so the get / set become no-ops (megatron
+  saves and restores the CPU generator itself).
 * a few places pass a literal ``device="cuda"`` (the schedules' token counter, optimizer scalars)
   or call ``tensor.cuda()`` (tied embeddings under pipeline parallelism, before their all-reduce).
   A ``TorchFunctionMode`` rewrites any ``device="cuda..."`` keyword to ``"cpu"`` and turns
@@ -61,6 +64,12 @@ def install() -> bool:
     if not _patched:
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *a, **k: None
+        # activation recompute saves and restores the CUDA RNG state around each recomputed block;
+        # with no CUDA there is none (the CPU state, which megatron saves too, is the one dropout uses)
+        from megatron.core.tensor_parallel import random as mp_random
+
+        mp_random._get_cuda_rng_state = lambda *a, **k: None
+        mp_random._set_cuda_rng_state = lambda *a, **k: None
         _patched = True
     if getattr(_state, "mode", None) is None:
         _state.mode = CudaToCpu()

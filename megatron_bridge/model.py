@@ -116,11 +116,16 @@ class BridgeGPTModel(GPTModel):
                 rot.positions = None
 
 
-def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=torch.float32) -> TransformerConfig:
+def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=torch.float32,
+                             recompute: dict | None = None) -> TransformerConfig:
+    """``recompute``: megatron-core's activation recompute fields of ``TransformerConfig``, e.g.
+    ``{"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}``:
+    the layers' activations are dropped in the forward and recomputed in the backward."""
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     kw = transformer_config_kwargs(hf, tp=tp, pp=pp, pp_layers=pp_layers, params_dtype=params_dtype,
                                    use_cpu_initialization=not torch.cuda.is_available())
+    kw.update(recompute or {})
     return TransformerConfig(**kw)
 
 
@@ -134,6 +139,7 @@ def build_model(
     vocab_multiple: int = 128,
     value_head_seed: int = 0,
     attention: str = "sdpa",
+    recompute: dict | None = None,
 ) -> BridgeGPTModel:
     """This rank's model chunk for the current megatron parallel state (TP, PP from ``ps``).
 
@@ -151,7 +157,7 @@ def build_model(
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype)
+    config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype, recompute=recompute)
     use_te = te_available() if use_te is None else use_te
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)

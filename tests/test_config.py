@@ -198,3 +198,21 @@ def test_main_prints_and_writes_resolved_config(tmp_path):
     assert again.algorithm.gamma == 0.97
     bad = subprocess.run([sys.executable, "-m", "trainer.main", "algorithm.gama=0.9"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "Did you mean 'algorithm.gamma'" in bad.stderr
+
+
+def test_parallelism_and_offload_not_built_yet_are_refused_together():
+    """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
+    keys = ["actor_rollout_ref.actor.megatron.sequence_parallel=true",
+            "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
+            "critic.megatron.expert_model_parallel_size=2", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.1"]
+    with pytest.raises(ConfigError) as e:
+        load_config(keys)
+    msg = str(e.value)
+    for want in ("actor.megatron.sequence_parallel=True: sequence parallelism is not implemented",
+                 "ref.megatron.virtual_pipeline_model_parallel_size=2", "critic.megatron.expert_model_parallel_size=2",
+                 "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported"):
+        assert want in msg, want
+    # recompute, packing and token budgets are built: accepted
+    load_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                 "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"])

@@ -75,6 +75,7 @@ class MegatronConfig:
     seed: int = 42  # megatron's model-parallel RNG seed
     params_dtype: str = "float32"  # float32 | bfloat16 | float16: parameter dtype (bf16/fp16 keep fp32 main params + grads)
     use_torch_compile: bool = False  # torch.compile (inductor) the model chunk; the first steps pay the compile
+    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig overrides: recompute_granularity (full | selective) / recompute_method (uniform | block) / recompute_num_layers / recompute_modules
 
 
 @dataclass
@@ -600,6 +601,26 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
     return cfg
 
 
+# megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+
+
+def recompute_settings(enable: bool, mcfg) -> dict | None:
+    """megatron's recompute settings of a role: verl's ``enable_gradient_checkpointing`` gives full
+    recompute of every layer (``full`` / ``uniform`` / 1 layer per checkpoint), and the
+    ``override_transformer_config`` recompute keys refine or replace it. None: no recompute."""
+    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in RECOMPUTE_KEYS}
+    if not enable and not over.get("recompute_granularity"):
+        return None
+    base = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    out = {**base, **over}
+    if out["recompute_granularity"] == "selective":  # megatron: method / num_layers are for full recompute
+        out.pop("recompute_method"), out.pop("recompute_num_layers")
+    if "recompute_modules" in out:
+        out["recompute_modules"] = list(out["recompute_modules"])
+    return out
+
+
 def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
@@ -640,6 +661,23 @@ def validate(cfg: DictConfig) -> None:
 
     for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
                        ("critic", cfg.critic.megatron)):
+        # accepted keys whose feature is not built yet: refused, never ignored
+        for key, on, what in (("sequence_parallel", mcfg.sequence_parallel, "sequence parallelism"),
+                              ("context_parallel_size", mcfg.context_parallel_size != 1, "context parallelism"),
+                              ("virtual_pipeline_model_parallel_size", mcfg.virtual_pipeline_model_parallel_size
+                               not in (None, 1), "the interleaved (virtual) pipeline"),
+                              ("expert_model_parallel_size", mcfg.expert_model_parallel_size != 1,
+                               "expert parallelism (mixture-of-experts models)"),
+                              ("param_offload", mcfg.param_offload, "parameter offload"),
+                              ("grad_offload", mcfg.grad_offload, "gradient offload"),
+                              ("optimizer_offload", mcfg.optimizer_offload, "optimizer offload")):
+            if on:
+                errs.append(f"{role}.megatron.{key}={OmegaConf.select(mcfg, key)}: {what} is not implemented in this "
+                            f"build; remove the line (or set it back to its default).")
+        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS))
+        if bad:
+            errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
+                        f"settings {list(RECOMPUTE_KEYS)} are.")
         tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
         if min(tp, pp, cp) < 1:
             errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from trainer.config import recompute_settings
 from trainer.plan import need_critic, need_ref
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
@@ -74,9 +75,11 @@ class Cluster:
 
         self.transport = Transport(self.in_process)
 
-        def mgroup(kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None):
+        def mgroup(kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None,
+                   checkpointing: bool = False):
             port = find_free_port()
-            kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
+            rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
+            kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
                         params_dtype=mcfg.params_dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
@@ -102,7 +105,8 @@ class Cluster:
         self.actor = mgroup(
             ActorGroup, "actor", a.megatron, "actor",
             bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps, use_dist=a.megatron.use_distributed_optimizer),
-            model_path, *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()))
+            model_path, *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()),
+            checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing)
         self.ref = None
         if need_ref(cfg):
             self.ref = mgroup(RefGroup, "ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path)
@@ -113,7 +117,7 @@ class Cluster:
                 CriticGroup, "critic", c.megatron, "critic",
                 bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
                              use_dist=c.megatron.use_distributed_optimizer),
-                c.model.path or model_path)
+                c.model.path or model_path, checkpointing=c.model.enable_gradient_checkpointing)
         bucket = r.update_weights_bucket_megabytes << 20
         # colocated engines give their memory back while the trainer runs
         free = self.colocated and r.free_cache_engine
