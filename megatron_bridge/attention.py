@@ -74,21 +74,16 @@ class TorchSDPAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [s, b, heads * d]
 
+    @torch.compiler.disable  # data-dependent buckets: run eagerly inside a compiled chunk, never recompiled
     def _thd(self, query, key, value, psp):
         """``[T, heads, d]`` packed tokens: causal attention within each sequence. Sequences of similar
         length are batched into one right-padded ``[n, heads, L_max, d]`` kernel call: with right
         padding the causal mask alone keeps every real query off the pad keys, so the flash kernel
         runs with no explicit mask; pad queries are dropped. Buckets keep the padded cost within 2x
         of ``sum_i L_i^2`` (see ``thd_buckets``)."""
-        cu = psp.cu_seqlens_q.to(torch.long).cpu()
-        lens = (cu[1:] - cu[:-1]).tolist()
         gqa = key.shape[1] != query.shape[1]
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[2])  # [T, heads, d]
-        for seqs in thd_buckets(lens):
-            n, L = len(seqs), max(lens[i] for i in seqs)
-            # token rows of these sequences, and their slots in the padded [n * L] grid
-            src = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in seqs]).to(query.device)
-            slot = torch.cat([j * L + torch.arange(lens[i]) for j, i in enumerate(seqs)]).to(query.device)
+        for n, L, src, slot in _thd_plan(psp, query.device):
 
             def grid(x):  # [T, h, d] -> [n, h, L, d], zeros on the pad slots
                 g = x.new_zeros(n * L, x.shape[1], x.shape[2]).index_copy(0, slot, x.index_select(0, src))
@@ -98,6 +93,24 @@ class TorchSDPAttention(MegatronModule):
                                                enable_gqa=gqa)  # [n, heads, L, d]
             out = out.index_copy(0, src, o.transpose(1, 2).reshape(n * L, o.shape[1], o.shape[3]).index_select(0, slot))
         return out.reshape(out.shape[0], -1)  # [T, heads * d]
+
+
+def _thd_plan(psp, device) -> list:
+    """Per bucket ``(n, L_max, src, slot)``: the token rows of its sequences and their slots in the
+    padded ``[n * L_max]`` grid. Built once per packed micro-batch and kept on its ``PackedSeqParams``
+    (every layer, forward and backward, reuses it)."""
+    plan = getattr(psp, "_coxswain_thd_plan", None)
+    if plan is None:
+        cu = psp.cu_seqlens_q.to(torch.long).cpu()
+        lens = (cu[1:] - cu[:-1]).tolist()
+        plan = []
+        for seqs in thd_buckets(lens):
+            L = max(lens[i] for i in seqs)
+            src = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in seqs]).to(device)
+            slot = torch.cat([j * L + torch.arange(lens[i]) for j, i in enumerate(seqs)]).to(device)
+            plan.append((len(seqs), L, src, slot))
+        psp._coxswain_thd_plan = plan
+    return plan
 
 
 def thd_buckets(lens: list[int], waste: float = 2.0) -> list[list[int]]:

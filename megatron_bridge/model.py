@@ -14,6 +14,12 @@ Two changes to the stock ``GPTModel``, both small and local to this file:
   formula, with the HF inverse frequencies from :func:`trainer.hf_io.rope_inv_freq`), so positions
   restart at every sequence. With a real THD ``PackedSeqParams`` (TE on GPU) megatron restarts the
   positions itself from ``cu_seqlens`` and the plain table is returned.
+* **Packed RoPE without a per-sequence loop.** megatron's reference THD rotary
+  (``rope_utils._apply_rotary_pos_emb_thd``) splits the packed row and loops over its sequences in
+  Python, per layer, for queries and keys; with dozens of short sequences that loop cost more than
+  the matmuls it sits between. Without context parallelism the same angles are ``freqs[pos]`` with
+  ``pos`` each token's position in its own sequence, applied to the whole row at once
+  (:func:`_thd_rope`); with CP megatron's own function runs.
 * **Critic value head.** ``value_head=True`` replaces the vocabulary output layer by a
   TP-replicated ``Linear(hidden, 1)`` (HF name ``score``, as in ``AutoModelForTokenClassification``
   with one label), so the critic reuses the whole forward/backward/checkpoint machinery.
@@ -79,6 +85,37 @@ class PositionRotary(nn.Module):
         if transformer is not None and transformer.input_tensor is not None:
             return transformer.input_tensor.size(0)
         return transformer_input.size(0)
+
+
+@torch.compiler.disable  # data-dependent positions: eager inside a compiled chunk
+def _thd_rope(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+              cp_group=None):
+    """RoPE of a packed row ``t [T, heads, d]``: every token gets the angles of its position within its
+    own sequence (megatron's ``_apply_rotary_pos_emb_thd`` at CP 1, without its Python loop)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if cp_group is not None and cp_group.size() > 1:
+        return _MEGATRON_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+    T = t.shape[0]
+    if freqs.size(0) != T:  # a table from position 0: each token's position within its sequence
+        cu = cu_seqlens.to(device=t.device, dtype=torch.long)
+        seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=t.device), cu[1:] - cu[:-1])  # [T]
+        freqs = freqs[torch.arange(T, device=t.device) - cu[:-1][seg]]  # [T, 1, 1, D]
+    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
+                                                 multi_latent_attention=multi_latent_attention,
+                                                 mscale=mscale).squeeze(1)
+
+
+_MEGATRON_THD_ROPE = None
+
+
+def _install_thd_rope() -> None:
+    global _MEGATRON_THD_ROPE
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if _MEGATRON_THD_ROPE is None:
+        _MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd
+        rope_utils._apply_rotary_pos_emb_thd = _thd_rope
 
 
 class ValueHead(nn.Module):
@@ -154,6 +191,7 @@ def build_model(
     from megatron_bridge import cpu_shims
 
     cpu_shims.install()  # idempotent, per thread; a no-op with CUDA
+    _install_thd_rope()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
