@@ -1,6 +1,12 @@
-"""Small helpers shared by ``bench_resharding.py`` and ``bench_e2e.py``: the machine line, a plain
-text table, the JSON dump and best-of timing. Same output style as the other ``bench_*.py`` files:
-a ``machine:`` line, a table, optional ``--json PATH``, and the headline ratio as the last line."""
+"""Small helpers shared by the ``bench_*.py`` files: the machine line, a plain text table, the JSON
+dump and best-of timing. Same output style everywhere: a ``machine:`` line, a table, optional
+``--json PATH``, and the headline ratio as the last line.
+
+Importing it also sets up a benchmark process (a script's own folder is on ``sys.path`` already):
+the repository root (``ROOT``) goes on ``sys.path`` and into ``PYTHONPATH``, so Ray workers and
+spawned ranks import ``trainer`` / ``megatron_bridge`` from it wherever the script is run from, and
+children inherit ``PYTHONWARNINGS=ignore`` (their import-time "no Apex / Transformer Engine" warnings
+are noise in a benchmark's output)."""
 
 from __future__ import annotations
 
@@ -8,10 +14,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Callable, Sequence
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+import torch  # noqa: E402
 
 
 def cpu_model() -> str:

@@ -33,16 +33,9 @@ import argparse
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 import torch  # noqa: E402
 

@@ -42,18 +42,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-# Ray workers import trainer.* and megatron_bridge from the repo root, wherever this is run from.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-# The workers inherit this: their import-time warnings (no Apex / Transformer Engine, ...) are noise here.
-os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 import torch  # noqa: E402
 
