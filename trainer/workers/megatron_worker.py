@@ -111,16 +111,16 @@ class MegatronWorker:
         shape = (len(mb["rows"]), width)
         return {k: unpack_padded(v, mb["pack_index"], shape) for k, v in outs.items()}
 
-    def _forward(self, batch: RolloutBatch, settings, key: str) -> tuple[torch.Tensor, list[dict]]:
-        """Forward-only outputs ``key`` of every row, ``[B, T]`` (response part), and the per-micro-batch
-        outputs (for the entropy)."""
+    def _forward(self, batch: RolloutBatch, settings, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Forward-only per-token outputs of every row over the response part, ``{name: [B, T]}``:
+        ``logprobs`` (and ``entropy``) for a policy, ``values`` for a critic."""
         from megatron_bridge.logprobs import compute_logprobs
 
         P, L = batch.prompt_width, batch.input_ids.shape[1]
         mbs = self._micro_batches(batch, settings, ())
         with torch.no_grad():
             outs = compute_logprobs(self._module(), mbs, temperature=settings.temperature,
-                                    with_entropy=key == "entropy")
+                                    with_entropy=with_entropy)
         full = {}
         for mb, o in zip(mbs, outs):
             for k, v in self._grid(o, mb, L).items():
@@ -135,13 +135,13 @@ class MegatronWorker:
         they are), and a summary: the entropy's masked sum and token count (``entropy``: the driver
         logs their ratio and never needs the per-token entropy)."""
         batch = shard_batch(shard)
-        full = self._forward(batch, settings, "entropy" if entropy else "logprobs")
+        full = self._forward(batch, settings, with_entropy=entropy)
         summary = _entropy_summary(full["entropy"], batch.response_mask) if entropy else {}
         return {key: full["logprobs"].numpy()}, summary
 
     def values(self, shard: dict, *, settings: ForwardSettings) -> dict[str, np.ndarray]:
         batch = shard_batch(shard)
-        return {"values": self._forward(batch, settings, "values")["values"].numpy()}
+        return {"values": self._forward(batch, settings)["values"].numpy()}
 
     # ------------------------------------------------------------------ updates
     def update_actor(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,

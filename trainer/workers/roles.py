@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from trainer.algos.losses import batch_norm_counts
-from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings
+from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings, is_on_policy
 from trainer.workers.dataplane import Partition, Sharded, StepData, Transport
 from trainer.workers.group import WorkerGroup
 
@@ -142,7 +142,8 @@ class ActorGroup(RoleGroup):
         the mean metrics (``per_mini_batch``: one dict per mini-batch); on-policy
         ``(metrics, {"old_log_probs": [B, T]} or None, entropy summary)``: the old log-probs of the
         update's own forward come back only when rollout IS needs them on the driver."""
-        if on_policy and not (settings.epochs == 1 and settings.mini_batch_size >= step.batch.num_samples):
+        if on_policy and not is_on_policy(num_samples=step.batch.num_samples, mini_batch_size=settings.mini_batch_size,
+                                          epochs=settings.epochs):
             raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({settings.epochs} epochs, "
                              f"{step.batch.num_samples} samples, mini-batches of {settings.mini_batch_size})")
         want_lp = on_policy and rollout_is is not None
