@@ -408,6 +408,10 @@ LEGACY_KEYS = {
     "actor_rollout_ref.actor.use_torch_compile": "is not used by the megatron strategy; remove it",
 }
 
+# Other spellings of a key that a pasted recipe may use: alias -> canonical key. The loader moves an
+# alias's value to its canonical key (both set -> an error naming both).
+KEY_ALIASES: dict[str, str] = {}
+
 # Whole verl sections that have a megatron-side equivalent here: prefix -> message.
 LEGACY_PREFIXES = {
     "actor_rollout_ref.actor.fsdp_config": "Coxswain trains with megatron-core: use actor_rollout_ref.actor.megatron.{param_offload,grad_offload,optimizer_offload,use_distributed_optimizer}",
