@@ -40,7 +40,7 @@ with fp32 main params, grads and Adam state, the attention kernel in fp32 on CPU
 compiled, ``engine_kwargs.compile_decode``, with inductor's C++ wrapper,
 ``engine_kwargs.compile_options.cpp_wrapper``, its matmuls on inductor's C++ GEMM template,
 ``engine_kwargs.decode_gemm=cpp``, and padded rather than packed sequences,
-``actor_rollout_ref.model.use_remove_padding=false``: no completion ends early here, so packing saves
+``actor_rollout_ref.actor.megatron.use_remove_padding=false``: no completion ends early here, so packing saves
 nothing, and under ``torch.compile`` the packed attention is a graph break). Coxswain's batch is as
 wide as its longest prompt and response
 and each data-parallel shard is trimmed to its own; TRL pads to the longest prompt of its batch, so
@@ -106,7 +106,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 # a bf16 rollout engine with its decode step compiled, launched from C++ (cpp_wrapper), its matmuls
 # on inductor's C++ GEMM template (AMX micro-kernels; decode_gemm=cpp: generate 35% faster, median,
 # interleaved in one process).
-FAST_SETTINGS = ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+FAST_SETTINGS = ["actor_rollout_ref.actor.megatron.dtype=bfloat16",
                  "actor_rollout_ref.actor.megatron.use_torch_compile=true",
                  "actor_rollout_ref.rollout.dtype=bfloat16",
                  "actor_rollout_ref.rollout.engine_kwargs.compile_decode=true",
@@ -115,7 +115,7 @@ FAST_SETTINGS = ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
                  # every completion here is exactly max-new-tokens long, so packing saves no pad token,
                  # and under torch.compile the packed (THD) attention and RoPE are graph breaks:
                  # padded was 0.54 against 0.62 s per compiled bf16 update at this shape
-                 "actor_rollout_ref.model.use_remove_padding=false"]
+                 "actor_rollout_ref.actor.megatron.use_remove_padding=false"]
 
 SIZES = {
     "full": dict(vocab=1024, hidden=192, layers=6, heads=6, kv=2, ffn=512, prompts=8, n=8, new=64, steps=6),
@@ -205,7 +205,7 @@ def run_coxswain(spec: dict) -> dict:
         return orig(self, metrics, step)
 
     tracking.Tracker.log_metrics = stamped
-    cfg = load_config([
+    cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
         f"actor_rollout_ref.model.path={spec['model_dir']}",
         f"data.train_batch_size={size['prompts']}", f"actor_rollout_ref.rollout.n={size['n']}",
         f"data.max_response_length={size['new']}", "data.max_prompt_length=16",

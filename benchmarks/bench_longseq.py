@@ -39,7 +39,7 @@ import time
 
 import torch  # noqa: E402
 
-from _common import load_average, machine, table, write_json  # noqa: E402
+from _common import ROOT, load_average, machine, table, write_json  # noqa: E402
 
 VARIANTS = {
     "padded": dict(packed=False, budget=False, recompute=False),
@@ -124,7 +124,8 @@ def rank_job(src: str, variant: dict, lens: list[int], steps: int, budget: int, 
     r_ids, r_mask = pad_right(resp, max(map(len, resp)), 0, torch.long)
     batch = RolloutBatch.from_tokens(p_ids, r_ids, p_mask, r_mask)
     adv = torch.randn(r_ids.shape, generator=g) * r_mask
-    cfg = load_config([f"actor_rollout_ref.model.enable_gradient_checkpointing={variant['recompute']}"])
+    cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
+                       f"actor_rollout_ref.model.enable_gradient_checkpointing={variant['recompute']}"])
     optim = dict(optimizer="adam", lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                  adam_eps=1e-8, clip_grad=1.0, lr_schedule="constant", lr_warmup_steps=0, lr_decay_steps=100,
                  use_distributed_optimizer=False)

@@ -48,7 +48,7 @@ import time
 
 import torch  # noqa: E402
 
-from _common import load_average, machine, summary, table, timed, write_json  # noqa: E402
+from _common import ROOT, load_average, machine, summary, table, timed, write_json  # noqa: E402
 
 MiB = 1 << 20
 
@@ -74,7 +74,7 @@ def build_cluster(model_dir: str, run_dir: str, bucket_mib: int):
     from trainer.config import load_config
     from trainer.workers.cluster import Cluster
 
-    cfg = load_config([
+    cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.placement=colocated",

@@ -54,7 +54,8 @@ class OptimConfig:
     sgd_momentum: float = 0.0
     clip_grad: float = 1.0  # max global L2 norm; 0 disables clipping (the norm is still reported)
     lr_schedule: str = "constant"  # "constant" | "cosine" | "linear"
-    lr_warmup_steps: int = 0  # linear warmup from 0 to lr
+    lr_warmup_steps: int = 0  # linear warmup from lr_warmup_init to lr
+    lr_warmup_init: float = 0.0  # learning rate at step 0 of the warmup
     lr_decay_steps: int | None = None  # step at which decay reaches min_lr (default: warmup + 1)
     use_distributed_optimizer: bool = False  # shard optimizer state over data parallel (GPU/nccl)
 
@@ -131,7 +132,7 @@ def make_scheduler(opt, optim: OptimConfig):
     decay = max(decay, warm + 1)
     style = {"constant": "constant", "cosine": "cosine", "linear": "linear"}[optim.lr_schedule]
     return OptimizerParamScheduler(
-        opt, init_lr=0.0 if warm else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        opt, init_lr=optim.lr_warmup_init if warm else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=warm, lr_decay_steps=decay, lr_decay_style=style,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from trainer.config import load_config
+from tests.tiny import tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
@@ -41,7 +41,7 @@ def run(tmp_path, *overrides, name="run"):
     from trainer.main import train
 
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path / name}", *overrides])
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / name}", *overrides])
     return train(cfg)
 
 
@@ -120,7 +120,7 @@ SCRIPT = """
 import json, sys
 from trainer.config import load_config
 from trainer.main import train
-out = train(load_config(json.loads(sys.argv[1])))
+out = train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *json.loads(sys.argv[1])]))
 """
 
 
@@ -170,7 +170,7 @@ def cluster(tmp_path_factory):
 
     # engines in their own processes (the hybrid engine is test_step_fast_paths' cluster): the
     # object-store sync path
-    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}",
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}",
                               "actor_rollout_ref.hybrid_engine=false"])
     resolve_model_paths(cfg)
     c = Cluster(cfg, total_steps=1)

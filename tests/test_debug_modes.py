@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.batch import RolloutBatch
-from trainer.config import load_config
+from tests.tiny import tiny_config
 from trainer.debug import dump_batch, dumped_steps, load_batch, replay_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,13 +74,13 @@ def test_rollout_only_dumps_then_train_only_replays(tmp_path):
     from trainer.main import train
 
     dump = tmp_path / "dump"
-    out = train(load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'a'}", "trainer.debug.rollout_only=true",
+    out = train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'a'}", "trainer.debug.rollout_only=true",
                                     f"trainer.debug.dump_batch_path={dump}"]))
     h1 = out["history"]
     assert [h["step"] for h in h1] == [1, 2]
     assert not any(k.startswith(("actor/", "timing_s/update", "adv/")) for h in h1 for k in h)  # nothing was trained
     assert len(dumped_steps(str(dump))) == 2
-    out = train(load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'b'}", "trainer.debug.train_only=true",
+    out = train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'b'}", "trainer.debug.train_only=true",
                                     f"trainer.debug.dump_batch_path={dump}"]))
     h2 = out["history"]
     for a, b in zip(h1, h2):

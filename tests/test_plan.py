@@ -5,12 +5,12 @@ import pickle
 
 import pytest
 
-from trainer.config import load_config
+from tests.tiny import tiny_config
 from trainer.plan import LoopState, Plan
 
 
 def plan(*overrides, **kw):
-    return Plan.from_config(load_config(list(overrides)), total_steps=kw.get("total_steps", 10),
+    return Plan.from_config(tiny_config(list(overrides)), total_steps=kw.get("total_steps", 10),
                             stop_token_ids=kw.get("stop", (7, 3)))
 
 

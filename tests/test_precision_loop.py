@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config
+from tests.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -26,10 +26,10 @@ def test_bf16_compiled_actor_in_the_loop(tmp_path):
     from trainer.main import train
 
     runs = {}
-    for name, extra in (("fp32", []), ("bf16", ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+    for name, extra in (("fp32", []), ("bf16", ["actor_rollout_ref.actor.megatron.dtype=bfloat16",
                                                  "actor_rollout_ref.actor.megatron.use_torch_compile=true"]),
                         ("fp32_compiled_decode", ["actor_rollout_ref.rollout.engine_kwargs.compile_decode=true"])):
-        cfg = load_config(BASE + extra + [f"trainer.default_local_dir={tmp_path / name}"])
+        cfg = tiny_config(BASE + extra + [f"trainer.default_local_dir={tmp_path / name}"])
         runs[name] = train(cfg)["history"]
     fp, bf = runs["fp32"], runs["bf16"]
     assert [h["step"] for h in bf] == [1, 2]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config
+from tests.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -29,7 +29,7 @@ def _ray():
 def test_server_mode_trains_and_matches_the_in_worker_engines_greedy_eval(tmp_path):
     from trainer.main import train
 
-    fleet = train(load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'fleet'}",
+    fleet = train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'fleet'}",
                                       "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_engines=2"]))
     h = fleet["history"]
     assert [x["step"] for x in h] == [0, 1, 2]
@@ -39,7 +39,7 @@ def test_server_mode_trains_and_matches_the_in_worker_engines_greedy_eval(tmp_pa
     assert any((Path(fleet["run_dir"]) / "fleet_logs").glob("router*.log"))
     # greedy eval before training: the same model and prompts through the router as through the
     # in-worker engines, so the same answers
-    sync = train(load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'sync'}", "trainer.total_training_steps=1",
+    sync = train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'sync'}", "trainer.total_training_steps=1",
                                      "trainer.test_freq=-1"]))
     assert sync["history"][0]["val/acc"] == h[0]["val/acc"]
 

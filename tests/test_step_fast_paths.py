@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from trainer.config import load_config
+from tests.tiny import tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
@@ -42,7 +42,7 @@ def test_loop_takes_the_on_policy_path(tmp_path):
     (in-process workers: the loop's wiring is what is tested here)."""
     from trainer.main import train
 
-    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
                               "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
                               "trainer.debug.in_process=true", "trainer.n_gpus_per_node=1"])
     h = train(cfg)["history"][-1]
@@ -58,7 +58,7 @@ def cluster(tmp_path_factory):
     from trainer.main import resolve_model_paths
     from trainer.workers.cluster import Cluster
 
-    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
     resolve_model_paths(cfg)
     c = Cluster(cfg, total_steps=4)
     yield cfg, c

@@ -42,18 +42,18 @@ class DataConfig:
     val_files: Any = None  # held-out parquet/jsonl path(s); None = the shipped synthetic held-out split
     prompt_key: str = "prompt"  # column holding the chat messages (verl row format)
     reward_fn_key: str = "data_source"  # column that selects the scorer
-    max_prompt_length: int = 64  # prompts longer than this are filtered or truncated (see truncation)
-    max_response_length: int = 8  # response budget in tokens (also the overlong-shaping max length)
-    train_batch_size: int = 16  # prompts per training step
+    max_prompt_length: int = 512  # prompts longer than this are filtered or truncated (see truncation)
+    max_response_length: int = 512  # response budget in tokens (also the overlong-shaping max length)
+    train_batch_size: int = 1024  # prompts per training step
     gen_batch_size: Optional[int] = None  # prompts per generation batch (DAPO); None = train_batch_size
     val_batch_size: Optional[int] = None  # prompts per validation batch; None = the whole val set
     shuffle: bool = True  # shuffle the training prompts every epoch
-    seed: int = 1  # dataloader shuffle seed
-    return_raw_chat: bool = False  # keep the raw chat messages in the batch (multi-turn)
-    filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length
+    seed: Optional[int] = None  # dataloader shuffle seed; None = 1
+    return_raw_chat: bool = True  # keep the raw chat messages with each row (the multi-turn loop and the judge read them; false refused there)
+    filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length
     truncation: str = "error"  # error | left | right: what to do with an overlong prompt when not filtered
     on_bad_row: str = "error"  # error | skip: a malformed dataset row stops the run or is skipped and counted
-    dataloader_num_workers: int = 0  # worker processes for data loading
+    dataloader_num_workers: int = 8  # verl's DataLoader workers; prompts are read in the driver here (no effect)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,25 +66,46 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved PP chunks per stage
     context_parallel_size: int = 1  # CP degree (long context)
     expert_model_parallel_size: int = 1  # EP degree (MoE)
-    sequence_parallel: bool = False  # shard activations along the sequence within TP
-    use_distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
+    expert_tensor_parallel_size: Optional[int] = None  # TP degree of the experts (None = megatron's choice)
+    sequence_parallel: bool = True  # shard activations along the sequence within TP (no effect at TP=1, as in megatron)
+    use_distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1)
     pipeline_layer_split: Optional[List[int]] = None  # layers per PP stage (uneven split); None = even
     param_offload: bool = False  # offload params to host memory when idle
     grad_offload: bool = False  # offload grads to host memory when idle
     optimizer_offload: bool = False  # offload optimizer state to host memory when idle
     seed: int = 42  # megatron's model-parallel RNG seed
-    params_dtype: str = "float32"  # float32 | bfloat16 | float16: parameter dtype (bf16/fp16 keep fp32 main params + grads)
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16: compute/parameter dtype (bf16/fp16 keep fp32 main params, grads and Adam state)
+    use_remove_padding: bool = True  # packed THD sequences (no pad tokens) in every pass of this role
     use_torch_compile: bool = False  # torch.compile (inductor) the model chunk; the first steps pay the compile
     override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig overrides: recompute_granularity (full | selective) / recompute_method (uniform | block) / recompute_num_layers / recompute_modules
 
 
+def _follow_actor(key: str, default) -> str:
+    return f"${{oc.select:actor_rollout_ref.actor.megatron.{key},{default}}}"
+
+
+@dataclass
+class RefMegatronConfig(MegatronConfig):
+    """The reference's megatron layout follows the actor's unless set (verl's interpolations)."""
+    tensor_model_parallel_size: int = _follow_actor("tensor_model_parallel_size", 1)  # TP degree
+    pipeline_model_parallel_size: int = _follow_actor("pipeline_model_parallel_size", 1)  # PP degree
+    virtual_pipeline_model_parallel_size: Optional[int] = _follow_actor("virtual_pipeline_model_parallel_size", "null")  # interleaved PP chunks per stage
+    context_parallel_size: int = _follow_actor("context_parallel_size", 1)  # CP degree (long context)
+    expert_model_parallel_size: int = _follow_actor("expert_model_parallel_size", 1)  # EP degree (MoE)
+    expert_tensor_parallel_size: Optional[int] = _follow_actor("expert_tensor_parallel_size", "null")  # TP degree of the experts
+    param_offload: bool = _follow_actor("param_offload", "False")  # offload params to host memory when idle
+    seed: int = _follow_actor("seed", 42)  # megatron's model-parallel RNG seed
+    use_remove_padding: bool = _follow_actor("use_remove_padding", "True")  # packed THD sequences in the reference's passes
+    override_transformer_config: Dict[str, Any] = field(default_factory=lambda: _follow_actor("override_transformer_config", "{}"))  # megatron TransformerConfig overrides
+
+
 @dataclass
 class ModelConfig:
-    path: str = "recipes/cpu/tiny_model"  # HF-format model dir (config.json + safetensors + tokenizer)
+    path: str = "~/models/deepseek-llm-7b-chat"  # HF-format model dir (config.json + safetensors + tokenizer); nothing is downloaded
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
     trust_remote_code: bool = False  # allow custom HF code (never needed for Llama/Qwen2/Qwen3)
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
-    use_remove_padding: bool = True  # pack sequences (THD, no pad tokens) in every actor / ref / rollout-log-prob pass
+    use_remove_padding: bool = False  # verl's FSDP packing switch; the megatron roles pack by *.megatron.use_remove_padding (true with it false is refused)
     override_config: Dict[str, Any] = field(default_factory=dict)  # overrides applied to the HF config
 
 
@@ -93,14 +114,16 @@ class OptimConfig:
     optimizer: str = "adam"  # adam | sgd
     lr: float = 1e-6  # peak learning rate
     min_lr: float = 0.0  # floor for cosine decay
-    lr_warmup_steps: int = 0  # linear warmup steps (wins over the ratio when > 0)
+    lr_warmup_steps: int = -1  # linear warmup steps; < 0 = use lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0  # warmup as a fraction of total training steps
-    lr_scheduler: str = "constant"  # constant | cosine | linear
+    lr_warmup_init: float = 0.0  # learning rate at the start of warmup
+    lr_decay_style: str = "constant"  # constant | cosine | linear (megatron's OptimizerParamScheduler)
+    lr_decay_steps: Optional[int] = None  # step at which decay reaches min_lr; None = the scheduler horizon
     weight_decay: float = 0.01  # decoupled weight decay
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam betas
     eps: float = 1e-8  # Adam epsilon
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
-    total_training_steps: Optional[int] = None  # scheduler horizon; None = trainer.total_training_steps
+    total_training_steps: int = -1  # scheduler horizon; <= 0 = the run's total steps
 
 
 @dataclass
@@ -122,16 +145,16 @@ class CheckpointContents:
 @dataclass
 class ActorConfig:
     strategy: str = "megatron"  # megatron | deepspeed
-    ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n responses)
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size: Optional[int] = None  # legacy global micro-batch; use ppo_micro_batch_size_per_gpu
-    ppo_micro_batch_size_per_gpu: int = 32  # responses per forward/backward on one DP rank
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per forward/backward on one DP rank (required unless use_dynamic_bsz)
     use_dynamic_bsz: bool = False  # pack micro-batches by token budget instead of count
     ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1  # passes over each step's batch
     shuffle: bool = False  # shuffle samples between mini-batches
     clip_ratio: float = 0.2  # PPO clip epsilon (both sides unless low/high given)
-    clip_ratio_low: Optional[float] = None  # lower clip epsilon; None = clip_ratio
-    clip_ratio_high: Optional[float] = None  # upper clip epsilon (DAPO clip-higher); None = clip_ratio
+    clip_ratio_low: Optional[float] = 0.2  # lower clip epsilon; None = clip_ratio
+    clip_ratio_high: Optional[float] = 0.2  # upper clip epsilon (DAPO clip-higher); None = clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
     loss_scale_factor: Optional[float] = None  # constant for seq-mean-token-sum-norm; None = max response length
@@ -141,17 +164,17 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl (k1 | k2 | k3 aliases)
     grad_clip: Optional[float] = None  # alias of optim.clip_grad kept for verl scripts; None = optim.clip_grad
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # policy-loss variant
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # actor optimizer (lr tuned for the tiny CPU recipe; real models use ~1e-6)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor parallelism
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # checkpoint contents
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 16  # responses per reference forward on one rank
-    log_prob_use_dynamic_bsz: bool = False  # pack reference micro-batches by token budget
-    log_prob_max_token_len_per_gpu: int = 16384  # token budget per reference micro-batch
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # reference parallelism
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per reference forward on one rank (required unless log_prob_use_dynamic_bsz)
+    log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack reference micro-batches by token budget
+    log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per reference micro-batch
+    megatron: MegatronConfig = field(default_factory=lambda: RefMegatronConfig())  # reference parallelism (follows the actor's, as in verl)
 
 
 @dataclass
@@ -166,8 +189,8 @@ class ValKwargs:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False  # run the multi-turn agent loop instead of single-turn generation
-    max_assistant_turns: int = 4  # assistant turns per trajectory
-    max_user_turns: int = 4  # environment/tool turns per trajectory
+    max_assistant_turns: Optional[int] = None  # assistant turns per trajectory; None = until the environment ends it (bounded by the token budget)
+    max_user_turns: Optional[int] = None  # environment/tool turns per trajectory; None = unbounded (bounded by the token budget)
     max_tokens_per_trajectory: Optional[int] = None  # token budget of a whole trajectory; None = prompt+response
     environment: str = "calculator"  # shipped env name or pkg.module:Class
     concurrency: int = 64  # trajectories in flight
@@ -176,26 +199,26 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "native"  # native (torch, CPU or GPU) | sglang (GPU)
-    mode: str = "sync"  # sync (engines in Ray workers) | server (HTTP servers behind sglang-router) | async
+    name: str = "???"  # native (torch, CPU or GPU) | sglang (GPU); required, as in verl
+    mode: str = "sync"  # sync (engines in Ray workers) | async (verl's server engines: HTTP servers behind sglang-router; also spelt server)
     temperature: float = 1.0  # sampling temperature (the trainer recomputes log-probs at this temperature)
-    top_k: int = 0  # top-k filter (0 or -1 = off; -1 is vLLM's spelling)
+    top_k: int = -1  # top-k filter (-1 or 0 = off)
     top_p: float = 1.0  # nucleus threshold (1 = off)
-    n: int = 8  # responses per prompt (the GRPO group size)
+    n: int = 1  # responses per prompt (the GRPO group size)
     do_sample: bool = True  # sample (False = greedy)
-    prompt_length: Optional[int] = None  # None = data.max_prompt_length
-    response_length: Optional[int] = None  # None = data.max_response_length
-    dtype: str = "float32"  # rollout compute dtype
-    calculate_log_probs: bool = True  # return the sampler's per-token log-probs (needed for rollout IS)
-    tensor_model_parallel_size: int = 1  # rollout engine TP (SGLang)
+    prompt_length: int = "${oc.select:data.max_prompt_length,512}"  # prompt cap of the engines (must be >= data.max_prompt_length)
+    response_length: int = "${oc.select:data.max_response_length,512}"  # response budget of the engines
+    dtype: str = "bfloat16"  # rollout compute dtype
+    calculate_log_probs: bool = False  # return the sampler's per-token log-probs (needed for rollout IS)
+    tensor_model_parallel_size: int = 2  # rollout engine TP (SGLang)
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     free_cache_engine: bool = True  # release engine memory while training (colocated)
     max_num_seqs: int = 256  # engine batch slots (continuous batching)
     max_num_batched_tokens: int = 8192  # SGLang chunked-prefill budget
     enable_chunked_prefill: bool = True  # SGLang chunked prefill
-    log_prob_micro_batch_size_per_gpu: int = 64  # responses per old-log-prob forward on one rank
-    log_prob_use_dynamic_bsz: bool = False  # pack old-log-prob micro-batches by token budget
-    log_prob_max_token_len_per_gpu: int = 16384  # token budget per old-log-prob micro-batch
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per old-log-prob forward on one rank (required unless log_prob_use_dynamic_bsz)
+    log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack old-log-prob micro-batches by token budget
+    log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per old-log-prob micro-batch
     update_weights_bucket_megabytes: int = 512  # weight-sync bucket size in MiB (actor -> rollout engines)
     num_engines: int = 0  # rollout engines (workers) in the fleet; 0 = one per device when colocated (world / rollout TP), 1 split
     generate_threads: int = 0  # CPU torch threads per engine while generating; 0 = 1 (more only on idle cores)
@@ -222,8 +245,7 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: Optional[str] = None  # HF dir of the critic trunk; None = the actor's model
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
-    enable_gradient_checkpointing: bool = False  # recompute activations in backward
-    use_remove_padding: bool = True  # pack sequences (THD, no pad tokens) in every critic pass
+    enable_gradient_checkpointing: bool = False  # full activation recompute in backward (megatron: refined by critic.megatron.override_transformer_config)
 
 
 @dataclass
@@ -232,14 +254,14 @@ class CriticConfig:
     strategy: str = "megatron"  # megatron | deepspeed
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # value model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # critic optimizer
-    ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None = actor's
-    ppo_micro_batch_size_per_gpu: int = 8  # responses per critic forward/backward on one rank
-    use_dynamic_bsz: bool = False  # fill critic micro-batches up to a token budget instead of a count
+    ppo_mini_batch_size: int = "${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}"  # prompts per critic optimizer step
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per critic forward/backward on one rank (required unless use_dynamic_bsz)
+    use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # fill critic micro-batches up to a token budget instead of a count
     ppo_max_token_len_per_gpu: int = 32768  # token budget per critic update micro-batch when use_dynamic_bsz
-    forward_max_token_len_per_gpu: int = 32768  # token budget per critic value micro-batch when use_dynamic_bsz
-    ppo_epochs: Optional[int] = None  # critic passes; None = actor's ppo_epochs
+    forward_max_token_len_per_gpu: int = "${.ppo_max_token_len_per_gpu}"  # token budget per critic value micro-batch when use_dynamic_bsz
+    ppo_epochs: int = "${oc.select:actor_rollout_ref.actor.ppo_epochs,1}"  # critic passes over each batch
     cliprange_value: float = 0.5  # value clipping range
-    loss_agg_mode: str = "token-mean"  # aggregation of the value loss
+    loss_agg_mode: str = "${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}"  # aggregation of the value loss
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # critic parallelism
 
 
@@ -284,13 +306,13 @@ class KLControlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False  # DAPO dynamic sampling
-    metric: str = "acc"  # acc | score | seq_reward | seq_final_reward | any per-sample field
-    max_num_gen_batches: int = 0  # generation batches per step before giving up; 0 = unlimited
+    metric: Optional[str] = None  # None = acc; acc | score | seq_reward | seq_final_reward | any per-sample field
+    max_num_gen_batches: int = 0  # generation batches per step before giving up; <= 0 = unlimited
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | adca_grpo | pkg.module:function
+    adv_estimator: str = "gae"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | adca_grpo | pkg.module:function
     norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
@@ -298,7 +320,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # in-reward KL estimator: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL controller
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO group filter
-    rollout_is_threshold: Optional[float] = 2.0  # upper IS bound; None disables rollout IS entirely (verl's default)
+    rollout_is_threshold: Optional[float] = None  # upper IS bound; None disables rollout IS entirely (verl's default)
     rollout_is_threshold_lower: Optional[float] = None  # lower bound for clip mode; None = 1 / upper
     rollout_is_level: str = "token"  # token | sequence | geometric
     rollout_is_mode: str = "truncate"  # truncate | clip
@@ -362,21 +384,21 @@ class DebugConfig:
 
 @dataclass
 class TrainerConfig:
-    project_name: str = "coxswain"  # MLflow experiment
-    experiment_name: str = "tiny_grpo"  # MLflow run name
-    logger: List[str] = field(default_factory=lambda: ["console", "mlflow"])  # console | mlflow
-    device: str = "cpu"  # cpu | cuda
+    project_name: str = "verl_examples"  # tracker project (MLflow experiment)
+    experiment_name: str = "gsm8k"  # tracker run name
+    logger: List[str] = field(default_factory=lambda: ["console", "wandb"])  # console | mlflow
+    device: str = "cuda"  # cuda | cpu
     nnodes: int = 1  # nodes in the Ray cluster
-    n_gpus_per_node: int = 2  # devices (GPUs, or CPU slots on CPU) per node
+    n_gpus_per_node: int = 8  # devices (GPUs, or CPU slots on CPU) per node
     placement: str = "colocated"  # colocated | split
-    total_epochs: int = 1  # passes over the training prompts
-    total_training_steps: Optional[int] = 40  # stop after this many steps; None = epochs x batches
+    total_epochs: int = 30  # passes over the training prompts
+    total_training_steps: Optional[int] = None  # stop after this many steps; None = epochs x batches
     critic_warmup: int = 0  # critic-only steps before the actor trains
-    test_freq: int = 5  # eval every N steps (-1 = never)
+    test_freq: int = -1  # eval every N steps (-1 = never)
     val_before_train: bool = True  # eval at step 0
     save_freq: int = -1  # checkpoint every N steps (-1 = never)
     max_actor_ckpt_to_keep: Optional[int] = None  # prune older checkpoints; None = keep all
-    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"  # run directory
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # run directory: checkpoints, resolved config, report
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # checkpoint dir when resume_mode=resume_path
     seed: int = 1  # driver seed

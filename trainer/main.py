@@ -44,7 +44,12 @@ def env_tasks(cfg):
     from trainer.envs import task_maker
 
     make = task_maker(cfg.actor_rollout_ref.rollout.multi_turn.environment)
-    return lambda num, split: make(num, seed=cfg.data.seed, split="train" if split == "train" else "test")
+    return lambda num, split: make(num, seed=data_seed(cfg), split="train" if split == "train" else "test")
+
+
+def data_seed(cfg) -> int:
+    """verl's ``data.seed``: null means 1."""
+    return 1 if cfg.data.seed is None else int(cfg.data.seed)
 
 
 def resolve_model_paths(cfg) -> None:
@@ -53,6 +58,8 @@ def resolve_model_paths(cfg) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for key in ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path"):
         val = OmegaConf.select(cfg, key)
+        if val and val.startswith("~"):
+            OmegaConf.update(cfg, key, val := os.path.expanduser(val))
         if val and not os.path.isabs(val) and not os.path.exists(val) and os.path.exists(os.path.join(root, val)):
             OmegaConf.update(cfg, key, os.path.join(root, val))
     path = cfg.actor_rollout_ref.model.path
@@ -110,7 +117,8 @@ def train(cfg) -> dict:
     save_resolved(cfg, run_dir)
     torch.manual_seed(cfg.trainer.seed)
 
-    tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
+    tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path or model_path,
+                                        trust_remote_code=bool(cfg.actor_rollout_ref.model.trust_remote_code))
     tasks = env_tasks(cfg) if cfg.actor_rollout_ref.rollout.multi_turn.enable else None  # the environment's own tasks
     train_ds, val_ds = build_dataset(cfg.data, tok, "train", tasks), build_dataset(cfg.data, tok, "val", tasks)
     total_steps = cfg.trainer.total_training_steps or len(train_ds) // cfg.data.train_batch_size * cfg.trainer.total_epochs
@@ -118,7 +126,7 @@ def train(cfg) -> dict:
     # stop token is part of the response, so the trainer learns to end
     plan = Plan.from_config(cfg, total_steps=total_steps, stop_token_ids=stop_token_ids(model_path, tok))
     al = cfg.algorithm
-    state = LoopState(sampler=PromptSampler(len(train_ds), seed=cfg.data.seed, shuffle=cfg.data.shuffle),
+    state = LoopState(sampler=PromptSampler(len(train_ds), seed=data_seed(cfg), shuffle=cfg.data.shuffle),
                       kl_ctrl=make_kl_controller(al.kl_ctrl.type, kl_coef=al.kl_ctrl.kl_coef, target_kl=al.kl_ctrl.target_kl,
                                                  horizon=al.kl_ctrl.horizon))
     reward_mgr = RewardManager(num_workers=cfg.reward_model.num_workers, timeout=cfg.reward_model.timeout,

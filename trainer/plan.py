@@ -163,7 +163,7 @@ class Plan:
     @classmethod
     def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
         a, r, al, c = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm, cfg.critic
-        width = int(r.response_length or cfg.data.max_response_length)
+        width = int(r.response_length)
         stops = tuple(int(t) for t in stop_token_ids)
         mt = None
         if r.multi_turn.enable:
@@ -189,8 +189,10 @@ class Plan:
             kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=a.kl_loss_type,
             variant_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
                                 kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef))
-        packed, temp = bool(cfg.actor_rollout_ref.model.use_remove_padding), float(r.temperature)
         ref = cfg.actor_rollout_ref.ref
+        # packing is per megatron role (verl's megatron.use_remove_padding)
+        packed, temp = bool(a.megatron.use_remove_padding), float(r.temperature)
+        c_packed = bool(c.megatron.use_remove_padding)
 
         def budget(on: bool, n: int):
             return int(n) if on else None
@@ -199,22 +201,22 @@ class Plan:
                                       micro_batch_size=a.ppo_micro_batch_size_per_gpu, temperature=temp, policy=policy,
                                       max_token_len=budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu), packed=packed,
                                       budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
-        critic_update = UpdateSettings(mini_batch_size=(c.ppo_mini_batch_size or a.ppo_mini_batch_size) * r.n,
-                                       epochs=c.ppo_epochs or a.ppo_epochs, shuffle=a.shuffle,
+        critic_update = UpdateSettings(mini_batch_size=c.ppo_mini_batch_size * r.n,
+                                       epochs=c.ppo_epochs, shuffle=a.shuffle,
                                        micro_batch_size=c.ppo_micro_batch_size_per_gpu,
                                        value=ValueLoss(cliprange_value=c.cliprange_value, agg_mode=c.loss_agg_mode),
                                        max_token_len=budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
-                                       packed=bool(c.model.use_remove_padding), budget_key="critic.ppo_max_token_len_per_gpu")
+                                       packed=c_packed, budget_key="critic.ppo_max_token_len_per_gpu")
         actor_log_prob = ForwardSettings(
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
             max_token_len=budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
             budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
         ref_log_prob = ForwardSettings(
-            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=bool(ref.megatron.use_remove_padding), temperature=temp,
             max_token_len=budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
             budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
         critic_values = ForwardSettings(
-            micro_batch_size=c.ppo_micro_batch_size_per_gpu, packed=bool(c.model.use_remove_padding),
+            micro_batch_size=c.ppo_micro_batch_size_per_gpu, packed=c_packed,
             max_token_len=budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
             budget_key="critic.forward_max_token_len_per_gpu")
         is_ = None if al.rollout_is_threshold is None else RolloutIS(

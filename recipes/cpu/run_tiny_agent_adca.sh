@@ -8,11 +8,13 @@
 # subprocess). To use an API judge instead, as AgentEvolver's recipes do:
 #   DASHSCOPE_API_KEY=... bash recipes/cpu/run_tiny_agent_adca.sh \
 #       attribution_driven_credit_assignment.evaluation_type=api attribution_driven_credit_assignment.model=qwen-max
+# On top of recipes/cpu/tiny_grpo.yaml (the tiny CPU settings) and verl's defaults.
 # Other environments: actor_rollout_ref.rollout.multi_turn.environment=calculator (a calculator tool).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python -m trainer.main \
+python -m trainer.main --config recipes/cpu/tiny_grpo.yaml \
     algorithm.adv_estimator=grpo \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 \
     actor_rollout_ref.model.path=recipes/cpu/tiny_agent_model \
     data.train_batch_size=8 \
     data.val_batch_size=32 \

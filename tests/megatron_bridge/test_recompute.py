@@ -61,13 +61,14 @@ def test_recompute_gives_the_same_gradients(tmp_path):
 
 
 def test_recompute_settings_resolve_like_verl():
-    from trainer.config import load_config, recompute_settings
+    from trainer.config import recompute_settings
+    from tests.tiny import tiny_config
 
-    c = load_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    c = tiny_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
     m = c.actor_rollout_ref.actor.megatron
     assert recompute_settings(True, m) == SETTINGS["full uniform 1"]
     assert recompute_settings(False, m) is None
-    c = load_config(["actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
+    c = tiny_config(["actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
                      "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[core_attn]"])
     assert recompute_settings(False, c.actor_rollout_ref.actor.megatron) == {"recompute_granularity": "selective",
                                                                              "recompute_modules": ["core_attn"]}

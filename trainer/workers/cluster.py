@@ -30,10 +30,14 @@ def _plain(d) -> dict:
 
 
 def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
-    warm = o.lr_warmup_steps or int(o.lr_warmup_steps_ratio * total_steps)
+    """verl's optimizer keys -> megatron_bridge's: a negative ``lr_warmup_steps`` means "use the ratio", and a
+    non-positive ``total_training_steps`` means the run's own step count (verl injects it the same way)."""
+    horizon = o.total_training_steps if o.total_training_steps and o.total_training_steps > 0 else total_steps
+    warm = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * horizon)
     return dict(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
-                adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=clip_grad, lr_schedule=o.lr_scheduler,
-                lr_warmup_steps=warm, lr_decay_steps=o.total_training_steps or total_steps,
+                adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=clip_grad, lr_schedule=o.lr_decay_style,
+                lr_warmup_steps=warm, lr_warmup_init=o.lr_warmup_init,
+                lr_decay_steps=o.lr_decay_steps if o.lr_decay_steps is not None else horizon,
                 use_distributed_optimizer=use_dist)
 
 
@@ -82,13 +86,13 @@ class Cluster:
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                        params_dtype=mcfg.params_dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
+                        params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
                         num_threads=share(world), **(extra or {}))
                    for i in range(world)]
             return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
                         self.transport)
 
-        max_len = cfg.data.max_prompt_length + (r.response_length or cfg.data.max_response_length)
+        max_len = r.prompt_length + r.response_length  # the engines' context: prompt cap + response budget
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
                    generate_threads=r.generate_threads or 1, engine_kwargs=_plain(r.engine_kwargs),
