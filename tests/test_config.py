@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.tiny import TINY_YAML, tiny_config
 from trainer.config import ConfigError, all_keys, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ REQUIRED = [
 
 
 def test_every_required_key_is_accepted_and_typed():
-    cfg = load_config(REQUIRED)
+    cfg = tiny_config(REQUIRED)
     for item in REQUIRED:
         key, raw = item.split("=", 1)
         got = OmegaConf.select(cfg, key)
@@ -64,7 +65,7 @@ def test_every_required_key_is_accepted_and_typed():
 
 
 def test_null_disables_optional_fields():
-    cfg = load_config(["algorithm.rollout_is_threshold=null", "algorithm.rollout_is_veto_threshold=null"])
+    cfg = tiny_config(["algorithm.rollout_is_threshold=null", "algorithm.rollout_is_veto_threshold=null"])
     assert cfg.algorithm.rollout_is_threshold is None and cfg.algorithm.rollout_is_veto_threshold is None
 
 
@@ -77,33 +78,33 @@ def test_null_disables_optional_fields():
 ])
 def test_unknown_key_names_closest(bad, suggestion):
     with pytest.raises(ConfigError) as e:
-        load_config([bad])
+        tiny_config([bad])
     msg = str(e.value)
     assert bad.split("=")[0] in msg and f"Did you mean '{suggestion}'" in msg
 
 
 def test_wrong_type_names_key_value_and_type():
     with pytest.raises(ConfigError) as e:
-        load_config(["data.train_batch_size=abc"])
+        tiny_config(["data.train_batch_size=abc"])
     msg = str(e.value)
     assert "data.train_batch_size" in msg and "'abc'" in msg and "int" in msg
     with pytest.raises(ConfigError) as e:
-        load_config(["algorithm.rollout_is_threshold=high"])
+        tiny_config(["algorithm.rollout_is_threshold=high"])
     msg = str(e.value)
     assert "algorithm.rollout_is_threshold" in msg and "'high'" in msg and "float or null" in msg
 
 
 def test_cross_field_errors_name_every_key():
     with pytest.raises(ConfigError) as e:
-        load_config(["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+        tiny_config(["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     assert "data.train_batch_size=10" in str(e.value) and "ppo_mini_batch_size=4" in str(e.value)
 
     with pytest.raises(ConfigError) as e:
-        load_config(["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_threshold_lower=3"])
+        tiny_config(["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_threshold_lower=3"])
     assert "algorithm.rollout_is_threshold_lower=3.0" in str(e.value) and "algorithm.rollout_is_threshold=2.0" in str(e.value)
 
     with pytest.raises(ConfigError) as e:
-        load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        tiny_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                      "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=6"])
     msg = str(e.value)
     for k in ("tensor_model_parallel_size=2", "pipeline_model_parallel_size=2", "trainer.nnodes=1",
@@ -112,13 +113,13 @@ def test_cross_field_errors_name_every_key():
 
     # 8 prompts x 8 responses = 64 over DP 2 = 32 per rank, not divisible by micro 5
     with pytest.raises(ConfigError) as e:
-        load_config(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"])
+        tiny_config(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"])
     assert "32 responses" in str(e.value) and "ppo_micro_batch_size_per_gpu=5" in str(e.value)
 
 
 def test_all_errors_reported_together():
     with pytest.raises(ConfigError) as e:
-        load_config(["data.train_batch_size=10", "algorithm.rollout_is_threshold=1", "algorithm.rollout_is_threshold_lower=2",
+        tiny_config(["data.train_batch_size=10", "algorithm.rollout_is_threshold=1", "algorithm.rollout_is_threshold_lower=2",
                      "algorithm.rollout_is_level=tokens"])
     msg = str(e.value)
     assert "Did you mean 'token'" in msg and "rollout_is_threshold_lower" in msg
@@ -126,34 +127,34 @@ def test_all_errors_reported_together():
 
 def test_legacy_tis_key_gives_new_keys():
     with pytest.raises(ConfigError) as e:
-        load_config(["actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"])
+        tiny_config(["actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"])
     msg = str(e.value)
     assert "algorithm.rollout_is_threshold" in msg and "rollout_is_level" in msg and "rollout_is_mode" in msg
 
 
 def test_fsdp_keys_point_to_megatron_equivalents():
     with pytest.raises(ConfigError) as e:
-        load_config(["actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+        tiny_config(["actor_rollout_ref.actor.fsdp_config.param_offload=true"])
     assert "actor_rollout_ref.actor.megatron" in str(e.value)
 
 
 def test_yaml_file_and_override_precedence(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("algorithm:\n  adv_estimator: rloo\n  gamma: 0.9\nactor_rollout_ref:\n  rollout:\n    n: 4\n")
-    cfg = load_config(["--config", str(f), "algorithm.gamma=0.5"])
+    cfg = tiny_config(["--config", str(f), "algorithm.gamma=0.5"])
     assert cfg.algorithm.adv_estimator == "rloo" and cfg.algorithm.gamma == 0.5 and cfg.actor_rollout_ref.rollout.n == 4
     f.write_text("algorithm:\n  filter_groups:\n    enabel: true\n")
     with pytest.raises(ConfigError) as e:
-        load_config(["--config", str(f)])
+        tiny_config(["--config", str(f)])
     assert str(f) in str(e.value) and "algorithm.filter_groups.enable" in str(e.value)
 
 
 def test_plugin_function_names_pass_validation():
-    cfg = load_config(["algorithm.adv_estimator=mypkg.adv:my_estimator",
+    cfg = tiny_config(["algorithm.adv_estimator=mypkg.adv:my_estimator",
                        "actor_rollout_ref.actor.policy_loss.loss_mode=mypkg.loss:f"])
     assert cfg.algorithm.adv_estimator == "mypkg.adv:my_estimator"
     with pytest.raises(ConfigError, match="Did you mean 'grpo'"):
-        load_config(["algorithm.adv_estimator=grop"])
+        tiny_config(["algorithm.adv_estimator=grop"])
 
 
 def test_every_schema_field_has_a_default_and_a_comment():
@@ -165,7 +166,7 @@ def test_every_schema_field_has_a_default_and_a_comment():
     classes = [c for c in vars(C).values() if inspect.isclass(c) and dataclasses.is_dataclass(c)]
     n = 0
     for cls in classes:
-        src = inspect.getsource(cls).splitlines()
+        src = [ln for c in cls.__mro__ if dataclasses.is_dataclass(c) for ln in inspect.getsource(c).splitlines()]
         for f in dataclasses.fields(cls):
             assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, f.name
             line = next(ln for ln in src if ln.strip().startswith(f"{f.name}:"))
@@ -190,7 +191,8 @@ def test_dapo_recipe_overrides_are_accepted(tmp_path):
 
 def test_main_prints_and_writes_resolved_config(tmp_path):
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "trainer.main", "--print-config", f"trainer.default_local_dir={run_dir}",
+    p = subprocess.run([sys.executable, "-m", "trainer.main", "--print-config", "--config", TINY_YAML,
+                        f"trainer.default_local_dir={run_dir}",
                         "algorithm.gamma=0.97"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "gamma: 0.97" in p.stdout
@@ -203,16 +205,22 @@ def test_main_prints_and_writes_resolved_config(tmp_path):
 def test_parallelism_and_offload_not_built_yet_are_refused_together():
     """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
     keys = ["actor_rollout_ref.actor.megatron.sequence_parallel=true",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
             "critic.megatron.expert_model_parallel_size=2", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
-            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.1"]
+            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.1",
+            "actor_rollout_ref.actor.strategy=deepspeed", "reward_model.enable=true"]
     with pytest.raises(ConfigError) as e:
-        load_config(keys)
+        tiny_config(keys)
     msg = str(e.value)
-    for want in ("actor.megatron.sequence_parallel=True: sequence parallelism is not implemented",
+    for want in ("actor.megatron.sequence_parallel=true with tensor_model_parallel_size=2: sequence parallelism is not built",
                  "ref.megatron.virtual_pipeline_model_parallel_size=2", "critic.megatron.expert_model_parallel_size=2",
-                 "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported"):
+                 "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported",
+                 "actor_rollout_ref.actor.strategy=deepspeed: the DeepSpeed strategy", "reward_model.enable=True"):
         assert want in msg, want
+    assert msg.startswith("8 problems")
+    # verl's default sequence_parallel=true asks for nothing at TP=1 (megatron turns it off): accepted
+    tiny_config(["actor_rollout_ref.actor.megatron.sequence_parallel=true"])
     # recompute, packing and token budgets are built: accepted
-    load_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    tiny_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                  "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"])

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from trainer.verl_compat import refusals, verl_only
 
 
 class ConfigError(ValueError):
@@ -38,6 +40,7 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     tokenizer: Optional[str] = None  # tokenizer dir; None = the actor model's dir
+    trust_remote_code: bool = False  # allow the tokenizer's custom HF code
     train_files: Any = None  # parquet/jsonl path or list of paths; None = the shipped synthetic task
     val_files: Any = None  # held-out parquet/jsonl path(s); None = the shipped synthetic held-out split
     prompt_key: str = "prompt"  # column holding the chat messages (verl row format)
@@ -49,11 +52,9 @@ class DataConfig:
     val_batch_size: Optional[int] = None  # prompts per validation batch; None = the whole val set
     shuffle: bool = True  # shuffle the training prompts every epoch
     seed: Optional[int] = None  # dataloader shuffle seed; None = 1
-    return_raw_chat: bool = True  # keep the raw chat messages with each row (the multi-turn loop and the judge read them; false refused there)
     filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length
     truncation: str = "error"  # error | left | right: what to do with an overlong prompt when not filtered
     on_bad_row: str = "error"  # error | skip: a malformed dataset row stops the run or is skipped and counted
-    dataloader_num_workers: int = 8  # verl's DataLoader workers; prompts are read in the driver here (no effect)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
+    strategy: str = "megatron"  # megatron | deepspeed
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per reference forward on one rank (required unless log_prob_use_dynamic_bsz)
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack reference micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per reference micro-batch
@@ -311,6 +313,22 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's newer spelling of rollout IS / rejection (``algorithm.rollout_correction``); used when
+    ``rollout_is`` or ``rollout_rs`` is set, translated to the same weights and masks as the flat keys."""
+    rollout_is: Optional[str] = None  # token | sequence: truncated IS weights at this level; None = no weights (metrics only)
+    rollout_is_threshold: float = 2.0  # upper truncation bound of the IS weights
+    rollout_is_batch_normalize: bool = False  # normalise the IS weights to mean 1 over the batch
+    rollout_rs: Optional[str] = None  # rejection: token | sequence | geometric, or comma list of {token,seq_sum,seq_mean,seq_max}_{k1,k2,k3}
+    rollout_rs_threshold: Any = None  # rejection bound(s): k1 ratio bounds as "lo_hi" or an upper ratio (lower 1/upper); k2/k3 upper bound
+    rollout_rs_threshold_lower: Optional[float] = None  # k1 lower ratio bound when rollout_rs_threshold is a single number; None = 1/upper
+    rollout_token_veto_threshold: Optional[float] = None  # veto a sequence with any token ratio below this; None = off
+    bypass_mode: bool = False  # true: old log-probs = the sampler's (2 policies); false: decoupled (3 policies)
+    loss_type: str = "ppo_clip"  # bypass mode's loss: ppo_clip | reinforce
+    use_policy_gradient: bool = False  # older spelling of loss_type=reinforce
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | adca_grpo | pkg.module:function
     norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
@@ -330,6 +348,7 @@ class AlgorithmConfig:
     rollout_rs_divergence: str = "k1"  # k1 | k2 | k3 divergence for rejection sampling
     rollout_rs_threshold: Optional[float] = None  # rejection upper bound
     rollout_rs_threshold_lower: Optional[float] = None  # rejection lower bound
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # verl's newer rollout-IS tree
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,22 +446,11 @@ LEGACY_KEYS = {
         "see also algorithm.rollout_is, rollout_is_threshold_lower, rollout_is_veto_threshold)"
     ),
     "actor_rollout_ref.rollout.tis_imp_ratio_cap": "was removed: use algorithm.rollout_is_threshold=<cap>",
-    "actor_rollout_ref.actor.use_torch_compile": "is not used by the megatron strategy; remove it",
 }
 
 # Other spellings of a key that a pasted recipe may use: alias -> canonical key. The loader moves an
 # alias's value to its canonical key (both set -> an error naming both).
 KEY_ALIASES: dict[str, str] = {}
-
-# Whole verl sections that have a megatron-side equivalent here: prefix -> message.
-LEGACY_PREFIXES = {
-    "actor_rollout_ref.actor.fsdp_config": "Coxswain trains with megatron-core: use actor_rollout_ref.actor.megatron.{param_offload,grad_offload,optimizer_offload,use_distributed_optimizer}",
-    "actor_rollout_ref.ref.fsdp_config": "Coxswain runs the reference on megatron-core: use actor_rollout_ref.ref.megatron.*",
-    "critic.model.fsdp_config": "Coxswain trains the critic with megatron-core: use critic.megatron.*",
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "use actor_rollout_ref.actor.megatron.context_parallel_size (megatron context parallelism)",
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "use actor_rollout_ref.ref.megatron.context_parallel_size",
-    "critic.ulysses_sequence_parallel_size": "use critic.megatron.context_parallel_size",
-}
 
 # Enumerated string fields: key -> allowed values (a "pkg.module:function" is also allowed where noted).
 CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -461,7 +469,9 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
         ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"), True),
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
-    "actor_rollout_ref.rollout.mode": (("sync", "server", "async"), False),
+    "actor_rollout_ref.rollout.mode": (("sync", "async", "server"), False),
+    "actor_rollout_ref.actor.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
+    "critic.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
     "critic.loss_agg_mode": (
         ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"), False),
     "data.truncation": (("error", "left", "right"), False),
@@ -513,118 +523,275 @@ def _type_name(tp) -> str:
 
 
 def closest_key(key: str) -> Optional[str]:
-    """The valid key nearest to ``key``: first the same leaf name elsewhere, then string similarity."""
-    candidates = list(_LEAVES) + sorted(_SECTIONS)
+    """A valid key that ``key`` is plausibly a misspelling of, or None: the same leaf name under another
+    section (a moved key), a close spelling of the whole key, or a close spelling of the leaf among its
+    siblings. Suggestions below these similarity bars are worse than none."""
+    from trainer.verl_compat import VERL_MEGATRON
+
     leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in _LEAVES if k.rsplit(".", 1)[-1] == leaf]
+    same_leaf = [k for k in (*_LEAVES, *VERL_MEGATRON) if k.rsplit(".", 1)[-1] == leaf]
+    tail = [k for k in _LEAVES if k.endswith("." + key)]
+    if len(tail) == 1:  # the key given without (part of) its section
+        return tail[0]
     if same_leaf:
-        return difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0)[0]
-    m = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+        m = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.6)
+        if m:
+            return m[0]
+    m = difflib.get_close_matches(key, list(_LEAVES) + sorted(_SECTIONS), n=1, cutoff=0.9)
     if m:
         return m[0]
-    # a typo in the leaf under a valid parent
     parent = key.rsplit(".", 1)[0] if "." in key else ""
-    siblings = [k for k in _LEAVES if k.rsplit(".", 1)[0] == parent]
-    m = difflib.get_close_matches(key, siblings, n=1, cutoff=0.0)
-    return m[0] if m else None
+    siblings = {k.rsplit(".", 1)[-1]: k for k in _LEAVES if k.rsplit(".", 1)[0] == parent}
+    siblings.update({k.rsplit(".", 1)[-1]: k for k in _SECTIONS if k.rsplit(".", 1)[0] == parent and "." in k})
+    m = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
+    return siblings[m[0]] if m else None
 
 
-def _check_key(key: str, origin: str) -> None:
-    key = key.lstrip("+")
-    if key in LEGACY_KEYS:
-        raise ConfigError(f"{origin}: '{key}' {LEGACY_KEYS[key]}")
-    for prefix, msg in LEGACY_PREFIXES.items():
-        if key == prefix or key.startswith(prefix + "."):
-            raise ConfigError(f"{origin}: '{key}' is a verl FSDP/Ulysses key: {msg}")
-    if key in _LEAVES or key in _SECTIONS:
-        return
-    if any(key.startswith(p + ".") for p in _OPEN):
-        return
-    guess = closest_key(key)
-    hint = f" Did you mean '{guess}'?" if guess else ""
-    raise ConfigError(f"{origin}: unknown config key '{key}'.{hint} (print all keys: python -m trainer.main --help-keys)")
+def _is_schema_key(key: str) -> bool:
+    return key in _LEAVES or key in _SECTIONS or any(key.startswith(p + ".") for p in _OPEN)
 
 
 def _flatten(node, prefix="") -> dict[str, Any]:
+    """A nested mapping -> ``{dotted key: value}``; free-form dict fields and empty mappings stay whole."""
     out = {}
-    if isinstance(node, (dict, DictConfig)):
-        items = node.items() if isinstance(node, dict) else node.items_ex(resolve=False)
-        for k, v in items:
-            key = f"{prefix}{k}"
-            if key in _OPEN or key in LEGACY_KEYS or key in LEGACY_PREFIXES:
-                out[key] = v
-            elif isinstance(v, (dict, DictConfig)) and v and key not in _LEAVES:
-                out.update(_flatten(v, key + "."))
-            else:
-                out[key] = v
+    items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else node.items()
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, (dict, DictConfig)) and len(v) and key not in _OPEN and key not in _LEAVES:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = OmegaConf.to_container(v, resolve=False) if isinstance(v, (DictConfig, ListConfig)) else v
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# loading
-# ----------------------------------------------------------------------------------------------
-def _merge(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
-    try:
-        return OmegaConf.merge(base, other)
-    except ValidationError as e:
-        key = e.full_key
-        expected = _type_name(_LEAVES[key]) if key in _LEAVES else "a value of the schema's type"
-        raise ConfigError(
-            f"{origin}: key '{key}' got value {e.value!r} of type {type(e.value).__name__}, "
-            f"but expects {expected}."
-        ) from None
-    except ConfigKeyError as e:  # keys were pre-checked; keep a clear message anyway
-        raise ConfigError(f"{origin}: unknown config key '{e.full_key}'. Did you mean '{closest_key(e.full_key)}'?") from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{origin}: {e.msg if hasattr(e, 'msg') else e}") from None
+class _Load:
+    """One load: every problem of every layer (files, hydra composition, command line) is collected and
+    reported together; ``notes`` lists the verl keys accepted with no effect."""
+
+    def __init__(self):
+        self.cfg = OmegaConf.structured(CoxswainConfig)
+        self.default = OmegaConf.structured(CoxswainConfig)
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.set_by: dict[str, str] = {}  # canonical key -> the origin that set it (aliases: both given is an error)
+
+    def error(self, origin: str, msg: str) -> None:
+        self.errors.append(f"{origin}: {msg}")
+
+    def set(self, key: str, value, origin: str, *, delete: bool = False, from_base: bool = False) -> None:
+        """Apply one ``key=value`` (or ``~key``) of a layer, or record why it cannot be applied."""
+        key = key.strip()
+        if key in KEY_ALIASES:
+            canon = KEY_ALIASES[key]
+            if self.set_by.get(canon, "").startswith(f"{origin} "):
+                self.error(origin, f"'{key}' and '{canon}' are the same setting; give only one.")
+                return
+            key = canon
+        if key in LEGACY_KEYS:
+            self.error(origin, f"'{key}' {LEGACY_KEYS[key]}")
+            return
+        if key.split(".", 1)[0] == "hydra":
+            return  # hydra's own settings (run dirs, job logging): nothing to train differently
+        if not _is_schema_key(key):
+            kind, why = verl_only(key, value)
+            if kind == "ok" or (kind == "refused" and delete):
+                return
+            if kind == "no_effect":
+                self.notes.append(f"{key}={value!r}: no effect in Coxswain ({why})")
+                return
+            if kind == "refused":
+                self.error(origin, why)
+                return
+            guess = closest_key(key)
+            self.error(origin, f"unknown config key '{key}'." + (f" Did you mean '{guess}'?" if guess else "")
+                       + " (all keys: python -m trainer.main --help-keys)")
+            return
+        if delete:
+            value = OmegaConf.select(self.default, key, default=None)
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=False)
+        elif key in _LEAVES and isinstance(value, str) and not value.startswith("${"):
+            base = _field_type(_LEAVES[key])
+            if typing.get_origin(base) in (list, List):  # verl's trainer.logger=console: a one-item list
+                value = [v.strip() for v in value.split(",") if v.strip()]
+        try:
+            OmegaConf.update(self.cfg, key, value, merge=isinstance(value, dict))
+        except ValidationError as e:
+            expected = _type_name(_LEAVES[key]) if key in _LEAVES else "a value of the schema's type"
+            self.error(origin, f"key '{key}' got {value!r} ({type(value).__name__}), but expects {expected}.")
+            return
+        except OmegaConfBaseException as e:
+            self.error(origin, f"key '{key}': {getattr(e, 'msg', e)}")
+            return
+        self.set_by[key] = f"{origin} "
+
+    def layer(self, node, origin: str, *, from_base: bool = False) -> None:
+        for key, value in _flatten(node).items():
+            self.set(key, value, origin, from_base=from_base)
 
 
-def parse_overrides(overrides: list[str]) -> DictConfig:
-    """``key.sub=value`` strings (values parsed as YAML, ``null`` for None) -> a DictConfig, keys checked."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form key.sub=value")
-        _check_key(item.split("=", 1)[0], "command line")
-    try:
-        return OmegaConf.from_dotlist([o.lstrip("+") for o in overrides])
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"command line: cannot parse overrides: {e}") from None
-
-
-def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = True) -> DictConfig:
-    """Build the resolved config from ``[--config FILE.yaml] key=value ...``."""
-    argv = list(argv or [])
-    files, overrides = [], []
+def _parse_argv(argv: list[str]) -> tuple[list[str], Optional[str], Optional[str], list[str], list[str]]:
+    """``[--config FILE]... [--config-path DIR --config-name NAME] overrides...`` -> its parts and errors."""
+    files, overrides, errs = [], [], []
+    opts = {"--config-path": None, "--config-name": None, "--config-dir": None}
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a in ("--config", "--config-file", "-c"):
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{a} needs a YAML file path")
-            files.append(argv[i + 1])
-            i += 2
-            continue
-        if a.startswith("--config="):
-            files.append(a.split("=", 1)[1])
+        name, eq, val = a.partition("=")
+        if name in ("--config", "--config-file", "-c") or name in opts or (name == "-cp" or name == "-cn"):
+            name = {"-cp": "--config-path", "-cn": "--config-name"}.get(name, name)
+            if not eq:
+                if i + 1 >= len(argv):
+                    errs.append(f"{a} needs a value")
+                    break
+                val, i = argv[i + 1], i + 1
+            if name in opts:
+                opts[name] = val.strip("'\"")
+            else:
+                files.append(val)
         elif a.startswith("--"):
-            raise ConfigError(f"unknown option '{a}'. Use --config FILE.yaml and key.sub=value overrides.")
+            errs.append(f"unknown option '{a}': use --config FILE.yaml, --config-path DIR --config-name NAME, "
+                        f"and key.sub=value overrides")
         else:
             overrides.append(a)
         i += 1
-    cfg = OmegaConf.structured(CoxswainConfig)
-    for path in files:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config: file '{path}' does not exist")
-        file_cfg = OmegaConf.load(path)
-        if not isinstance(file_cfg, DictConfig):
-            raise ConfigError(f"{path}: the top level must be a mapping of config sections")
-        for key in _flatten(file_cfg):
-            _check_key(key, path)
-        cfg = _merge(cfg, file_cfg, path)
-    cfg = _merge(cfg, parse_overrides(overrides), "command line")
+    path = opts["--config-path"] or opts["--config-dir"]
+    return files, path, opts["--config-name"], overrides, errs
+
+
+# verl's trainer config names: a --config-name that names one of them (with no such file in the
+# config path) means verl's defaults, which are this schema's
+VERL_BASES = {"ppo_megatron_trainer": "megatron", "ppo_trainer": "fsdp"}
+
+
+def _base_dir() -> str:
+    """A config dir holding ``ppo_megatron_trainer.yaml`` written from this schema (verl's defaults), so
+    a user's hydra config with ``defaults: [ppo_megatron_trainer, _self_]`` composes with no verl checkout."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="coxswain_base_")
+    with open(os.path.join(d, "ppo_megatron_trainer.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(CoxswainConfig)))
+    return d
+
+
+def _compose(ld: _Load, path: Optional[str], name: str) -> None:
+    """``--config-path/--config-name``: verl's base names mean the schema's defaults; any other config is
+    composed with hydra (its ``defaults`` list may name ``ppo_megatron_trainer``) and applied as a layer."""
+    origin = f"--config-name={name}"
+    stem = name[:-5] if name.endswith(".yaml") else name
+    cdir = os.path.abspath(os.path.expanduser(path)) if path else None
+    has_file = bool(cdir) and os.path.isfile(os.path.join(cdir, stem + ".yaml"))
+    if not has_file and stem in VERL_BASES:
+        if VERL_BASES[stem] == "fsdp":
+            ld.error(origin, "verl's FSDP trainer config: Coxswain trains with megatron-core; use "
+                             "--config-name=ppo_megatron_trainer and the megatron keys named below.")
+        return
+    if not has_file:
+        ld.error(origin, f"no config '{stem}.yaml' in --config-path={path!r}; give the directory that holds it "
+                         f"(verl's own names ppo_megatron_trainer / ppo_trainer need no directory).")
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=cdir, version_base=None):
+            node = compose(config_name=stem, overrides=[f"hydra.searchpath=[file://{_base_dir()}]"])
+    except Exception as e:  # hydra's own errors name the file and the entry
+        ld.error(origin, f"cannot compose '{stem}' from {cdir}: {e}")
+        return
+    finally:
+        GlobalHydra.instance().clear()
+    ld.layer(node, origin)
+
+
+def _overrides(ld: _Load, items: list[str]) -> None:
+    """Command-line overrides in hydra's grammar (``key=v``, ``+key=v``, ``++key=v``, ``~key``, lists,
+    quoted strings, interpolations), each parsed on its own so that one bad item hides no other."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for item in items:
+        try:
+            (ov,) = parser.parse_overrides([item])
+        except Exception as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            ld.error("command line", f"cannot parse '{item}': {msg}. Use key.sub=value (lists: key=[a,b]).")
+            continue
+        if ov.is_delete():
+            ld.set(ov.key_or_group, None, "command line", delete=True)
+            continue
+        if ov.is_sweep_override():
+            ld.error("command line", f"'{item}' is a hydra sweep (multirun); give one value (a comma list as one value is quoted: key='a,b').")
+            continue
+        try:
+            value = ov.value()
+        except Exception as e:
+            ld.error("command line", f"cannot parse the value of '{item}': {e}")
+            continue
+        ld.set(ov.key_or_group, _plain_value(value), "command line")
+
+
+def _plain_value(v):
+    """hydra's parsed values -> plain Python (its lists/dicts are already plain; quoted strings stay str)."""
+    if isinstance(v, dict):
+        return {k: _plain_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain_value(x) for x in v]
+    return v
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """``key.sub=value`` strings -> the full config they give on top of the schema's defaults (errors raised)."""
+    ld = _Load()
+    _overrides(ld, overrides)
+    if ld.errors:
+        raise ConfigError(_report(ld.errors))
+    return ld.cfg
+
+
+def _report(errors: list[str]) -> str:
+    n = len(errors)
+    return (f"{n} problem{'s' if n > 1 else ''} in the configuration:\n" +
+            "\n".join(f"  {i}. {e}" for i, e in enumerate(errors, 1)))
+
+
+LAST_LOAD_NOTES: list[str] = []  # the verl keys the last load accepted with no effect (cli prints them)
+
+
+def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = True) -> DictConfig:
+    """Build the resolved config from ``[--config FILE.yaml]... [--config-path DIR --config-name NAME]
+    key=value ...``. Every problem (unknown keys, types, refused features, cross-field checks) is
+    collected and raised together as one ``ConfigError``."""
+    files, path, name, overrides, errs = _parse_argv(list(argv or []))
+    ld = _Load()
+    for e in errs:
+        ld.error("command line", e)
+    if name:
+        _compose(ld, path, name)
+    elif path:
+        ld.error("--config-path", "needs --config-name too")
+    for f in files:
+        if not os.path.isfile(f):
+            ld.error("--config", f"file '{f}' does not exist")
+            continue
+        node = OmegaConf.load(f)
+        if not isinstance(node, DictConfig):
+            ld.error(f, "the top level must be a mapping of config sections")
+            continue
+        node = OmegaConf.masked_copy(node, [k for k in node if k != "defaults"]) if "defaults" in node else node
+        ld.layer(node, f)
+    _overrides(ld, overrides)
+    LAST_LOAD_NOTES[:] = ld.notes
     if validate_config:
-        validate(cfg)
-    return cfg
+        try:
+            ld.errors.extend(validation_errors(ld.cfg))
+        except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing mandatory value
+            ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
+    if ld.errors:
+        raise ConfigError(_report(ld.errors))
+    return ld.cfg
 
 
 # megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
@@ -652,8 +819,27 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Cross-field checks. Every message names all the keys involved and what to change."""
-    errs: list[str] = []
+    """Raise one ``ConfigError`` listing every cross-field problem of ``cfg``."""
+    errs = validation_errors(cfg)
+    if errs:
+        raise ConfigError(_report(errs))
+
+
+def validation_errors(cfg: DictConfig) -> list[str]:
+    """Cross-field checks and the refusal table. Every message names all the keys involved and what to
+    change. Nothing here looks at this machine's hardware (a GPU recipe resolves on a CPU login node);
+    ``trainer.main.check_supported`` does that at run time."""
+    from trainer.plan import need_critic, need_ref
+
+    errs: list[str] = list(refusals(cfg))
+    r0 = cfg.actor_rollout_ref.rollout
+    if r0._get_node("name")._is_missing():
+        errs.append("actor_rollout_ref.rollout.name is required (as in verl): native (torch engine, CPU or GPU) or "
+                    "sglang (GPU).")
+        OmegaConf.update(cfg, "actor_rollout_ref.rollout.name", "native")  # so the checks below can run
+    elif r0.name == "vllm":
+        errs.append("actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native; "
+                    "use actor_rollout_ref.rollout.name=sglang.")
     for key, (allowed, pluggable) in CHOICES.items():
         val = OmegaConf.select(cfg, key)
         if val is None or val in allowed or (pluggable and ":" in str(val)):
@@ -668,7 +854,6 @@ def validate(cfg: DictConfig) -> None:
     sizes_bad = False
     for name, val in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.rollout.n", r.n),
                       ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-                      ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
                       ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs),
                       ("data.max_response_length", d.max_response_length),
                       ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)):
@@ -676,7 +861,7 @@ def validate(cfg: DictConfig) -> None:
             errs.append(f"{name}={val} must be >= 1.")
             sizes_bad = True
     if sizes_bad:  # the divisibility checks below would divide by these
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+        return errs
 
     if d.train_batch_size % a.ppo_mini_batch_size:
         errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
@@ -687,23 +872,10 @@ def validate(cfg: DictConfig) -> None:
 
     for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
                        ("critic", cfg.critic.megatron)):
-        # accepted keys whose feature is not built yet: refused, never ignored
-        for key, on, what in (("sequence_parallel", mcfg.sequence_parallel, "sequence parallelism"),
-                              ("context_parallel_size", mcfg.context_parallel_size != 1, "context parallelism"),
-                              ("virtual_pipeline_model_parallel_size", mcfg.virtual_pipeline_model_parallel_size
-                               not in (None, 1), "the interleaved (virtual) pipeline"),
-                              ("expert_model_parallel_size", mcfg.expert_model_parallel_size != 1,
-                               "expert parallelism (mixture-of-experts models)"),
-                              ("param_offload", mcfg.param_offload, "parameter offload"),
-                              ("grad_offload", mcfg.grad_offload, "gradient offload"),
-                              ("optimizer_offload", mcfg.optimizer_offload, "optimizer offload")):
-            if on:
-                errs.append(f"{role}.megatron.{key}={OmegaConf.select(mcfg, key)}: {what} is not implemented in this "
-                            f"build; remove the line (or set it back to its default).")
-        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS))
+        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - {"attention_backend"})
         if bad:
             errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
-                        f"settings {list(RECOMPUTE_KEYS)} are.")
+                        f"settings {list(RECOMPUTE_KEYS)} (and attention_backend, which has no effect) are.")
         tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
         if min(tp, pp, cp) < 1:
             errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
@@ -721,7 +893,8 @@ def validate(cfg: DictConfig) -> None:
                 errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x "
                             f"actor_rollout_ref.rollout.n={r.n} = {mini} responses do not split over the data-parallel "
                             f"size {dp} (world {ws} / (TP {tp} x PP {pp} x CP {cp})).")
-            elif mini // dp > a.ppo_micro_batch_size_per_gpu and (mini // dp) % a.ppo_micro_batch_size_per_gpu:
+            elif (a.ppo_micro_batch_size_per_gpu and not a.use_dynamic_bsz and mini // dp > a.ppo_micro_batch_size_per_gpu
+                  and (mini // dp) % a.ppo_micro_batch_size_per_gpu):
                 errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
                             f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
                             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
@@ -730,9 +903,28 @@ def validate(cfg: DictConfig) -> None:
             errs.append(f"{role}.megatron.pipeline_layer_split has {len(split)} entries but "
                         f"{role}.megatron.pipeline_model_parallel_size={pp}.")
 
-    if a.ppo_micro_batch_size is not None:
-        errs.append("actor_rollout_ref.actor.ppo_micro_batch_size (global, legacy) is not supported: set "
-                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead.")
+    for key, size, dyn, dyn_key in (
+            ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+             "actor_rollout_ref.actor.use_dynamic_bsz"),
+            ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", r.log_prob_micro_batch_size_per_gpu,
+             r.log_prob_use_dynamic_bsz, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"),
+            *([("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu, cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz,
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz")] if need_ref(cfg) else []),
+            *([("critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz,
+                "critic.use_dynamic_bsz")] if need_critic(cfg) else [])):
+        if size is None and not dyn:
+            errs.append(f"{key} is not set: give responses per micro-batch ({key}=N) or fill micro-batches by a token "
+                        f"budget ({dyn_key}=true), as verl requires.")
+        elif size is not None and size < 1:
+            errs.append(f"{key}={size} must be >= 1.")
+    if r.prompt_length < d.max_prompt_length:
+        errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
+                    f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
+    model = cfg.actor_rollout_ref.model
+    if model.use_remove_padding and not a.megatron.use_remove_padding:
+        errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="
+                    "false: the megatron roles pack by megatron.use_remove_padding; remove one of the two lines.")
 
     al = cfg.algorithm
     up, lo = al.rollout_is_threshold, al.rollout_is_threshold_lower
@@ -770,8 +962,6 @@ def validate(cfg: DictConfig) -> None:
             errs.append("algorithm.filter_groups.enable=true needs a group estimator; algorithm.adv_estimator=gae has no groups.")
         if r.n < 2:
             errs.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
-        if al.filter_groups.max_num_gen_batches < 0:
-            errs.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited).")
     if al.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "adca_grpo") and r.n < 2:
         errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
                     f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
@@ -780,10 +970,10 @@ def validate(cfg: DictConfig) -> None:
     if ob.enable and not (0 < ob.len <= d.max_response_length):
         errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
 
-    bad_loggers = [x for x in cfg.trainer.logger if x not in ("console", "mlflow")]
+    bad_loggers = [x for x in cfg.trainer.logger if x not in LOGGERS]
     if bad_loggers:
-        errs.append(f"trainer.logger has {bad_loggers}; supported loggers are 'console' and 'mlflow' "
-                    f"(MLFLOW_TRACKING_URI selects a server).")
+        errs.append(f"trainer.logger has {bad_loggers}; supported loggers are {list(LOGGERS)} "
+                    f"(MLFLOW_TRACKING_URI selects an MLflow server; wandb runs offline without WANDB_API_KEY).")
     if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
         errs.append(f"actor_rollout_ref.rollout.top_k={r.top_k} must be >= -1, top_p={r.top_p} in (0, 1], "
                     f"temperature={r.temperature} >= 0.")
@@ -791,13 +981,42 @@ def validate(cfg: DictConfig) -> None:
         errs.append("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
     if cfg.trainer.device == "cpu" and r.name == "sglang":
         errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
+    errs.extend(_rollout_correction_errors(al))
     if cfg.trainer.debug.rollout_only and cfg.trainer.debug.train_only:
         errs.append("trainer.debug.rollout_only and trainer.debug.train_only cannot both be true.")
     if cfg.trainer.debug.train_only and not cfg.trainer.debug.dump_batch_path:
         errs.append("trainer.debug.train_only=true needs trainer.debug.dump_batch_path (a batch dumped by an earlier run).")
+    return errs
 
-    if errs:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
+
+
+def _rollout_correction_errors(al) -> list[str]:
+    """``algorithm.rollout_correction``: valid values, and not mixed with the flat rollout-IS keys."""
+    from trainer.verl_compat import parse_rejection
+
+    rc, errs = al.rollout_correction, []
+    if rc.rollout_is is None and rc.rollout_rs is None:
+        if rc.rollout_token_veto_threshold is not None:
+            errs.append("algorithm.rollout_correction.rollout_token_veto_threshold is set but neither rollout_is nor "
+                        "rollout_rs is: set algorithm.rollout_correction.rollout_is=token|sequence.")
+        return errs
+    if al.rollout_is_threshold is not None or al.rollout_rs is not None:
+        errs.append("algorithm.rollout_correction.* and the flat algorithm.rollout_is_threshold / algorithm.rollout_rs "
+                    "keys both configure rollout IS; use one spelling.")
+    if rc.rollout_is is not None and rc.rollout_is not in ("token", "sequence"):
+        errs.append(f"algorithm.rollout_correction.rollout_is='{rc.rollout_is}' is not token | sequence (or null).")
+    if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
+        errs.append(f"algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
+    if rc.rollout_rs is not None:
+        try:
+            parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None
+                            else (rc.rollout_is_threshold if rc.rollout_rs in ("token", "sequence", "geometric") else None),
+                            rc.rollout_rs_threshold_lower)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
 
 
 def to_yaml(cfg: DictConfig) -> str:

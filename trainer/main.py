@@ -118,7 +118,7 @@ def train(cfg) -> dict:
     torch.manual_seed(cfg.trainer.seed)
 
     tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path or model_path,
-                                        trust_remote_code=bool(cfg.actor_rollout_ref.model.trust_remote_code))
+                                        trust_remote_code=bool(cfg.actor_rollout_ref.model.trust_remote_code or cfg.data.trust_remote_code))
     tasks = env_tasks(cfg) if cfg.actor_rollout_ref.rollout.multi_turn.enable else None  # the environment's own tasks
     train_ds, val_ds = build_dataset(cfg.data, tok, "train", tasks), build_dataset(cfg.data, tok, "val", tasks)
     total_steps = cfg.trainer.total_training_steps or len(train_ds) // cfg.data.train_batch_size * cfg.trainer.total_epochs

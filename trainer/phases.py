@@ -236,11 +236,12 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
     m: dict[str, float] = {}
     if old is not None and plan.driver_needs_old_log_probs():
         batch.old_log_probs = old.fetch()["old_log_probs"]
-    if plan.rejection is not None:
-        r = plan.rejection
+    for r in plan.rejection or ():  # verl's comma list of rejection options: every one must keep a token
         batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
                                                            batch.response_mask, divergence=r.divergence, agg=r.agg,
                                                            lower=r.lower, upper=r.upper)
+        if len(plan.rejection) > 1:  # one metric set per option
+            rs_m = {k.replace("rollout_rs_", f"rollout_rs_{r.agg}_{r.divergence}_", 1): v for k, v in rs_m.items()}
         m.update(to_float_metrics(rs_m))
     if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
         m.update(apply_rollout_is(batch, plan.rollout_is))

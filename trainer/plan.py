@@ -145,7 +145,7 @@ class Plan:
     critic_values: ForwardSettings
     # the RL math on the driver
     rollout_is: Optional[RolloutIS]
-    rejection: Optional[Rejection]
+    rejection: Optional[tuple]  # of Rejection: every option's mask applies (verl's comma list); None = off
     adv_estimator: str
     gamma: float
     lam: float
@@ -219,12 +219,10 @@ class Plan:
             micro_batch_size=c.ppo_micro_batch_size_per_gpu, packed=c_packed,
             max_token_len=budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
             budget_key="critic.forward_max_token_len_per_gpu")
-        is_ = None if al.rollout_is_threshold is None else RolloutIS(
-            rollout_is_level=al.rollout_is_level, rollout_is_mode=al.rollout_is_mode,
-            rollout_is_threshold=al.rollout_is_threshold, rollout_is_threshold_lower=al.rollout_is_threshold_lower,
-            rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=bool(al.rollout_is))
-        rej = None if al.rollout_rs is None else Rejection(divergence=al.rollout_rs_divergence, agg=al.rollout_rs,
-                                                           lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold)
+        is_, rej = rollout_correction(al)
+        if is_ is None and r.calculate_log_probs:  # the sampler's log-probs asked for with IS off: mismatch metrics only
+            is_ = RolloutIS(rollout_is_level="token", rollout_is_mode="truncate", rollout_is_threshold=2.0,
+                            rollout_is_threshold_lower=None, rollout_is_veto_threshold=None, rollout_is=False)
         from omegaconf import OmegaConf
 
         return cls(
@@ -274,6 +272,34 @@ def should_eval(step: int, test_freq: int, total_steps: int, last_eval_step: Opt
     if test_freq is None or test_freq <= 0 or step == last_eval_step:
         return False
     return step % test_freq == 0 or step == total_steps
+
+
+def rollout_correction(al) -> tuple[Optional[RolloutIS], Optional[tuple]]:
+    """The rollout-IS settings and rejection options from either spelling: the flat PR #3694 keys
+    (``algorithm.rollout_is_threshold`` ...) or verl's newer ``algorithm.rollout_correction`` tree
+    (truncated IS at ``rollout_is`` level; ``rollout_rs`` options in the rejection's own units; with
+    ``rollout_is`` null the weights are not applied but the mismatch metrics are still computed)."""
+    from trainer.verl_compat import parse_rejection
+
+    rc = al.rollout_correction
+    if rc.rollout_is is not None or rc.rollout_rs is not None:
+        is_ = RolloutIS(rollout_is_level=rc.rollout_is or "token", rollout_is_mode="truncate",
+                        rollout_is_threshold=float(rc.rollout_is_threshold), rollout_is_threshold_lower=None,
+                        rollout_is_veto_threshold=rc.rollout_token_veto_threshold, rollout_is=rc.rollout_is is not None)
+        rej = None
+        if rc.rollout_rs is not None:
+            th = rc.rollout_rs_threshold
+            if th is None and rc.rollout_rs in ("token", "sequence", "geometric"):  # verl 0.6: null = the IS threshold
+                th = rc.rollout_is_threshold
+            rej = tuple(Rejection(**r) for r in parse_rejection(rc.rollout_rs, th, rc.rollout_rs_threshold_lower))
+        return is_, rej
+    is_ = None if al.rollout_is_threshold is None else RolloutIS(
+        rollout_is_level=al.rollout_is_level, rollout_is_mode=al.rollout_is_mode,
+        rollout_is_threshold=al.rollout_is_threshold, rollout_is_threshold_lower=al.rollout_is_threshold_lower,
+        rollout_is_veto_threshold=al.rollout_is_veto_threshold, rollout_is=bool(al.rollout_is))
+    rej = None if al.rollout_rs is None else (Rejection(divergence=al.rollout_rs_divergence, agg=al.rollout_rs,
+                                                        lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold),)
+    return is_, rej
 
 
 def need_ref(cfg) -> bool:

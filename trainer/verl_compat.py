@@ -1,0 +1,345 @@
+"""verl compatibility: what Coxswain does with each key of verl's trainer config that its own schema lacks,
+the features whose keys are accepted but not built yet (refused, never ignored), and verl's newer
+``algorithm.rollout_correction`` tree translated to the rollout-IS keys.
+
+Rules (the loader in :mod:`trainer.config` applies them, collecting every problem of a command line):
+
+* A key of Coxswain's schema is set (verl's defaults are the schema's; see the README for the few
+  deliberate exceptions).
+* A key that only verl has (``trainer.verl_keys``) is accepted when it holds verl's default: it asks for
+  nothing verl would not do by default and Coxswain behaves that way. Any other value is refused with a
+  message naming the key and what to do: remove the line, or the Coxswain key that does the same thing.
+  A few verl keys are implementation selectors that do not change what is trained (``NO_EFFECT``): any
+  value is accepted and listed in the note the loader prints.
+* A verl FSDP key (``fsdp_config``, Ulysses, ...) is refused with the megatron equivalent.
+* ``REFUSED``: schema keys whose feature is not built in this version; a non-default value is refused
+  with the reason (never silently ignored).
+
+Regenerate the verl key table from a verl checkout with ``python -m trainer.verl_compat --regenerate DIR``.
+"""
+
+from __future__ import annotations
+
+import math
+import pprint
+import subprocess
+import sys
+from typing import Any, Callable, Optional
+
+from trainer import verl_keys
+
+VERL_MEGATRON: dict[str, Any] = verl_keys.MEGATRON
+VERL_FSDP_ONLY: dict[str, Any] = verl_keys.FSDP_ONLY
+
+# verl keys that select verl's own implementation and change nothing that is trained: any value is
+# accepted (and reported in the load note). key -> why it has no effect here.
+NO_EFFECT: dict[str, str] = {
+    "actor_rollout_ref.actor.megatron.use_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "actor_rollout_ref.actor.megatron.vanilla_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "actor_rollout_ref.ref.megatron.use_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "actor_rollout_ref.ref.megatron.vanilla_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "critic.megatron.use_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "critic.megatron.vanilla_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "trainer.use_legacy_worker_impl": "selects between verl's worker implementations",
+    "actor_rollout_ref.nccl_timeout": "collective timeouts are torch.distributed's defaults",
+    "critic.nccl_timeout": "collective timeouts are torch.distributed's defaults",
+    "trainer.ray_wait_register_center_timeout": "verl's worker registration wait",
+    "actor_rollout_ref.rollout.load_format": "the engines always receive the actor's weights by a verified sync",
+    "actor_rollout_ref.rollout.disable_log_stats": "engine statistics logging",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend":
+        "the attention kernel is megatron's / the bridge's choice for the device",
+    "actor_rollout_ref.ref.megatron.override_transformer_config.attention_backend":
+        "the attention kernel is megatron's / the bridge's choice for the device",
+    "critic.megatron.override_transformer_config.attention_backend":
+        "the attention kernel is megatron's / the bridge's choice for the device",
+    "data.filter_overlong_prompts_workers": "prompts are filtered in the driver",
+    "data.dataloader_num_workers": "prompts are tokenized once, in the driver",
+    "critic.model.trust_remote_code": "the critic is converted by the bridge (Llama/Qwen2/Qwen3); no model code is loaded",
+    "data.return_raw_chat": "each row always keeps its chat messages (the multi-turn loop and the judge read them)",
+}
+
+# verl-only keys (or prefixes) set to a non-default value: the specific message (else the generic one).
+VERL_MESSAGES: dict[str, str] = {
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "use actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+    "actor_rollout_ref.model.lora": "LoRA training is not implemented; remove the lora lines",
+    "actor_rollout_ref.model.lora_rank": "LoRA training is not implemented; remove the line",
+    "critic.model.lora": "LoRA training is not implemented; remove the lora lines",
+    "actor_rollout_ref.actor.profiler": "profiling is not implemented; remove the profiler lines",
+    "actor_rollout_ref.ref.profiler": "profiling is not implemented; remove the profiler lines",
+    "actor_rollout_ref.rollout.profiler": "profiling is not implemented; remove the profiler lines",
+    "critic.profiler": "profiling is not implemented; remove the profiler lines",
+    "reward_model.profiler": "profiling is not implemented; remove the profiler lines",
+    "global_profiler": "profiling is not implemented; remove the global_profiler lines",
+    "actor_rollout_ref.rollout.agent": "verl's agent-loop workers: Coxswain's multi-turn loop is "
+                                       "actor_rollout_ref.rollout.multi_turn.* (environment=pkg.module:Class)",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "tools are environments here: "
+                                                             "actor_rollout_ref.rollout.multi_turn.environment=pkg.module:Class",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "interactions are environments here: "
+                                                                    "actor_rollout_ref.rollout.multi_turn.environment=pkg.module:Class",
+    "actor_rollout_ref.actor.router_replay": "MoE routing replay is not built yet (issue #16); remove the lines",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": "MoE routing replay is not built yet (issue #16); remove the line",
+    "actor_rollout_ref.model.use_fused_kernels": "verl's fused log-prob kernels: not implemented; remove the line",
+    "actor_rollout_ref.model.use_liger": "Liger kernels: not implemented; remove the line",
+    "actor_rollout_ref.model.external_lib": "custom model code is not loaded: the bridge converts Llama/Qwen2/Qwen3; remove the line",
+    "actor_rollout_ref.rollout.mtp": "multi-token prediction is not implemented; remove the lines",
+    "actor_rollout_ref.model.mtp": "multi-token prediction is not implemented; remove the lines",
+    "trainer.default_hdfs_dir": "HDFS upload is not implemented; remove the line (checkpoints stay in trainer.default_local_dir)",
+    "trainer.rollout_data_dir": "rollout dumps: use trainer.debug.dump_batch_path=DIR",
+    "trainer.validation_data_dir": "validation dumps are not implemented; use trainer.log_val_generations",
+    "algorithm.use_pf_ppo": "PF-PPO is not implemented; remove the line",
+    "algorithm.pf_ppo": "PF-PPO is not implemented; remove the lines",
+    "transfer_queue": "verl's transfer queue: Coxswain's data plane is always on (trainer/workers/dataplane.py)",
+    "ray_kwargs": "Ray settings come from RAY_ADDRESS / the embedded local cluster; remove the line",
+    "actor_rollout_ref.actor.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented; "
+                                                               "checkpoints are per-rank torch files plus an HF export",
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
+    "actor_rollout_ref.ref.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented",
+    "actor_rollout_ref.ref.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
+    "critic.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented",
+    "critic.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
+    "actor_rollout_ref.actor.use_torch_compile": "verl's FSDP-side compile; the megatron model is compiled by "
+                                                 "actor_rollout_ref.actor.megatron.use_torch_compile=true",
+    "actor_rollout_ref.ref.use_torch_compile": "verl's FSDP-side compile; use actor_rollout_ref.ref.megatron.use_torch_compile",
+    "actor_rollout_ref.actor.optim.override_optimizer_config": "megatron optimizer overrides (optimizer CPU offload, "
+                                                               "precision-aware optimizer) are not built yet (issue #16)",
+    "critic.optim.override_optimizer_config": "megatron optimizer overrides are not built yet (issue #16)",
+    "reward_model.strategy": "reward models are not implemented yet (issue #20)",
+    "reward_model.megatron": "reward models are not implemented yet (issue #20)",
+    "reward_model.rollout": "reward models are not implemented yet (issue #20)",
+}
+
+# the FSDP-only sections and their megatron equivalents
+FSDP_MESSAGES: dict[str, str] = {
+    "actor_rollout_ref.actor.fsdp_config": "use actor_rollout_ref.actor.megatron.{param_offload,grad_offload,optimizer_offload,use_distributed_optimizer}",
+    "actor_rollout_ref.ref.fsdp_config": "use actor_rollout_ref.ref.megatron.*",
+    "critic.model.fsdp_config": "use critic.megatron.*",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "use actor_rollout_ref.actor.megatron.context_parallel_size",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "use actor_rollout_ref.ref.megatron.context_parallel_size",
+    "critic.ulysses_sequence_parallel_size": "use critic.megatron.context_parallel_size",
+    "actor_rollout_ref.actor.use_remove_padding": "use actor_rollout_ref.actor.megatron.use_remove_padding",
+    "critic.model.use_remove_padding": "use critic.megatron.use_remove_padding",
+}
+
+
+def _offload(v) -> bool:
+    return bool(v)
+
+
+# Schema keys accepted but whose feature is not built in this version: (key suffix or full key,
+# "is this value a request for the unbuilt feature?", reason). ``*`` stands for each megatron role.
+_MEGATRON_ROLES = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")
+def _sp_at_tp(role: str) -> Callable[[Any, Any], bool]:
+    # megatron turns sequence parallelism off at TP=1, so verl's default (true) only asks for it at TP > 1
+    from omegaconf import OmegaConf
+
+    return lambda v, c: bool(v) and (OmegaConf.select(c, f"{role}.tensor_model_parallel_size") or 1) > 1
+
+
+def _override_config_set(v, c) -> bool:
+    if not v:
+        return False
+    v = dict(v)
+    model, moe = v.pop("model_config", {}) or {}, dict(v.pop("moe_config", {}) or {})
+    return bool(v) or bool(model) or bool(moe.pop("freeze_moe_router", False)) or bool(moe)
+
+
+REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
+    *[(f"{r}.sequence_parallel", _sp_at_tp(r), "sequence parallelism (with tensor_model_parallel_size > 1) is not "
+                                                "built yet (issue #16)") for r in _MEGATRON_ROLES],
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", lambda v, c: v is not None,
+     "the global (legacy) micro-batch size is not supported: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("actor_rollout_ref.model.override_config", _override_config_set,
+     "HF config overrides are not implemented; edit the model's config.json instead"),
+    ("*.context_parallel_size", lambda v, c: v not in (None, 1), "context parallelism is not built yet (issue #16)"),
+    ("*.virtual_pipeline_model_parallel_size", lambda v, c: v not in (None, 1),
+     "the interleaved (virtual) pipeline is not built yet (issue #16)"),
+    ("*.expert_model_parallel_size", lambda v, c: v not in (None, 1),
+     "expert parallelism (mixture-of-experts models) is not built yet (issue #16)"),
+    ("*.expert_tensor_parallel_size", lambda v, c: v not in (None, 1),
+     "expert tensor parallelism (mixture-of-experts models) is not built yet (issue #16)"),
+    ("*.param_offload", lambda v, c: bool(v), "parameter offload is not built yet (issue #16)"),
+    ("*.grad_offload", lambda v, c: bool(v), "gradient offload is not built yet (issue #16)"),
+    ("*.optimizer_offload", lambda v, c: bool(v), "optimizer offload is not built yet (issue #16)"),
+    ("actor_rollout_ref.actor.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
+    ("actor_rollout_ref.ref.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
+    ("critic.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
+    ("reward_model.enable", lambda v, c: bool(v), "learned reward models are not built yet (issue #20); "
+                                                  "rule-based scorers (custom_reward_function) are"),
+    ("algorithm.rollout_correction.bypass_mode", lambda v, c: bool(v),
+     "bypass mode (old log-probs = the sampler's) is not built yet; leave it false (decoupled mode)"),
+    ("algorithm.rollout_correction.loss_type", lambda v, c: v != "ppo_clip",
+     "the bypass-mode REINFORCE loss is not built yet; leave loss_type=ppo_clip"),
+    ("algorithm.rollout_correction.use_policy_gradient", lambda v, c: bool(v),
+     "the bypass-mode policy-gradient loss is not built yet; leave it false"),
+    ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v),
+     "batch-normalised IS weights are not built yet; leave it false"),
+]
+
+
+def refused_keys() -> dict[str, str]:
+    """Every schema key of the refusal table, expanded over the megatron roles -> reason."""
+    out = {}
+    for pat, _, why in REFUSED:
+        for key in ([f"{r}.{pat[2:]}" for r in _MEGATRON_ROLES] if pat.startswith("*.") else [pat]):
+            out[key] = why
+    return out
+
+
+def refusals(cfg) -> list[str]:
+    """The refusal table applied to a merged config: one message per key holding an unbuilt request."""
+    from omegaconf import OmegaConf
+
+    errs = []
+    for pat, bad, why in REFUSED:
+        for key in ([f"{r}.{pat[2:]}" for r in _MEGATRON_ROLES] if pat.startswith("*.") else [pat]):
+            val = OmegaConf.select(cfg, key, default=None)
+            if bad(val, cfg):
+                errs.append(f"{key}={val}: {why}; remove the line (or set it back to its default).")
+    return errs
+
+
+def verl_default(key: str):
+    """verl's default for a key only verl has (``KeyError`` if verl has no such key)."""
+    if key in VERL_MEGATRON:
+        return VERL_MEGATRON[key]
+    return VERL_FSDP_ONLY[key]
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b or (str(a) == str(b) and isinstance(a, str) and isinstance(b, str))
+
+
+def _prefix_message(key: str, table: dict[str, str]) -> Optional[str]:
+    best = None
+    for p, msg in table.items():
+        if (key == p or key.startswith(p + ".")) and (best is None or len(p) > len(best[0])):
+            best = (p, msg)
+    return best[1] if best else None
+
+
+def fsdp_message(key: str) -> Optional[str]:
+    """The message for a verl FSDP key, or None if ``key`` is not one."""
+    msg = _prefix_message(key, FSDP_MESSAGES)
+    if msg is not None:
+        return f"'{key}' is a verl FSDP/Ulysses key (Coxswain trains with megatron-core): {msg}"
+    if key in VERL_FSDP_ONLY:
+        return f"'{key}' is a key of verl's FSDP trainer (Coxswain trains with megatron-core); remove the line"
+    return None
+
+
+def verl_only(key: str, value) -> tuple[str, Optional[str]]:
+    """A key only verl has: ``("ok", None)`` at verl's default, ``("no_effect", why)`` for an
+    implementation selector, else ``("refused", message)``. ``("unknown", None)`` if verl has no such key."""
+    if key in NO_EFFECT:
+        return "no_effect", NO_EFFECT[key]
+    msg = fsdp_message(key)
+    if msg is not None:
+        try:
+            if same_value(value, verl_default(key)):
+                return "ok", None
+        except KeyError:
+            pass
+        return "refused", msg
+    try:
+        default = verl_default(key)
+    except KeyError:
+        special = _prefix_message(key, VERL_MESSAGES)
+        if special is not None:  # a verl section with free-form children (e.g. lora.*)
+            return "refused", f"verl's '{key}': {special}"
+        return "unknown", None
+    if same_value(value, default):
+        return "ok", None
+    special = _prefix_message(key, VERL_MESSAGES)
+    return "refused", (f"verl's '{key}': {special}" if special else
+                       f"verl's '{key}' is not implemented in Coxswain; remove the line (verl's default {default!r} is what runs)")
+
+
+# ----------------------------------------------------------------------------------------------
+# algorithm.rollout_correction (verl >= 0.6) -> the rollout-IS / rejection keys
+# ----------------------------------------------------------------------------------------------
+RS_OLD = {"token": ("token", "k1"), "sequence": ("seq_sum", "k1"), "geometric": ("seq_mean", "k1")}
+
+
+def parse_rejection(spec: str, threshold, lower) -> list[dict]:
+    """verl's ``rollout_rs`` (comma list; ``token`` | ``sequence`` | ``geometric`` or ``{agg}_{k1|k2|k3}``)
+    with ``rollout_rs_threshold`` (a float, a ``"lo_hi"`` string, or one per option, comma-separated)
+    -> ``[{agg, divergence, lower, upper}]`` in this project's rejection units (k1: log-ratio bounds)."""
+    opts = list(dict.fromkeys(s.strip() for s in str(spec).split(",") if s.strip()))
+    ths = [t.strip() for t in str(threshold).split(",")] if isinstance(threshold, str) and "," in str(threshold) else [threshold]
+    if len(ths) not in (1, len(opts)):
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold has {len(ths)} entries for {len(opts)} "
+                         f"rollout_rs options; give one, or one per option")
+    out = []
+    for i, opt in enumerate(opts):
+        th = ths[0] if len(ths) == 1 else ths[i]
+        if opt in RS_OLD:
+            agg, div = RS_OLD[opt]
+        else:
+            agg, _, div = opt.rpartition("_")
+            if agg not in ("token", "seq_sum", "seq_mean", "seq_max") or div not in ("k1", "k2", "k3"):
+                raise ValueError(f"algorithm.rollout_correction.rollout_rs option '{opt}' is not token | sequence | "
+                                 f"geometric or {{token,seq_sum,seq_mean,seq_max}}_{{k1,k2,k3}}")
+        if th is None:
+            raise ValueError(f"algorithm.rollout_correction.rollout_rs='{opt}' needs rollout_rs_threshold")
+        if div == "k1":  # ratio bounds -> log-ratio bounds
+            if isinstance(th, str) and "_" in th:
+                lo, hi = (float(x) for x in th.split("_", 1))
+            else:
+                hi = float(th)
+                lo = float(lower) if lower is not None else 1.0 / hi
+            if not 0 < lo <= hi:
+                raise ValueError(f"algorithm.rollout_correction: rejection ratio bounds {lo}_{hi} must satisfy 0 < lower <= upper")
+            out.append(dict(agg=agg, divergence="k1", lower=math.log(lo), upper=math.log(hi)))
+        else:
+            out.append(dict(agg=agg, divergence=div, lower=None, upper=float(th)))
+    return out
+
+
+def regenerate(repo: str, out_path: str = "trainer/verl_keys.py") -> tuple[int, int]:
+    """Rewrite ``trainer/verl_keys.py`` from a verl git checkout's generated trainer configs."""
+    import yaml
+
+    def load(path):
+        return yaml.safe_load(subprocess.check_output(["git", "-C", repo, "show", f"HEAD:{path}"]))
+
+    def flat(node, prefix=""):
+        out = {}
+        for k, v in node.items():
+            key = prefix + str(k)
+            if isinstance(v, dict) and v:
+                out.update(flat(v, key + "."))
+            elif not key.endswith("_target_"):
+                out[key] = v
+        return out
+
+    commit = subprocess.check_output(["git", "-C", repo, "rev-parse", "HEAD"], text=True).strip()
+    meg = flat(load("verl/trainer/config/_generated_ppo_megatron_trainer.yaml"))
+    fsdp = flat(load("verl/trainer/config/_generated_ppo_trainer.yaml"))
+    fsdp_only = {k: v for k, v in fsdp.items() if k not in meg}
+    with open(out_path, "w") as f:
+        f.write('"""verl\'s trainer key tree and defaults (data, generated; do not edit by hand).\n\n'
+                f"Taken from verl commit {commit[:12]}'s generated ``ppo_megatron_trainer`` and ``ppo_trainer`` configs by\n"
+                "``python -m trainer.verl_compat --regenerate VERL_CHECKOUT``. Values are verl's defaults before\n"
+                "interpolation (``${...}`` strings are kept as verl writes them).\n\"\"\"\n\n")
+        f.write(f"VERL_COMMIT = {commit!r}\n\n")
+        f.write("# every leaf of verl's megatron trainer config -> its default\n")
+        f.write("MEGATRON = " + pprint.pformat(meg, width=110, sort_dicts=True) + "\n\n")
+        f.write("# leaves only verl's FSDP trainer config has -> default\n")
+        f.write("FSDP_ONLY = " + pprint.pformat(fsdp_only, width=110, sort_dicts=True) + "\n")
+    return len(meg), len(fsdp_only)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--regenerate":
+        sys.exit("usage: python -m trainer.verl_compat --regenerate VERL_CHECKOUT")
+    print("keys: megatron %d, FSDP-only %d" % regenerate(sys.argv[2]))
