@@ -13,7 +13,8 @@ install_requires = [
     "megatron-core==0.16.1",
     "psutil",  # megatron-core imports it without declaring it
     "numpy",
-    "omegaconf>=2.3",
+    "omegaconf>=2.3,<2.4",
+    "hydra-core==1.3.8",  # verl's command-line grammar (+key, ~key, lists) and --config-path/--config-name composition
     "tensordict>=0.15",
     "safetensors>=0.4",
     "transformers>=4.50",
