@@ -140,7 +140,7 @@ class PolicyLossConfig:
 @dataclass
 class CheckpointContents:
     save_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])  # what a checkpoint holds
-    load_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])  # what a resume loads
+    load_contents: List[str] = "${.save_contents}"  # what a resume loads
 
 
 @dataclass
@@ -182,7 +182,7 @@ class RefConfig:
 @dataclass
 class ValKwargs:
     temperature: float = 0.0  # validation sampling temperature (0 = greedy)
-    top_k: int = 0  # validation top-k (0 = off)
+    top_k: int = -1  # validation top-k (-1 or 0 = off)
     top_p: float = 1.0  # validation nucleus threshold
     n: int = 1  # validation samples per prompt
     do_sample: bool = False  # sample during validation
@@ -450,7 +450,10 @@ LEGACY_KEYS = {
 
 # Other spellings of a key that a pasted recipe may use: alias -> canonical key. The loader moves an
 # alias's value to its canonical key (both set -> an error naming both).
-KEY_ALIASES: dict[str, str] = {}
+KEY_ALIASES: dict[str, str] = {
+    # verl >= 0.7 moved the weight-sync bucket under checkpoint_engine
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",}
 
 # Enumerated string fields: key -> allowed values (a "pkg.module:function" is also allowed where noted).
 CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -837,11 +840,13 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         errs.append("actor_rollout_ref.rollout.name is required (as in verl): native (torch engine, CPU or GPU) or "
                     "sglang (GPU).")
         OmegaConf.update(cfg, "actor_rollout_ref.rollout.name", "native")  # so the checks below can run
-    elif r0.name == "vllm":
-        errs.append("actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native; "
-                    "use actor_rollout_ref.rollout.name=sglang.")
+    elif r0.name in OTHER_ENGINES:
+        errs.append(f"actor_rollout_ref.rollout.name={r0.name}: Coxswain's engines are sglang (GPU) and native (CPU or "
+                    f"GPU); use actor_rollout_ref.rollout.name=sglang.")
     for key, (allowed, pluggable) in CHOICES.items():
         val = OmegaConf.select(cfg, key)
+        if key == "actor_rollout_ref.rollout.name" and val in OTHER_ENGINES:
+            continue  # its own message below
         if val is None or val in allowed or (pluggable and ":" in str(val)):
             continue
         guess = difflib.get_close_matches(str(val), allowed, n=1)
@@ -990,6 +995,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
 
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
+OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines
 
 
 def _rollout_correction_errors(al) -> list[str]:

@@ -53,6 +53,14 @@ NO_EFFECT: dict[str, str] = {
     "critic.megatron.override_transformer_config.attention_backend":
         "the attention kernel is megatron's / the bridge's choice for the device",
     "data.filter_overlong_prompts_workers": "prompts are filtered in the driver",
+    "actor_rollout_ref.model.use_fused_kernels": "a kernel choice: the bridge computes log-probs and entropy with its "
+                                                 "own vocab-parallel functions (the same values)",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": "a kernel choice (see use_fused_kernels)",
+    "actor_rollout_ref.model.use_liger": "Liger patches HF models for verl's FSDP path; the megatron model is not an HF model",
+    "actor_rollout_ref.actor.use_torch_compile": "verl's FSDP-side compile, which verl's megatron actor does not read "
+                                                 "either; compile the megatron model with actor_rollout_ref.actor.megatron.use_torch_compile",
+    "actor_rollout_ref.ref.use_torch_compile": "verl's FSDP-side compile, not read under megatron; use "
+                                               "actor_rollout_ref.ref.megatron.use_torch_compile",
     "data.dataloader_num_workers": "prompts are tokenized once, in the driver",
     "critic.model.trust_remote_code": "the critic is converted by the bridge (Llama/Qwen2/Qwen3); no model code is loaded",
     "data.return_raw_chat": "each row always keeps its chat messages (the multi-turn loop and the judge read them)",
@@ -60,8 +68,6 @@ NO_EFFECT: dict[str, str] = {
 
 # verl-only keys (or prefixes) set to a non-default value: the specific message (else the generic one).
 VERL_MESSAGES: dict[str, str] = {
-    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
-        "use actor_rollout_ref.rollout.update_weights_bucket_megabytes",
     "actor_rollout_ref.model.lora": "LoRA training is not implemented; remove the lora lines",
     "actor_rollout_ref.model.lora_rank": "LoRA training is not implemented; remove the line",
     "critic.model.lora": "LoRA training is not implemented; remove the lora lines",
@@ -79,8 +85,6 @@ VERL_MESSAGES: dict[str, str] = {
                                                                     "actor_rollout_ref.rollout.multi_turn.environment=pkg.module:Class",
     "actor_rollout_ref.actor.router_replay": "MoE routing replay is not built yet (issue #16); remove the lines",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": "MoE routing replay is not built yet (issue #16); remove the line",
-    "actor_rollout_ref.model.use_fused_kernels": "verl's fused log-prob kernels: not implemented; remove the line",
-    "actor_rollout_ref.model.use_liger": "Liger kernels: not implemented; remove the line",
     "actor_rollout_ref.model.external_lib": "custom model code is not loaded: the bridge converts Llama/Qwen2/Qwen3; remove the line",
     "actor_rollout_ref.rollout.mtp": "multi-token prediction is not implemented; remove the lines",
     "actor_rollout_ref.model.mtp": "multi-token prediction is not implemented; remove the lines",
@@ -98,9 +102,6 @@ VERL_MESSAGES: dict[str, str] = {
     "actor_rollout_ref.ref.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
     "critic.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented",
     "critic.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
-    "actor_rollout_ref.actor.use_torch_compile": "verl's FSDP-side compile; the megatron model is compiled by "
-                                                 "actor_rollout_ref.actor.megatron.use_torch_compile=true",
-    "actor_rollout_ref.ref.use_torch_compile": "verl's FSDP-side compile; use actor_rollout_ref.ref.megatron.use_torch_compile",
     "actor_rollout_ref.actor.optim.override_optimizer_config": "megatron optimizer overrides (optimizer CPU offload, "
                                                                "precision-aware optimizer) are not built yet (issue #16)",
     "critic.optim.override_optimizer_config": "megatron optimizer overrides are not built yet (issue #16)",
@@ -167,13 +168,13 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("reward_model.enable", lambda v, c: bool(v), "learned reward models are not built yet (issue #20); "
                                                   "rule-based scorers (custom_reward_function) are"),
     ("algorithm.rollout_correction.bypass_mode", lambda v, c: bool(v),
-     "bypass mode (old log-probs = the sampler's) is not built yet; leave it false (decoupled mode)"),
+     "bypass mode (old log-probs = the sampler's) is not built yet (issue #15); leave it false (decoupled mode)"),
     ("algorithm.rollout_correction.loss_type", lambda v, c: v != "ppo_clip",
-     "the bypass-mode REINFORCE loss is not built yet; leave loss_type=ppo_clip"),
+     "the bypass-mode REINFORCE loss is not built yet (issue #15); leave loss_type=ppo_clip"),
     ("algorithm.rollout_correction.use_policy_gradient", lambda v, c: bool(v),
-     "the bypass-mode policy-gradient loss is not built yet; leave it false"),
+     "the bypass-mode policy-gradient loss is not built yet (issue #15); leave it false"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v),
-     "batch-normalised IS weights are not built yet; leave it false"),
+     "batch-normalised IS weights are not built yet (issue #15); leave it false"),
 ]
 
 
