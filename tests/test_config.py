@@ -213,7 +213,7 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
     msg = str(e.value)
-    for want in ("actor.megatron.sequence_parallel=true with tensor_model_parallel_size=2: sequence parallelism is not built",
+    for want in ("actor.megatron.sequence_parallel=True: sequence parallelism (with tensor_model_parallel_size > 1) is not built",
                  "ref.megatron.virtual_pipeline_model_parallel_size=2", "critic.megatron.expert_model_parallel_size=2",
                  "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported",
                  "actor_rollout_ref.actor.strategy=deepspeed: the DeepSpeed strategy", "reward_model.enable=True"):

@@ -987,6 +987,12 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     if cfg.trainer.device == "cpu" and r.name == "sglang":
         errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
     errs.extend(_rollout_correction_errors(al))
+    if r.mode != "sync" and r.name == "sglang":
+        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with rollout.name=sglang: the built-in server fleet launches "
+                    f"native engines (a fleet of SGLang servers is issue #19); use rollout.mode=sync with sglang.")
+    if r.mode != "sync" and cfg.trainer.debug.in_process:
+        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
+                    f"separate processes by design; use rollout.mode=sync to debug in process.")
     if cfg.trainer.debug.rollout_only and cfg.trainer.debug.train_only:
         errs.append("trainer.debug.rollout_only and trainer.debug.train_only cannot both be true.")
     if cfg.trainer.debug.train_only and not cfg.trainer.debug.dump_batch_path:

@@ -103,7 +103,7 @@ class Cluster:
                                enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager)
                    if r.name == "sglang" else None)
         # hybrid engine (verl's): each actor rank hosts its colocated engine, so a sync is a local copy
-        self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode != "server"
+        self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode == "sync"
                        and r.name == "native" and n_eng == world)
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
         self.actor = mgroup(
@@ -125,7 +125,7 @@ class Cluster:
         bucket = r.update_weights_bucket_megabytes << 20
         # colocated engines give their memory back while the trainer runs
         free = self.colocated and r.free_cache_engine
-        if r.mode == "server":  # disaggregated: HTTP engine servers behind sglang-router, outside Ray
+        if r.mode in ("server", "async"):  # verl's async mode: HTTP engine servers behind sglang-router, outside Ray
             self.rollout = FleetRollout(model_path, num_servers=n_eng, threads_per_server=rkw["generate_threads"],
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
                                         tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
