@@ -298,6 +298,42 @@ def _thd_params(inp: ModelInputs):
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx)
 
 
+def _sp_pad(n: int, model) -> int:
+    """Tokens to append so the sequence splits evenly over TP ranks under sequence parallelism."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return (-n) % tp if getattr(model, "sequence_parallel", False) and tp > 1 else 0
+
+
+def _run_packed(model, m, ids: torch.Tensor, cu: torch.Tensor):
+    """A THD row through the model; under sequence parallelism the row is padded with one dummy
+    sequence to a multiple of TP (megatron splits the sequence dim evenly) and the logits cropped back."""
+    T, pad = ids.shape[1], _sp_pad(ids.shape[1], m)
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
+        cu = torch.cat([cu.to(torch.long), torch.tensor([T + pad])])
+    row = ModelInputs(ids, None, None, None, None, None, packed=True, cu_seqlens=cu)
+    out = model(ids, None, None, packed_seq_params=_thd_params(row))
+    return out[:, :T] if pad and m.post_process else out
+
+
+def _run_dense(model, m, inp: ModelInputs):
+    """A padded batch with its dense mask; under sequence parallelism the sequence dim is padded to a
+    multiple of TP with keys no real query can see (they come after it, and are masked besides)."""
+    S, pad = inp.input_ids.shape[1], _sp_pad(inp.input_ids.shape[1], m)
+    if not pad:
+        return model(inp.input_ids, inp.position_ids, inp.attention_mask)
+    B, Sp = inp.input_ids.shape[0], S + pad
+    ids = torch.cat([inp.input_ids, inp.input_ids.new_zeros(B, pad)], 1)
+    pos = torch.cat([inp.position_ids, inp.position_ids.new_zeros(B, pad)], 1)
+    mask = torch.ones(inp.attention_mask.shape[0], 1, Sp, Sp, dtype=torch.bool, device=ids.device)  # True = masked
+    mask[:, :, :S, :S] = inp.attention_mask
+    mask[:, :, torch.arange(S, Sp), torch.arange(S, Sp)] = False  # a pad query sees itself: no fully masked row
+    out = model(ids, pos, mask)
+    return out[:, :S] if m.post_process else out
+
+
 def run_model(model, inp: ModelInputs):
     """One forward of a (possibly DDP-wrapped) bridge model chunk on prepared inputs.
 
@@ -311,17 +347,16 @@ def run_model(model, inp: ModelInputs):
     m = unwrap(model)
     if inp.packed and getattr(m, "supports_thd", False):
         # THD: [1, T] tokens, positions restart from cu_seqlens inside megatron's RoPE.
-        return model(inp.input_ids, None, None, packed_seq_params=_thd_params(inp))
+        return _run_packed(model, m, inp.input_ids, inp.cu_seqlens)
     if not getattr(m, "uses_te", False):
         if inp.packed:  # attention without THD: dense block-diagonal causal mask
             inp = packed_inputs(inp.input_ids, inp.cu_seqlens, dense_mask=True)
-        return model(inp.input_ids, inp.position_ids, inp.attention_mask)
+        return _run_dense(model, m, inp)
     real = inp.real  # [B, S]
     lens = real.sum(1)  # [B]
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     cu[1:] = lens.cpu().cumsum(0)
-    row = ModelInputs(inp.input_ids[real][None], None, None, None, None, None, packed=True, cu_seqlens=cu)  # [1, T]
-    out = model(row.input_ids, None, None, packed_seq_params=_thd_params(row))
+    out = _run_packed(model, m, inp.input_ids[real][None], cu)  # [1, T] real tokens
     if not m.post_process:
         return out  # hidden [T, 1, H] for the next stage
     full = out.new_zeros(*real.shape, out.shape[-1])  # [B, S, V_local]

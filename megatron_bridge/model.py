@@ -125,8 +125,9 @@ class ValueHead(nn.Module):
     the same on every rank and at every TP/PP layout (the global RNG stream differs per stage).
     """
 
-    def __init__(self, hidden: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, hidden: int, dtype: torch.dtype, seed: int = 0, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(1, hidden, generator=g, dtype=torch.float32) / (hidden + 1)
         self.weight = nn.Parameter(w.to(dtype))
@@ -135,7 +136,54 @@ class ValueHead(nn.Module):
             p.tensor_model_parallel = False  # counted once in the grad norm (TP rank 0)
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            # sequence parallelism hands each TP rank S/tp positions; the head is replicated, so every rank
+            # computes the same values from the whole sequence, and the backward takes this rank's slice
+            # of the (identical) gradient instead of summing TP copies
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return nn.functional.linear(hidden, self.weight, self.bias), None  # [S, B, 1]
+
+
+class SequenceParallelTorchNorm:
+    """megatron's ``WrappedTorchNorm`` (torch's RMSNorm / LayerNorm) for the local spec, which megatron
+    refuses under sequence parallelism only because a torch norm does not mark its weight: under SP each
+    TP rank normalises its own S/tp positions, so the weight's gradient is a partial sum that
+    ``finalize_model_grads`` must all-reduce over TP, and it does so for parameters flagged
+    ``sequence_parallel``. ``mark=False`` (q/k norms, which run after the sequence is gathered)."""
+
+    mark = True
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        norm_cls = {"RMSNorm": nn.RMSNorm, "LayerNorm": nn.LayerNorm}[config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if cls.mark and config.sequence_parallel:
+            for prm in norm.parameters():
+                prm.sequence_parallel = True
+        return norm
+
+
+class GatheredTorchNorm(SequenceParallelTorchNorm):
+    mark = False
+
+
+def _sequence_parallel_spec(spec, config):
+    """The local layer spec with SP-capable norms, as a block spec (whose final norm is one too)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    sub = spec.submodules
+    sub.input_layernorm = SequenceParallelTorchNorm
+    if sub.pre_mlp_layernorm is not IdentityOp:
+        sub.pre_mlp_layernorm = SequenceParallelTorchNorm
+    att = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(att, name) is not IdentityOp:
+            setattr(att, name, GatheredTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 class BridgeGPTModel(GPTModel):
@@ -154,14 +202,15 @@ class BridgeGPTModel(GPTModel):
 
 
 def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=torch.float32,
-                             recompute: dict | None = None) -> TransformerConfig:
+                             recompute: dict | None = None, sequence_parallel: bool = False) -> TransformerConfig:
     """``recompute``: megatron-core's activation recompute fields of ``TransformerConfig``, e.g.
     ``{"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}``:
     the layers' activations are dropped in the forward and recomputed in the backward."""
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     kw = transformer_config_kwargs(hf, tp=tp, pp=pp, pp_layers=pp_layers, params_dtype=params_dtype,
-                                   use_cpu_initialization=not torch.cuda.is_available())
+                                   use_cpu_initialization=not torch.cuda.is_available(),
+                                   sequence_parallel=bool(sequence_parallel) and tp > 1)  # megatron: SP needs TP > 1
     kw.update(recompute or {})
     return TransformerConfig(**kw)
 
@@ -177,6 +226,7 @@ def build_model(
     value_head_seed: int = 0,
     attention: str = "sdpa",
     recompute: dict | None = None,
+    sequence_parallel: bool = False,
 ) -> BridgeGPTModel:
     """This rank's model chunk for the current megatron parallel state (TP, PP from ``ps``).
 
@@ -195,7 +245,8 @@ def build_model(
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype, recompute=recompute)
+    config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype, recompute=recompute,
+                                      sequence_parallel=sequence_parallel)
     use_te = te_available() if use_te is None else use_te
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
@@ -210,6 +261,8 @@ def build_model(
             spec.submodules.self_attention.module = _grouped_self_attention()
         elif attention != "megatron":
             raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'megatron'")
+        if config.sequence_parallel:
+            spec = _sequence_parallel_spec(spec, config)
     vocab = padded_vocab_size(hf.vocab_size, tp, vocab_multiple)
     tie = hf.tie_word_embeddings and not value_head
     model = BridgeGPTModel(
@@ -227,7 +280,8 @@ def build_model(
     model.rotary_pos_emb = PositionRotary(rope_inv_freq(hf))
     if value_head and model.post_process:
         dev = next(model.parameters()).device
-        model.output_layer = ValueHead(hf.hidden_size, params_dtype, seed=value_head_seed).to(dev)
+        model.output_layer = ValueHead(hf.hidden_size, params_dtype, seed=value_head_seed,
+                                       sequence_parallel=config.sequence_parallel).to(dev)
     if params_dtype != torch.float32:
         # megatron's local spec builds its norms as plain torch modules in fp32 (on GPU, megatron's
         # Float16Module casts the whole chunk); cast every float parameter, as that wrapper would, so
@@ -245,6 +299,7 @@ def build_model(
     model.is_critic = value_head
     model.uses_te = use_te
     model.supports_thd = use_te or attention == "sdpa"  # packed rows run as real THD
+    model.sequence_parallel = config.sequence_parallel  # inputs are padded to a multiple of TP (logprobs.run_model)
     n_local = len(model.decoder.layers)
     assert n_local == layout[pp_rank], (n_local, layout)
     if n_local:

@@ -2,7 +2,6 @@
 # DAPO (Yu et al. 2025) on Qwen2.5-32B: clip-higher, dynamic sampling with group filtering,
 # token-level loss aggregation and overlong reward shaping; 16 nodes x 8 GPUs, megatron TP=8 PP=2.
 # The override lines are verl's DAPO recipe keys (FSDP/Ulysses keys replaced by their megatron ones).
-# Sequence parallelism (verl's default with TP > 1) is off until it is built (issue #16).
 # Launch from a Ray head node (RAY_ADDRESS) or through launch/slurm/ or launch/k8s/.
 set -euo pipefail
 
@@ -64,8 +63,8 @@ python3 -m trainer.main \
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8 \
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 \
     actor_rollout_ref.actor.megatron.use_distributed_optimizer=True \
-    actor_rollout_ref.actor.megatron.sequence_parallel=False \
-    actor_rollout_ref.ref.megatron.sequence_parallel=False \
+    actor_rollout_ref.actor.megatron.sequence_parallel=True \
+    actor_rollout_ref.ref.megatron.sequence_parallel=True \
     actor_rollout_ref.ref.megatron.tensor_model_parallel_size=8 \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2 \
     actor_rollout_ref.actor.entropy_coeff=0 \

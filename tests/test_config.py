@@ -204,8 +204,7 @@ def test_main_prints_and_writes_resolved_config(tmp_path):
 
 def test_parallelism_and_offload_not_built_yet_are_refused_together():
     """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
-    keys = ["actor_rollout_ref.actor.megatron.sequence_parallel=true",
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    keys = ["actor_rollout_ref.actor.megatron.context_parallel_size=2",
             "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
             "critic.megatron.expert_model_parallel_size=2", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
             "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.1",
@@ -213,14 +212,15 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
     msg = str(e.value)
-    for want in ("actor.megatron.sequence_parallel=True: sequence parallelism (with tensor_model_parallel_size > 1) is not built",
+    for want in ("actor.megatron.context_parallel_size=2: context parallelism is not built",
                  "ref.megatron.virtual_pipeline_model_parallel_size=2", "critic.megatron.expert_model_parallel_size=2",
                  "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported",
                  "actor_rollout_ref.actor.strategy=deepspeed: the DeepSpeed strategy", "reward_model.enable=True"):
         assert want in msg, want
-    assert msg.startswith("8 problems")
-    # verl's default sequence_parallel=true asks for nothing at TP=1 (megatron turns it off): accepted
-    tiny_config(["actor_rollout_ref.actor.megatron.sequence_parallel=true"])
+    assert msg.startswith("9 problems")  # the reference follows the actor's context parallelism: both named
+    # sequence parallelism is built: accepted at any TP
+    tiny_config(["actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
     # recompute, packing and token budgets are built: accepted
     tiny_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                  "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"])

@@ -120,12 +120,6 @@ def test_verl_script_resolves_or_names_every_line_in_one_run(path):
         assert re.search(r"[a-z_]+\.[a-z_.]+", p), p  # names a key
     if "<path_to" in " ".join(args):  # a script with a placeholder value: named as a parse problem
         assert any("<path_to" in p for p in probs)
-    # with the not-yet-built sequence parallelism switched off, scripts that ask for nothing else resolve
-    # and keep verl's meaning
-    only_sp = probs and all("sequence_parallel" in p for p in probs)
-    if only_sp:
-        roles = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
-        cfg = load_config(args + [f"{r}.megatron.sequence_parallel=false" for r in roles])
     if cfg is not None:
         given = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("--"))
         assert cfg.trainer.total_epochs == int(given.get("trainer.total_epochs", 30))
@@ -138,14 +132,12 @@ def test_verl_script_resolves_or_names_every_line_in_one_run(path):
 
 
 def test_megatron_scripts_without_unbuilt_features_resolve():
-    """The scripts that need nothing from another issue resolve outright (sequence parallelism off)."""
+    """The scripts that need nothing from another issue resolve outright."""
     resolved = []
     for path in MEGATRON_SCRIPTS:
-        args = _args(path) + [f"{r}.megatron.sequence_parallel=false"
-                              for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")]
-        if _problems(args)[0] is not None:
+        if _problems(_args(path))[0] is not None:
             resolved.append(Path(path).stem)
-    for name in ("run_qwen2-7b_math_gsm8k_megatron", "run_deepseek7b_llm_math_megatron", "run_qwen2-7b_math_megatron",
+    for name in ("run_qwen2-7b_math_gsm8k_megatron", "run_deepseek7b_llm_math_megatron",
                  "run_deepseek_math_gsm8k_megatron", "run_qwen2_5-7b_math_megatron_diff_tp"):
         assert name in resolved, name
 

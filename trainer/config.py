@@ -988,8 +988,8 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
     errs.extend(_rollout_correction_errors(al))
     if r.mode != "sync" and r.name == "sglang":
-        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with rollout.name=sglang: the built-in server fleet launches "
-                    f"native engines (a fleet of SGLang servers is issue #19); use rollout.mode=sync with sglang.")
+        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with rollout.name=sglang: SGLang server engines are not built "
+                    f"yet (issue #19); use rollout.mode=sync (the same on-policy samples from SGLang engines in the workers).")
     if r.mode != "sync" and cfg.trainer.debug.in_process:
         errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
                     f"separate processes by design; use rollout.mode=sync to debug in process.")

@@ -130,13 +130,6 @@ def _offload(v) -> bool:
 # Schema keys accepted but whose feature is not built in this version: (key suffix or full key,
 # "is this value a request for the unbuilt feature?", reason). ``*`` stands for each megatron role.
 _MEGATRON_ROLES = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")
-def _sp_at_tp(role: str) -> Callable[[Any, Any], bool]:
-    # megatron turns sequence parallelism off at TP=1, so verl's default (true) only asks for it at TP > 1
-    from omegaconf import OmegaConf
-
-    return lambda v, c: bool(v) and (OmegaConf.select(c, f"{role}.tensor_model_parallel_size") or 1) > 1
-
-
 def _override_config_set(v, c) -> bool:
     if not v:
         return False
@@ -146,8 +139,6 @@ def _override_config_set(v, c) -> bool:
 
 
 REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
-    *[(f"{r}.sequence_parallel", _sp_at_tp(r), "sequence parallelism (with tensor_model_parallel_size > 1) is not "
-                                                "built yet (issue #16)") for r in _MEGATRON_ROLES],
     ("actor_rollout_ref.actor.ppo_micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("actor_rollout_ref.model.override_config", _override_config_set,

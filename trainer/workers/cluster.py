@@ -87,6 +87,7 @@ class Cluster:
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
                         params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
+                        sequence_parallel=bool(mcfg.sequence_parallel),
                         num_threads=share(world), **(extra or {}))
                    for i in range(world)]
             return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),

@@ -45,7 +45,7 @@ class MegatronWorker:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, tp: int = 1, pp: int = 1, pp_layers=None, params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1,
-                 recompute: dict | None = None):
+                 recompute: dict | None = None, sequence_parallel: bool = False):
         from megatron_bridge import launch
         from megatron_bridge.convert import load_hf_weights
         from megatron_bridge.hf_config import read_hf_config
@@ -58,7 +58,7 @@ class MegatronWorker:
         self.hf = read_hf_config(model_path)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
         self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=dtype, value_head=(role == "critic"),
-                                 recompute=recompute)
+                                 recompute=recompute, sequence_parallel=sequence_parallel)
         load_hf_weights(self.model, model_path)
         self.trainer = None
         if optim is not None:
