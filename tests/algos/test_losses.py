@@ -795,6 +795,36 @@ def test_float32_inputs_work_and_match_float64():
         assert abs(a - b) < 1e-4 * (1 + abs(a)), name
 
 
+def test_value_loss_clipfrac_counts_no_token_inside_the_clip_range():
+    """verl clips the prediction itself (``clip_by_value(vpreds, values - c, values + c)``); the
+    form ``values + clamp(vpreds - values)`` rounds some in-range predictions by one ulp in float32,
+    and such a token used to count as clipped. Reference: float64, verl's formula."""
+    from trainer.algos.losses import value_loss
+
+    g = torch.Generator().manual_seed(0)
+    vp = torch.randn(64, 32, generator=g) * 3
+    old = vp + (torch.rand(64, 32, generator=g) - 0.5) * 0.9  # |V - V_old| < 0.45 < c: nothing clipped
+    ret = torch.randn(64, 32, generator=g) * 3
+    mask = torch.ones(64, 32)
+    c = 0.5
+    # the old formula's rounding makes tokens "clipped" on this data (the test bites)
+    legacy = old + (vp - old).clamp(-c, c)
+    assert bool((((legacy - ret) ** 2) > ((vp - ret) ** 2)).any())
+    _, m = value_loss(vp, old, ret, mask, cliprange_value=c)
+    assert float(m["vf_clipfrac"]) == 0.0
+    # out-of-range predictions too: against verl's formula in float64
+    old2 = vp + (torch.rand(64, 32, generator=g) - 0.5) * 3
+    mask2 = (torch.rand(64, 32, generator=g) > 0.2).float()
+    loss, m = value_loss(vp, old2, ret, mask2, cliprange_value=c)
+    v, o, r = vp.double(), old2.double(), ret.double()
+    vclip = torch.max(torch.min(v, o + c), o - c)
+    l1, l2 = (v - r) ** 2, (vclip - r) ** 2
+    want_frac = float(((l2 > l1).double() * mask2).sum() / mask2.sum())
+    want_loss = float((0.5 * torch.max(l1, l2) * mask2).sum() / mask2.sum())
+    assert float(m["vf_clipfrac"]) == pytest.approx(want_frac, abs=1e-6)  # one token in ~1600 is 6e-4
+    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+
+
 def test_value_loss_golden_and_clipfrac():
     from trainer.algos.losses import value_loss
 

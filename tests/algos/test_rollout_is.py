@@ -502,7 +502,7 @@ def test_rejection_matches_reference(div, agg):
     lower, upper = (-0.3, 0.4) if div == "k1" else (None, {"token": 0.08, "seq_sum": 0.5, "seq_mean": 0.08, "seq_max": 0.2}[agg])
     new, met = compute_rejection_mask(old, roll, mask.float(), divergence=div, agg=agg, lower=lower, upper=upper)
     want = torch.zeros(12, 9)
-    stats, rows_hit, rejected = [], 0, 0
+    stats, tok_stats, rows_hit, rejected = [], [], 0, 0
     for i in range(12):
         idx = [t for t in range(9) if mask[i, t]]
         if not idx:
@@ -514,6 +514,7 @@ def test_rejection_matches_reference(div, agg):
         else:
             s = {"seq_sum": sum(k), "seq_mean": sum(k) / len(k), "seq_max": max(k)}[agg]
             vals, stats = [s] * len(k), stats + [s]
+        tok_stats += vals  # verl: masked_mean of the per-token statistic (a row's on each of its tokens)
         keep = [(lower is None or v >= lower) and (upper is None or v <= upper) for v in vals]
         for t, kp in zip(idx, keep):
             want[i, t] = float(kp)
@@ -524,9 +525,23 @@ def test_rejection_matches_reference(div, agg):
     assert met["mismatch/rollout_rs_masked_fraction"] == pytest.approx(rejected / int(mask.sum()))
     assert met["mismatch/rollout_rs_seq_masked_fraction"] == pytest.approx(rows_hit / n_rows)
     name = f"mismatch/rollout_rs_{agg}_{div}"
-    assert met[name + "_mean"] == pytest.approx(float(np.mean(stats)), rel=1e-5, abs=1e-6)
+    assert met[name + "_mean"] == pytest.approx(float(np.mean(tok_stats)), rel=1e-5, abs=1e-6)
     assert met[name + "_max"] == pytest.approx(max(stats), rel=1e-5, abs=1e-6)
     assert met[name + "_min"] == pytest.approx(min(stats), rel=1e-5, abs=1e-6)
+
+
+def test_rejection_seq_mean_metric_is_token_weighted():
+    """verl's ``rollout_rs_{option}_mean`` is ``masked_mean`` of the row statistic expanded over the
+    row's tokens: a 3-token row weighs three times a 1-token row (a row mean would give 0.5 here)."""
+    # row 0: 3 tokens with log rho = 0 (k1 = 0); row 1: 1 token with log rho = -1 (k1 = 1)
+    old = torch.tensor([[0.0, 0.0, 0.0], [-1.0, 0.0, 0.0]], dtype=torch.float64)
+    roll = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    for agg in ("seq_sum", "seq_mean", "seq_max"):
+        _, met = compute_rejection_mask(old, roll, mask, divergence="k1", agg=agg, lower=-5.0, upper=5.0)
+        assert met[f"mismatch/rollout_rs_{agg}_k1_mean"] == pytest.approx((3 * 0.0 + 1 * 1.0) / 4, abs=1e-12)
+        assert met[f"mismatch/rollout_rs_{agg}_k1_max"] == pytest.approx(1.0)
+        assert met[f"mismatch/rollout_rs_{agg}_k1_min"] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_rejection_errors():

@@ -628,16 +628,19 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss (Schulman et al. 2017; the form in OpenAI baselines):
 
-        V_clip = V_old + clip(V - V_old, -c, c)
+        V_clip = clip(V, V_old - c, V_old + c)
         loss_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
 
-    aggregated with :func:`agg_loss` (global-batch normalisation as for the policy losses).
+    aggregated with :func:`agg_loss` (global-batch normalisation as for the policy losses). The
+    prediction itself is clipped, as verl's ``compute_value_loss`` does: the equivalent
+    ``V_old + clip(V - V_old, -c, c)`` can round ``V`` by one ulp inside the range, and that ulp
+    makes the clipped term "larger" and the token count as clipped.
     Metrics: ``vf_clipfrac`` (fraction of tokens where the clipped term is the larger one),
     ``vpred_mean``, ``vf_explained_var`` = 1 - Var(R - V) / Var(R) over valid tokens.
     """
     m = response_mask.bool()
     vpreds_f, values_f, returns_f = vpreds.float(), values.float().detach(), returns.float().detach()
-    clipped = values_f + (vpreds_f - values_f).clamp(-cliprange_value, cliprange_value)
+    clipped = torch.maximum(torch.minimum(vpreds_f, values_f + cliprange_value), values_f - cliprange_value)
     l1 = (vpreds_f - returns_f) ** 2
     l2 = (clipped - returns_f) ** 2
     loss_mat = 0.5 * torch.maximum(l1, l2)

@@ -696,8 +696,9 @@ def compute_rejection_mask(
     dropped). A token or row is kept iff ``lower <= stat <= upper`` (a None bound is open). Returns
     ``(response_mask * keep`` in the mask's dtype, ``metrics)`` with the rejected token fraction
     ``rollout_rs_masked_fraction``, the fraction of rows that lost any token
-    ``rollout_rs_seq_masked_fraction``, and the statistic's mean/max/min (token-weighted for "token",
-    over rows otherwise). verl's k1 thresholds are ratio bounds: its ``"lo_hi"`` equals
+    ``rollout_rs_seq_masked_fraction``, and the statistic's mean/max/min: the mean is over valid
+    tokens for every ``agg`` (a row statistic counts once per token of its row, verl's
+    ``masked_mean`` of the per-token statistic), max/min over tokens ("token") or rows. verl's k1 thresholds are ratio bounds: its ``"lo_hi"`` equals
     ``lower=log(lo), upper=log(hi)`` here.
     """
     _check(old_log_prob, rollout_log_prob, response_mask)
@@ -718,9 +719,9 @@ def compute_rejection_mask(
     ntot = n.sum().clamp_min(1)
     if agg == "token":
         stat_mean, stat_max, stat_min = st[:, 0].sum() / ntot, st[valid, 1].max(), -st[valid, 2].max()
-    else:
+    else:  # the row statistic on each of the row's tokens, token-weighted as verl's masked_mean over them
         sv = st[valid, 0]
-        stat_mean, stat_max, stat_min = sv.mean(), sv.max(), sv.min()
+        stat_mean, stat_max, stat_min = (sv * n[valid]).sum() / ntot, sv.max(), sv.min()
     name = f"rollout_rs_{agg}_{divergence}" if isinstance(divergence, str) else f"rollout_rs_{agg}"
     met = {
         "rollout_rs_masked_fraction": (n - kept).sum() / ntot,
