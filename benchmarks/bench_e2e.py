@@ -228,11 +228,11 @@ def run_coxswain(spec: dict) -> dict:
     step_s = [h["timing_s/step"] for h in hist]
     first_start = log_times[1] - step_s[0]
     phases = {}
-    for key in ("gen", "generate", "reward", "old_log_prob", "adv", "update_actor", "sync"):
+    for key in ("gen", "generate", "reward", "old_log_prob", "adv", "update_actor", "update_weights"):
         vals = [h.get(f"timing_s/{key}", 0.0) for h in hist]
         phases[key] = vals
     return {
-        "framework": "coxswain", "step_s": step_s, "tokens": [h["perf/tokens"] for h in hist],
+        "framework": "coxswain", "step_s": step_s, "tokens": [h["perf/total_num_tokens"] for h in hist],
         "completion_tokens": [h["response_length/mean"] * size["prompts"] * size["n"] for h in hist],
         "response_length_mean": [h["response_length/mean"] for h in hist], "phases_s": phases,
         "startup_s": first_start - t0, "teardown_s": t_end - log_times[max(log_times)], "total_s": t_end - t0,

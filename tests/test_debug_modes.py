@@ -78,13 +78,13 @@ def test_rollout_only_dumps_then_train_only_replays(tmp_path):
                                     f"trainer.debug.dump_batch_path={dump}"]))
     h1 = out["history"]
     assert [h["step"] for h in h1] == [1, 2]
-    assert not any(k.startswith(("actor/", "timing_s/update", "adv/")) for h in h1 for k in h)  # nothing was trained
+    assert not any(k.startswith(("actor/", "timing_s/update", "critic/advantages/")) for h in h1 for k in h)  # nothing was trained
     assert len(dumped_steps(str(dump))) == 2
     out = train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'b'}", "trainer.debug.train_only=true",
                                     f"trainer.debug.dump_batch_path={dump}"]))
     h2 = out["history"]
     for a, b in zip(h1, h2):
-        assert b["reward/mean"] == a["reward/mean"]  # the same batches, replayed
+        assert b["critic/score/mean"] == a["critic/score/mean"]  # the same batches, replayed
         assert "actor/pg_loss" in b and "timing_s/gen" in b
     # the replayed batch trains exactly like a live step on the same batch: the loss is a function of it
     assert all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in h2)

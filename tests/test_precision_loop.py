@@ -36,7 +36,7 @@ def test_bf16_compiled_actor_in_the_loop(tmp_path):
     for h in bf:
         assert h["sync/verified"] == 1.0
     # step 1 samples from the untouched HF weights (fp32 engine): the same rollout, the same rewards
-    assert bf[0]["reward/mean"] == fp[0]["reward/mean"]
+    assert bf[0]["critic/score/mean"] == fp[0]["critic/score/mean"]
     assert bf[0]["response_length/mean"] == fp[0]["response_length/mean"]
     # the trainer's log-probs: bf16 differs from the fp32 sampler far more than fp32 does, but stays close
     kf, kb = fp[0]["mismatch/mismatch_k3_kl"], bf[0]["mismatch/mismatch_k3_kl"]
@@ -48,6 +48,6 @@ def test_bf16_compiled_actor_in_the_loop(tmp_path):
     cd = runs["fp32_compiled_decode"]
     for h_e, h_c in zip(fp, cd):
         assert h_c["sync/verified"] == 1.0
-        for key in ("reward/mean", "response_length/mean", "actor/grad_norm"):
+        for key in ("critic/score/mean", "response_length/mean", "actor/grad_norm"):
             assert h_c[key] == pytest.approx(h_e[key], rel=1e-4, abs=1e-7), (h_c["step"], key)
         assert h_c["mismatch/mismatch_k3_kl"] < 1e-7, h_c["mismatch/mismatch_k3_kl"]

@@ -47,10 +47,10 @@ def test_loop_takes_the_on_policy_path(tmp_path):
                               "trainer.debug.in_process=true", "trainer.n_gpus_per_node=1"])
     h = train(cfg)["history"][-1]
     assert "timing_s/old_log_prob" not in h
-    for key in ("actor/entropy_rollout", "mismatch/rollout_is_mean", "actor/pg_loss", "actor/grad_norm"):
+    for key in ("actor/entropy", "mismatch/rollout_is_mean", "actor/pg_loss", "actor/grad_norm"):
         assert key in h, key
     assert h["actor/ppo_kl"] == 0.0 and h["sync/verified"] == 1.0
-    assert 0 < h["actor/entropy_rollout"] < 10  # tiny vocab: entropy is at most log V
+    assert 0 < h["actor/entropy"] < 10  # tiny vocab: entropy is at most log V
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from trainer.config import ConfigError, all_keys, load_config, save_resolved, to_yaml
 from trainer.debug import dump_batch, replay_batch
 from trainer.phases import (Generation, apply_rollout_is, batch_metrics, check_update, driver_math, loss_fields,
-                            timer)
+                            timer, timing_metrics)
 from trainer.report import write_report
 from trainer.workers.dataplane import StepData
 
@@ -156,6 +156,7 @@ def train(cfg) -> dict:
             m, t_step, first = dict(first), time.perf_counter(), {}
             with timer(m, "gen"):  # 1-3. rollout, reward, overlong shaping, DAPO dynamic sampling
                 batch = replay_batch(dbg.dump_batch_path, step) if dbg.train_only else gen.train_batch(state, step, m)
+            m["timing_s/gen"] -= m.get("timing_s/reward", 0.0)  # verl's gen and reward are sibling phases
             if dbg.dump_batch_path and not dbg.train_only:
                 dump_batch(batch, dbg.dump_batch_path, step)
             if dbg.rollout_only:  # generate and score only: no training, no sync
@@ -191,19 +192,19 @@ def train(cfg) -> dict:
                         m.update(apply_rollout_is(batch, plan.rollout_is, weights=False) if plan.rollout_is else {})
                     m.update(res)
                 check_update(m, step)
-                with timer(m, "sync"):  # 9. the actor's weights into the engines, checksum-verified
+                with timer(m, "update_weights"):  # 9. the actor's weights into the engines, checksum-verified
                     m.update(rollout.sync_from(actor))
             if plan.should_eval(step, state.last_eval):  # 10. eval, checkpoint, log
-                with timer(m, "eval"):
+                with timer(m, "testing"):
                     m.update(gen.evaluate())
                 state.last_eval = step
             m.update(batch_metrics(batch, plan, entropy=ent, kl_coef=state.kl_ctrl.value))
             m.update(cluster.transport.take_metrics())
             m["timing_s/step"] = time.perf_counter() - t_step
-            m["perf/tokens_per_s"] = m["perf/tokens"] / m["timing_s/step"]
+            m.update(timing_metrics(m, batch, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node))
             state.step = step
             if plan.should_save(step):
-                with timer(m, "save"):
+                with timer(m, "save_checkpoint"):
                     log(m, step)
                     ckpt.save(step, state.state_dict(worker_rng=cluster.rng_states()), write_workers=cluster.save)
             else:

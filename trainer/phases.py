@@ -177,24 +177,48 @@ def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True) -> 
 # ----------------------------------------------------------------------------------------------
 def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
              batch_size: int | None, multi_turn: dict | None = None) -> dict[str, float]:
-    """Score the held-out set once (greedy by default); ``val/acc`` is the headline."""
+    """Score the held-out set once (greedy by default), ``n = val_kwargs.n`` responses per prompt,
+    with verl's names (``RayPPOTrainer._val_metrics_update``): ``val-core/{data_source}/acc/mean@{n}``
+    (the headline), ``val-aux/{data_source}/reward/mean@{n}`` (the score), and with n > 1 the
+    ``std@{n}`` of each (the mean over prompts of the std over a prompt's n responses).
+    ``val-aux/response_length/mean`` is Coxswain's."""
     n = len(dataset)
     bs = batch_size or n
-    accs, scores, lens, per_source = [], [], [], {}
+    lens, per = [], {}  # per[(source, prompt)] = ([acc], [score])
     for s in range(0, n, bs):
         items = [dataset[i] for i in range(s, min(n, s + bs))]
-        batch, _ = generate_scored(rollout, reward_mgr, tokenizer, items, list(range(len(items))), params,
+        batch, _ = generate_scored(rollout, reward_mgr, tokenizer, items, list(range(s, s + len(items))), params,
                                    max_prompt_length=max_prompt_length, overlong=None, multi_turn=multi_turn)
-        accs.append(batch.acc)
-        scores.append(batch.scores)
         lens.append(batch.response_length.float())
-        for src, a in zip(batch.get_meta("data_source"), batch.acc.tolist()):
-            per_source.setdefault(src, []).append(a)
-    out = {"val/acc": float(torch.cat(accs).mean()), "val/score": float(torch.cat(scores).mean()),
-           "val/response_length": float(torch.cat(lens).mean())}
-    if len(per_source) > 1:
-        out.update({f"val/acc/{k}": float(np.mean(v)) for k, v in per_source.items()})
+        for src, g, a, sc in zip(batch.get_meta("data_source"), batch.group_ids.tolist(), batch.acc.tolist(),
+                                 batch.scores.tolist()):
+            accs, scores = per.setdefault((src, g), ([], []))
+            accs.append(a)
+            scores.append(sc)
+    return {**val_metric_names(per), "val-aux/response_length/mean": float(torch.cat(lens).mean())}
+
+
+def val_metric_names(per: dict) -> dict[str, float]:
+    """verl's validation metrics from ``{(data_source, prompt): ([acc per response], [score per
+    response])}``: ``mean@N`` over every response of the source, ``std@N`` (N > 1) the mean over
+    prompts of ``np.std`` of its responses; ``acc`` is the core variable (``val-core``)."""
+    out: dict[str, float] = {}
+    for src in dict.fromkeys(k[0] for k in per):
+        groups = [v for k, v in per.items() if k[0] == src]
+        n_max = max(len(g[0]) for g in groups)
+        for var, j, sec in (("acc", 0, "val-core"), ("reward", 1, "val-aux")):
+            vals = [g[j] for g in groups]
+            out[f"{sec}/{src}/{var}/mean@{n_max}"] = float(np.mean([np.mean(v) for v in vals]))
+            if n_max > 1:
+                out[f"val-aux/{src}/{var}/std@{n_max}"] = float(np.mean([np.std(v) for v in vals]))
     return out
+
+
+def val_core_acc(metrics: dict) -> float | None:
+    """The held-out accuracy of a step's metrics: the mean of its ``val-core/*/acc/mean@*`` values
+    (one per data source), None when the step did not validate."""
+    vals = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+    return float(np.mean(vals)) if vals else None
 
 
 class Generation:
@@ -268,7 +292,7 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
             plan.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
             index=batch.group_ids, values=batch.values, gamma=plan.gamma, lam=plan.lam,
             norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo)
-        m.update(to_float_metrics(adv_m, "adv/"))
+        # its critic/advantages|returns/* are the batch's; batch_metrics logs them for every estimator
     return m
 
 
@@ -287,18 +311,80 @@ def check_update(m: dict, step: int) -> None:
     if bad or m.get("actor/skipped", 0.0) > 0:
         raise FloatingPointError(
             f"step {step}: the actor's {', '.join(bad) or 'gradient'} is NaN/inf, so the update was not "
-            f"applied. Check the rewards and advantages (adv/*, reward/* above), lower "
+            f"applied. Check the rewards and advantages (critic/score/*, critic/advantages/* above), lower "
             f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on; the last checkpoint is intact and "
             f"trainer.resume_mode=auto continues from it.")
 
 
 def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_coef: float | None = None) -> dict:
-    m = {"reward/mean": float(batch.scores.mean()), "reward/acc": float(batch.acc.mean()),
-         "response_length/mean": float(batch.response_length.float().mean())}
+    """verl's ``compute_data_metrics`` over the step's batch (``critic/score|rewards|advantages|
+    returns|values/*``, ``critic/vf_explained_var``, ``response_length/*``, ``prompt_length/*``,
+    ``response_length_non_aborted/*``, ``response/aborted_ratio``) plus ``reward/acc`` (Coxswain's),
+    ``perf/total_num_tokens``, ``actor/entropy`` (verl's: the start-of-step policy's entropy on the
+    rollout, aggregated by ``loss_agg_mode``, from the ranks' summed summaries) and ``kl_ctrl/coef``.
+    The clip ratios count responses (prompts) at the configured cap ``max_response_length``
+    (``max_prompt_length``). ``kl_coef`` None: the rollout-only subset (no training fields)."""
+    from trainer.workers.metrics import entropy_from_summary
+
+    f64 = torch.float64
+    resp_len, prompt_len = batch.response_length.to(f64), batch.prompt_length.to(f64)
+    live = resp_len > 0
+    if not bool(live.any()):
+        live = torch.ones_like(live)
+    score = batch.token_level_scores.to(f64).sum(-1)[live]
+    rewards = batch.token_level_rewards if batch.token_level_rewards is not None else batch.token_level_scores
+    reward = rewards.to(f64).sum(-1)[live]
+    m = {"critic/score/mean": float(score.mean()), "critic/score/max": float(score.max()),
+         "critic/score/min": float(score.min()),
+         "critic/rewards/mean": float(reward.mean()), "critic/rewards/max": float(reward.max()),
+         "critic/rewards/min": float(reward.min()), "reward/acc": float(batch.acc.mean())}
+    rm = batch.response_mask.bool()
+    for name, x in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
+        if x is not None and bool(rm.any()):
+            v = x.to(f64)[rm]
+            m.update({f"critic/{name}/mean": float(v.mean()), f"critic/{name}/max": float(v.max()),
+                      f"critic/{name}/min": float(v.min())})
+    if batch.values is not None and batch.returns is not None and int(rm.sum()) > 1:
+        ret, val = batch.returns.to(f64)[rm], batch.values.to(f64)[rm]
+        m["critic/vf_explained_var"] = float(1.0 - torch.var(ret - val) / (torch.var(ret) + 1e-5))
+    for name, x, cap in (("response_length", resp_len, plan.response_width),
+                         ("prompt_length", prompt_len, plan.max_prompt_length)):
+        m.update({f"{name}/mean": float(x.mean()), f"{name}/max": float(x.max()), f"{name}/min": float(x.min()),
+                  f"{name}/clip_ratio": float((x == cap).to(f64).mean())})
+    na = resp_len[live]
+    m.update({"response_length_non_aborted/mean": float(na.mean()), "response_length_non_aborted/max": float(na.max()),
+              "response_length_non_aborted/min": float(na.min()),
+              "response_length_non_aborted/clip_ratio": float((na == plan.response_width).to(f64).mean()),
+              "response/aborted_ratio": float((resp_len == 0).to(f64).mean()),
+              "perf/total_num_tokens": float(batch.attention_mask.sum())})
     if kl_coef is None:
         return m
-    m.update({"response_length/clip_fraction": float((batch.response_length >= plan.response_width).float().mean()),
-              "perf/tokens": float(batch.attention_mask.sum()), "kl_ctrl/coef": float(kl_coef)})
-    if entropy:
-        m["actor/entropy_rollout"] = entropy["sum"] / max(entropy["count"], 1.0)
+    m["kl_ctrl/coef"] = float(kl_coef)
+    if entropy and entropy.get("count"):
+        pol = plan.actor_update.policy
+        m["actor/entropy"] = entropy_from_summary(entropy, pol.agg_mode, pol.norm_constant)
     return m
+
+
+# the phases whose time verl also reports per token: generation per response token, the model passes
+# and the driver's advantage math per token of the whole batch (prompt + response)
+_PER_TOKEN = {"gen": "response", **{k: "all" for k in ("ref", "values", "adv", "update_critic", "update_actor")}}
+
+
+def timing_metrics(m: dict, batch: RolloutBatch, n_gpus: int) -> dict[str, float]:
+    """verl's ``compute_timing_metrics`` and ``compute_throughout_metrics`` from the step's
+    ``timing_s/*`` (``timing_s/step`` included): ``timing_per_token_ms/*``, ``perf/total_num_tokens``,
+    ``perf/time_per_step`` and ``perf/throughput`` (tokens per second per GPU; on CPU per rank slot,
+    ``trainer.nnodes * trainer.n_gpus_per_node``)."""
+    resp = float(batch.response_length.sum())
+    total = float(batch.attention_mask.sum())
+    out = {}
+    for name, kind in _PER_TOKEN.items():
+        t = m.get(f"timing_s/{name}")
+        n = resp if kind == "response" else total
+        if t is not None and n > 0:
+            out[f"timing_per_token_ms/{name}"] = t * 1000.0 / n
+    step = m["timing_s/step"]
+    out.update({"perf/total_num_tokens": total, "perf/time_per_step": step,
+                "perf/throughput": total / (step * max(n_gpus, 1)) if step > 0 else 0.0})
+    return out

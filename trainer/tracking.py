@@ -116,17 +116,12 @@ class Tracker:
             self._console(clean, step)
 
     def _console(self, m: Mapping[str, float], step: int) -> None:
-        elapsed = time.time() - self.t0
-        parts = [f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")]
-        for key, label in (("reward/mean", "reward"), ("val/acc", "val_acc"), ("perf/tokens_per_s", "tok/s"),
-                           ("actor/pg_loss", "pg_loss"), ("mismatch/mismatch_kl", "mm_kl")):
-            if key in m:
-                parts.append(f"{label} {m[key]:.4g}")
-        if self.total_steps and step > 0:
-            eta = elapsed / step * (self.total_steps - step)
-            parts.append(f"eta {eta:.0f}s")
-        parts.append(f"elapsed {elapsed:.0f}s")
-        print(" | ".join(parts), file=sys.stdout, flush=True)
+        # the step line and progress bar (trainer.console); created at the first line
+        if getattr(self, "_console_log", None) is None:
+            from trainer.console import ConsoleLog
+
+            self._console_log = ConsoleLog(self.total_steps, t0=self.t0)
+        self._console_log.log(m, step)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self.client is not None and os.path.exists(path):
@@ -136,5 +131,7 @@ class Tracker:
                 self.client.log_artifact(self.run_id, path, artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
+        if getattr(self, "_console_log", None) is not None:
+            self._console_log.close()
         if self.client is not None:
             self.client.set_terminated(self.run_id, status)

@@ -23,13 +23,45 @@ import torch
 from trainer.batch import RolloutBatch, micro_batch_groups
 from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings
 from trainer.workers.dataplane import shard_batch
+from trainer.workers.metrics import MEAN, SUM, Partials
 
 
 def _entropy_summary(entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Masked sum and count of per-token entropies: the driver's ``actor/entropy_rollout`` is
-    sum over ranks / count over ranks, so no per-token entropy leaves the rank."""
-    m = mask.bool()
-    return {"sum": float(entropy.float()[m].sum()), "count": float(m.sum())}
+    """Masked sums and counts of per-token entropies (``trainer.workers.metrics.entropy_summary``):
+    the driver's ``actor/entropy`` is formed from their sums over the ranks, so no per-token entropy
+    leaves the rank."""
+    from trainer.workers.metrics import entropy_summary
+
+    return entropy_summary(entropy, mask)
+
+
+def _memory_partials(acc, prefix: str = "perf/") -> None:
+    """verl's memory metrics of an update: the device's peak allocated / reserved memory (CUDA only)
+    and the node's used CPU memory (``psutil.virtual_memory().used``)."""
+    from trainer.workers.metrics import MAX, MEAN
+
+    if torch.cuda.is_available():
+        acc.add(prefix + "max_memory_allocated_gb", MAX, torch.cuda.max_memory_allocated() / 1024**3)
+        acc.add(prefix + "max_memory_reserved_gb", MAX, torch.cuda.max_memory_reserved() / 1024**3)
+    try:
+        import psutil
+
+        acc.add(prefix + "cpu_memory_used_gb", MEAN, psutil.virtual_memory().used / 1024**3)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _step_partials(acc, prefix: str, m: dict) -> None:
+    """The optimizer step's own metrics (the same on every rank): ``grad_norm``, ``lr``, ``skipped``,
+    the total ``loss`` (this rank's micro-batch sum, a share x dp_size) and the memory metrics."""
+    from trainer.workers.metrics import MEAN, SUM
+
+    for k in ("grad_norm", "lr", "skipped"):
+        if k in m:
+            acc.add(prefix + k, MEAN, m[k])
+    if "loss" in m:
+        acc.add(prefix + "loss", SUM, m["loss"])
+    _memory_partials(acc)
 
 
 def combine_digests(digests: dict[str, bytes]) -> str:
@@ -181,8 +213,9 @@ class MegatronWorker:
             batch = full[torch.as_tensor(rows, dtype=torch.long)]
             P, L = batch.prompt_width, batch.input_ids.shape[1]
             agg = pl.agg(global_num_tokens=counts[k][0], global_num_seqs=counts[k][1], dp_size=self.mesh["dp_size"])
+            acc = Partials()  # this mini-batch's metrics on this rank, combined over the DP ranks by the driver
 
-            def loss_fn(outs: dict, mb: dict):
+            def loss_fn(outs: dict, mb: dict, acc=acc):
                 outs = self._grid(outs, mb, L)
                 logp = outs["logprobs"][:, P:]  # [b, T]
                 mask = mb["response_mask"]
@@ -199,24 +232,27 @@ class MegatronWorker:
                                           clip_ratio_high=pl.clip_ratio_high, clip_ratio_c=pl.clip_ratio_c,
                                           **pl.variant_kwargs)
                 total = pg
-                metrics = {f"actor/{k}": v for k, v in metrics.items()}
-                metrics["actor/pg_loss"] = pg.detach()
+                mb_mask = mask.bool()
+                acc.add_loss_metrics("actor/", metrics, tokens=mb_mask.sum(), seqs=mb_mask.any(-1).sum())
+                acc.add("actor/pg_loss", SUM, pg.detach())  # this micro-batch's share x dp_size (LossAgg)
                 if "entropy" in outs and pl.entropy_coeff:
                     ent = agg_loss(outs["entropy"][:, P:], mask, agg)
                     total = total - pl.entropy_coeff * ent
-                    metrics["actor/entropy"] = ent.detach()
+                    acc.add("actor/entropy_loss", SUM, ent.detach())
                 if pl.use_kl_loss:
                     kl_l = agg_loss(kl_penalty(logp, mb["ref_log_probs"], pl.kl_loss_type), mask, agg)
                     total = total + pl.kl_loss_coef * kl_l
-                    metrics["actor/kl_loss"] = kl_l.detach()
-                return total, metrics
+                    acc.add("actor/kl_loss", SUM, kl_l.detach())
+                    acc.add("actor/kl_coef", MEAN, pl.kl_loss_coef)
+                return total, {}
 
             # entropy enters the graph only when it is trained on; on-policy it is still computed, detached,
             # for the logged rollout entropy (the skipped old-log-prob pass used to provide it)
             m = train_step(self.trainer, self._micro_batches(batch, settings, fields), loss_fn,
                            temperature=settings.temperature, with_entropy=bool(pl.entropy_coeff) or on_policy,
                            entropy_grad=bool(pl.entropy_coeff))
-            out.append({("actor/" + k if "/" not in k else k): float(v) for k, v in m.items()})
+            _step_partials(acc, "actor/", m)
+            out.append(acc.to_dict())
         res = {"metrics": out, "log_probs": None, "entropy": None}
         if captured:  # the last pipeline stage (the one that ran loss_fn); one mini-batch: rows = mini_batches[0]
             # micro-batch rows -> mini-batch rows -> shard rows
@@ -244,18 +280,24 @@ class MegatronWorker:
             P, L = batch.prompt_width, batch.input_ids.shape[1]
             agg = LossAgg(mode=vl_s.agg_mode, global_num_tokens=counts[k][0], global_num_seqs=counts[k][1],
                           dp_size=self.mesh["dp_size"])
+            acc = Partials()
 
-            def loss_fn(outs: dict, mb: dict):
+            def loss_fn(outs: dict, mb: dict, acc=acc):
                 outs = self._grid(outs, mb, L)
                 vl, metrics = value_loss(outs["values"][:, P:], mb["values"], mb["returns"], mb["response_mask"],
                                          cliprange_value=vl_s.cliprange_value, agg=agg)
-                metrics = {f"critic/{k}": v for k, v in metrics.items()}
-                metrics["critic/vf_loss"] = vl.detach()
-                return vl, metrics
+                # the explained variance of the updated critic is no token mean; the driver logs verl's
+                # critic/vf_explained_var (the step's values vs returns, over the whole batch)
+                metrics.pop("vf_explained_var", None)
+                mb_mask = mb["response_mask"].bool()
+                acc.add_loss_metrics("critic/", metrics, tokens=mb_mask.sum(), seqs=mb_mask.any(-1).sum())
+                acc.add("critic/vf_loss", SUM, vl.detach())
+                return vl, {}
 
             m = train_step(self.trainer, self._micro_batches(batch, settings, ("response_mask", "values", "returns")),
                            loss_fn)
-            out.append({("critic/" + k if "/" not in k else k): float(v) for k, v in m.items()})
+            _step_partials(acc, "critic/", m)
+            out.append(acc.to_dict())
         return {"metrics": out}
 
     # ------------------------------------------------------------------ weights, checkpoints

@@ -23,18 +23,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from trainer.algos.losses import batch_norm_counts
 from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings, is_on_policy
 from trainer.workers.dataplane import Partition, Sharded, StepData, Transport
 from trainer.workers.group import WorkerGroup
-
-
-def mean_metrics(rows: Sequence[dict]) -> dict[str, float]:
-    keys = {k for r in rows for k in r}
-    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
+from trainer.workers.metrics import reduce_partials
 
 
 def plan_mini_batches(part: Partition, response_mask: torch.Tensor, settings: UpdateSettings, *, seed: int,
@@ -84,19 +79,25 @@ class RoleGroup:
     def _sharded(self, step: StepData, refs: list) -> Sharded:
         return Sharded(step.partition(self.dp), [refs[i] for i in self.source], self.transport)
 
-    def _metric_rows(self, results: list) -> list[dict]:
-        return [r for l, res in zip(self.layouts, results) if l["tp_rank"] == 0 and l["dp_rank"] == 0
-                for r in res["metrics"]]
+    def _metrics(self, results: list) -> tuple[dict[str, float], list[dict[str, float]]]:
+        """The update's metrics over ALL data-parallel ranks: per DP rank, the partials of the rank
+        that ran the loss (tensor rank 0 of the last pipeline stage), combined by
+        :func:`~trainer.workers.metrics.reduce_partials`. Returns (step metrics, per mini-batch)."""
+        by_dp = {}
+        for l, res in zip(self.layouts, results):
+            if l["tp_rank"] == 0 and l["pp_rank"] == l["pp_size"] - 1:
+                by_dp.setdefault(l["dp_rank"], res["metrics"])
+        return reduce_partials([by_dp[d] for d in range(self.dp)], self.dp)
 
     def _update_call(self, method: str, step: StepData, settings: UpdateSettings, extras, *, seed: int,
-                     agg_mode: str, **kwargs) -> tuple[list, list[dict]]:
+                     agg_mode: str, **kwargs) -> tuple[list, tuple[dict, list[dict]]]:
         part = step.partition(self.dp)
         local, counts = plan_mini_batches(part, step.batch.response_mask, settings, seed=seed, agg_mode=agg_mode)
         shards = step.shards(self.dp)
         extra_refs = [e.refs_for(step, self.dp) if isinstance(e, Sharded) else e for e in extras if e is not None]
         per_dp = [(shards[d], local[d], *(e[d] for e in extra_refs)) for d in range(self.dp)]
         res = self.group.call(method, self._args(per_dp), settings=settings, counts=counts, **kwargs)
-        return res, self._metric_rows(res)
+        return res, self._metrics(res)
 
     # ------------------------------------------------------------------ checkpoints, RNG
     def save(self, ckpt_dir: str) -> None:
@@ -139,7 +140,7 @@ class ActorGroup(RoleGroup):
                on_policy: bool = False, rollout_is: Optional[RolloutIS] = None, per_mini_batch: bool = False):
         """``settings.epochs`` x mini-batches, one optimizer step each; ``extras``: the per-token
         fields the loss reads (``Sharded`` results, or ``StepData.scatter`` references). Returns
-        the mean metrics (``per_mini_batch``: one dict per mini-batch); on-policy
+        the step's metrics over all DP ranks (``per_mini_batch``: one dict per mini-batch); on-policy
         ``(metrics, {"old_log_probs": [B, T]} or None, entropy summary)``: the old log-probs of the
         update's own forward come back only when rollout IS needs them on the driver."""
         if on_policy and not is_on_policy(num_samples=step.batch.num_samples, mini_batch_size=settings.mini_batch_size,
@@ -147,10 +148,10 @@ class ActorGroup(RoleGroup):
             raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({settings.epochs} epochs, "
                              f"{step.batch.num_samples} samples, mini-batches of {settings.mini_batch_size})")
         want_lp = on_policy and rollout_is is not None
-        res, rows = self._update_call("update_actor", step, settings, extras, seed=seed,
-                                      agg_mode=settings.policy.agg_mode, on_policy=on_policy, rollout_is=rollout_is,
-                                      return_log_probs=want_lp)
-        metrics = rows if per_mini_batch else mean_metrics(rows)
+        res, (step_m, rows) = self._update_call("update_actor", step, settings, extras, seed=seed,
+                                                agg_mode=settings.policy.agg_mode, on_policy=on_policy,
+                                                rollout_is=rollout_is, return_log_probs=want_lp)
+        metrics = rows if per_mini_batch else step_m
         if not on_policy:
             return metrics
         by_dp: dict[int, dict] = {}
@@ -192,8 +193,9 @@ class CriticGroup(RoleGroup):
 
     def update(self, step: StepData, settings: UpdateSettings, extras: Sequence, *, seed: int,
                per_mini_batch: bool = False):
-        _, rows = self._update_call("update_critic", step, settings, extras, seed=seed, agg_mode=settings.value.agg_mode)
-        return rows if per_mini_batch else mean_metrics(rows)
+        _, (step_m, rows) = self._update_call("update_critic", step, settings, extras, seed=seed,
+                                              agg_mode=settings.value.agg_mode)
+        return rows if per_mini_batch else step_m
 
 
 def _sum_summaries(rows: Sequence[dict]) -> dict[str, float]:

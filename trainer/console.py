@@ -1,0 +1,141 @@
+"""The console a user reads during a run: one line per step above a tqdm progress bar.
+
+The line (``trainer.logger`` contains ``console``)::
+
+    step 7/40 | score 0.625 | acc 0.62 | val 0.94 | pg_loss -0.0123 | entropy 1.32 | mm_kl 3.1e-06 | len 5.1 | 2.9 s/step | eta 1m36s
+
+``score`` is ``critic/score/mean``, ``acc`` the training batch's ``reward/acc``, ``val`` the held-out
+accuracy (``val-core/*/acc/mean@N``, on steps that validate), ``mm_kl`` the absolute value of
+``mismatch/mismatch_kl``: the k1 estimate of KL(rollout || trainer) between the sampler's and the
+trainer's log-probs of the same tokens. The estimate can come out slightly negative when the two
+agree to float precision; its size is what matters (``|mm_kl|`` above ~1e-3 means the engines and
+the trainer disagree). A legend line names every column once, at the first step.
+
+ETA: from steady-state steps only. The first step this process logs (and step 0's validation)
+includes compilation and engine warm-up, so the time per step is the mean wall time between
+consecutive step lines after the first step; until two steps have passed the ETA is the first
+step's time, marked ``~``. Validation and checkpoint steps are in that mean in their proportion.
+
+The bar is drawn on a terminal only; with output to a file or pipe there are only the lines.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Mapping
+
+LEGEND = ("columns: score = critic/score/mean, acc = reward/acc (training batch), val = held-out accuracy "
+          "(val-core/*/acc), pg_loss = actor/pg_loss, entropy = actor/entropy, mm_kl = |mismatch/mismatch_kl| "
+          "(k1 KL of rollout vs trainer log-probs, ~0 when they agree), len = response_length/mean, "
+          "eta = remaining steps x mean steady-state step time")
+
+
+def fmt_duration(s: float) -> str:
+    s = max(0, int(round(s)))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+class ConsoleLog:
+    """Per-step line + progress bar. ``clock`` is injectable for tests."""
+
+    def __init__(self, total_steps: int | None, *, stream=None, clock=time.time, t0: float | None = None,
+                 bar: bool | None = None):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.clock = clock
+        self.t0 = clock() if t0 is None else t0
+        self.first_step: int | None = None  # the first training step this process logged
+        self.first_dur = 0.0  # its wall time (since the previous line, e.g. step 0's validation)
+        self.last: tuple[int, float] | None = None  # (step, time) of the previous training step line
+        self.prev_time = self.t0  # time of the previous line of any step
+        self.steady: list[float] = []  # seconds per step after the first step
+        self.legend_shown = False
+        isatty = getattr(self.stream, "isatty", lambda: False)()
+        self.use_bar = isatty if bar is None else bar
+        self.pbar = None
+
+    # -------------------------------------------------------------- ETA
+    def eta(self, step: int) -> tuple[float | None, bool]:
+        """(seconds left, steady?) after ``step``; None without a total or a timed step."""
+        if not self.total or self.first_step is None:
+            return None, False
+        left = max(self.total - step, 0)
+        if self.steady:
+            return sum(self.steady) / len(self.steady) * left, True
+        return self.first_dur * left, False
+
+    def _observe(self, step: int, now: float) -> None:
+        if self.first_step is None:  # compile / warm-up: timed, but kept out of the steady mean
+            self.first_step, self.first_dur = step, now - self.prev_time
+        elif step > self.last[0]:
+            self.steady.append((now - self.last[1]) / (step - self.last[0]))
+        self.last = (step, now)
+
+    # -------------------------------------------------------------- line
+    def line(self, m: Mapping[str, float], step: int) -> str:
+        from trainer.phases import val_core_acc
+
+        parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
+        val = val_core_acc(m)
+        for label, v in (("score", m.get("critic/score/mean")), ("acc", m.get("reward/acc")), ("val", val),
+                         ("pg_loss", m.get("actor/pg_loss")), ("entropy", m.get("actor/entropy")),
+                         ("mm_kl", abs(m["mismatch/mismatch_kl"]) if "mismatch/mismatch_kl" in m else None),
+                         ("len", m.get("response_length/mean"))):
+            if v is not None and math.isfinite(v):
+                parts.append(f"{label} {_g(v)}")
+        if "timing_s/step" in m:
+            parts.append(f"{m['timing_s/step']:.3g} s/step")
+        eta, steady = self.eta(step) if step > 0 else (None, False)
+        if eta is not None:
+            parts.append(f"eta {'' if steady else '~'}{fmt_duration(eta)}")
+        parts.append(f"elapsed {fmt_duration(self.clock() - self.t0)}")
+        return " | ".join(parts)
+
+    def log(self, m: Mapping[str, float], step: int) -> str:
+        now = self.clock()
+        if step > 0:
+            self._observe(step, now)
+        text = self.line(m, step)
+        if not self.legend_shown:
+            self._write(LEGEND)
+            self.legend_shown = True
+        self._write(text)
+        self._bar(step)
+        self.prev_time = now
+        return text
+
+    # -------------------------------------------------------------- output
+    def _write(self, text: str) -> None:
+        if self.pbar is not None:
+            self.pbar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def _bar(self, step: int) -> None:
+        if not self.use_bar or not self.total:
+            return
+        from tqdm import tqdm
+
+        if self.pbar is None:
+            # tqdm's own rate and ETA would count the compile step; ours is in the postfix
+            self.pbar = tqdm(total=self.total, initial=0, file=self.stream, dynamic_ncols=True, leave=True,
+                             bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+                             desc="training ")
+        self.pbar.n = min(step, self.total)
+        eta, steady = self.eta(step)
+        self.pbar.set_postfix_str(f"eta {'' if steady else '~'}{fmt_duration(eta)}" if eta is not None else "",
+                                  refresh=False)
+        self.pbar.refresh()
+
+    def close(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()
+            self.pbar = None
