@@ -126,7 +126,10 @@ class ConsoleLog:
 
         if self.pbar is None:
             # tqdm's own rate and ETA would count the compile step; ours is in the postfix
-            self.pbar = tqdm(total=self.total, initial=0, file=self.stream, dynamic_ncols=True, leave=True,
+            import shutil
+
+            cols = shutil.get_terminal_size((100, 24)).columns or 100  # a pty may report 0 columns
+            self.pbar = tqdm(total=self.total, initial=0, file=self.stream, ncols=min(cols, 120), leave=True,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
                              desc="training ")
         self.pbar.n = min(step, self.total)

@@ -31,7 +31,7 @@ SEQ_MEANS = frozenset({"seq_ratio_mean"})
 
 
 def _f(v) -> float:
-    return float(v.detach().float()) if isinstance(v, torch.Tensor) else float(v)
+    return float(v.detach().double()) if isinstance(v, torch.Tensor) else float(v)
 
 
 def loss_metric_kind(name: str) -> str:
