@@ -109,7 +109,8 @@ class Tracker:
             from mlflow.entities import Metric
 
             ts = int(time.time() * 1000)
-            items = [Metric(re.sub(r"[^\w\-./ ]", "_", k), v, ts, step) for k, v in clean.items()]
+            # verl's MLflow key rule: "@" (mean@N) becomes "_at_", other invalid characters "_"
+            items = [Metric(re.sub(r"[^\w\-./ ]", "_", k.replace("@", "_at_")), v, ts, step) for k, v in clean.items()]
             for i in range(0, len(items), 1000):
                 self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
         if "console" in self.loggers:
