@@ -17,6 +17,10 @@ is, on every rank, the k-th slice of that rank's shard (reshuffled per epoch whe
 ``shuffle``), as in verl. The driver knows every row's loss mask, so it sends each mini-batch's
 GLOBAL token and sequence counts with it: each rank normalises its share by the whole mini-batch
 and the summed gradient is that of the full mini-batch (``trainer.algos.losses.LossAgg``).
+
+Metrics of an update come from every DP rank: each returns per mini-batch the partial sums of its
+micro-batches (token-weighted means, loss shares, extremes), and the group combines them into the
+mini-batch's values over the whole batch (:mod:`trainer.workers.metrics`).
 """
 
 from __future__ import annotations
