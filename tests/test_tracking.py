@@ -31,7 +31,7 @@ def test_mlflow_run_gets_params_metrics_artifacts_and_no_secrets(tmp_path, monke
     assert [a.path for a in c.list_artifacts(t.run_id)] == ["report.txt"]
     assert run.info.status == "FINISHED"
     out = capsys.readouterr().out
-    assert "step 1/4" in out and "reward 0.25" in out and "eta" in out
+    assert "step 1/4" in out and "pg_loss -0.1" in out and "eta" in out  # the console line (trainer.console)
 
 
 def test_redact_masks_env_secret_values_anywhere(monkeypatch):
