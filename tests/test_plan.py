@@ -43,8 +43,11 @@ def test_rollout_is_and_on_policy_rule():
              "data.train_batch_size=16")
     assert p.rollout_is.kwargs()["rollout_is_threshold"] == 1.5 and p.driver_needs_old_log_probs()
     assert p.on_policy(num_samples=128, step=1)  # one mini-batch of all 16 x 8, one epoch
-    assert not plan("algorithm.rollout_is_threshold=null").driver_needs_old_log_probs()
-    assert plan("algorithm.rollout_is_threshold=null").rollout_is is None
+    off = ("algorithm.rollout_is_threshold=null", "actor_rollout_ref.rollout.calculate_log_probs=false")
+    assert not plan(*off).driver_needs_old_log_probs() and plan(*off).rollout_is is None
+    # the sampler's log-probs asked for with IS off: the mismatch metrics only, no weights applied
+    metrics_only = plan("algorithm.rollout_is_threshold=null").rollout_is
+    assert metrics_only is not None and metrics_only.rollout_is is False
     # KL in reward or rejection sampling read the old log-probs before the update: no shortcut
     assert not plan("algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.ppo_mini_batch_size=16").on_policy(128, 1)
     assert not plan("actor_rollout_ref.actor.ppo_mini_batch_size=8", "data.train_batch_size=16").on_policy(128, 1)

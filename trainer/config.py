@@ -943,6 +943,10 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                     f"(rollout IS disabled); set rollout_is_threshold too.")
     if al.rollout_is_veto_threshold is not None and al.rollout_is_veto_threshold <= 0:
         errs.append(f"algorithm.rollout_is_veto_threshold={al.rollout_is_veto_threshold} must be > 0 (or null to disable the veto).")
+    rc = al.rollout_correction
+    if (rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None) and not r.calculate_log_probs:
+        errs.append("algorithm.rollout_correction (IS, rejection or bypass mode) needs the sampler's log-probs: set "
+                    "actor_rollout_ref.rollout.calculate_log_probs=true.")
     if (up is not None or al.rollout_rs is not None) and not r.calculate_log_probs:
         errs.append("algorithm.rollout_is_threshold / algorithm.rollout_rs need the sampler's log-probs: "
                     "set actor_rollout_ref.rollout.calculate_log_probs=true.")
@@ -1009,6 +1013,14 @@ def _rollout_correction_errors(al) -> list[str]:
     from trainer.verl_compat import parse_rejection
 
     rc, errs = al.rollout_correction, []
+    if rc.loss_type not in ("ppo_clip", "reinforce"):
+        errs.append(f"algorithm.rollout_correction.loss_type='{rc.loss_type}' is not ppo_clip | reinforce.")
+    if rc.bypass_mode and al.rollout_is_threshold is not None:
+        errs.append("algorithm.rollout_correction.bypass_mode=true computes IS inside the loss from "
+                    "algorithm.rollout_correction.rollout_is*; set algorithm.rollout_is_threshold=null (the flat keys).")
+    if rc.rollout_is_batch_normalize and rc.rollout_is is None:
+        errs.append("algorithm.rollout_correction.rollout_is_batch_normalize=true needs "
+                    "algorithm.rollout_correction.rollout_is=token|sequence.")
     if rc.rollout_is is None and rc.rollout_rs is None:
         if rc.rollout_token_veto_threshold is not None:
             errs.append("algorithm.rollout_correction.rollout_token_veto_threshold is set but neither rollout_is nor "

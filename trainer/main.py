@@ -163,10 +163,14 @@ def train(cfg) -> dict:
                 log({**m, **batch_metrics(batch, plan)}, step)
                 continue
             on_policy = plan.on_policy(batch.num_samples, step)
-            data = StepData(batch, cluster.transport, with_rollout_log_probs=on_policy and plan.rollout_is is not None)
+            bypass = plan.bypass is not None  # verl's bypass mode: the sampler's log-probs are the old ones
+            data = StepData(batch, cluster.transport,
+                            with_rollout_log_probs=(on_policy and plan.rollout_is is not None) or bypass)
             old = ref_lp = values = None
             ent = {}
-            if not on_policy:  # 4. old log-probs: the start-of-step policy, for every mini-batch of the step
+            if bypass:
+                batch.old_log_probs = batch.rollout_log_probs
+            elif not on_policy:  # 4. old log-probs: the start-of-step policy, for every mini-batch of the step
                 with timer(m, "old_log_prob"):
                     old, ent = actor.log_probs_with_entropy(data, plan.actor_log_prob)
             if ref is not None:  # 5. reference log-probs
@@ -186,7 +190,9 @@ def train(cfg) -> dict:
                 with timer(m, "update_actor"):
                     kl_ref = ref_lp if plan.actor_update.policy.use_kl_loss else None  # by reference, rank to rank
                     res = actor.update(data, plan.actor_update, [old, kl_ref, data.scatter(actor.dp, loss_fields(batch, plan))],
-                                       seed=step, on_policy=on_policy, rollout_is=plan.rollout_is)
+                                       seed=step, on_policy=on_policy, rollout_is=plan.rollout_is,
+                                       bypass=dict(loss=plan.bypass, rollout_is=plan.rollout_is,
+                                                   rejection=plan.rejection) if bypass else None)
                     if on_policy:  # the update's own old log-probs: the IS metrics (its ranks applied the weights)
                         res, batch.old_log_probs, ent = res[0], (res[1] or {}).get("old_log_probs"), res[2]
                         m.update(apply_rollout_is(batch, plan.rollout_is, weights=False) if plan.rollout_is else {})

@@ -155,18 +155,31 @@ def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, 
     return batch, m, next_group_id
 
 
-def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True) -> dict[str, float]:
+def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, normalize: bool = False) -> dict[str, float]:
     """The one driver site of rollout IS: the weights of the batch's old vs sampler log-probs
     (``batch.rollout_is_weights``) and the ``mismatch/`` metrics. ``settings``: a
     :class:`trainer.plan.RolloutIS` (or its keyword dict). ``weights=False``: metrics only (on the
     on-policy path the actor's ranks computed the weights inside the update, where the old
-    log-probs first exist)."""
+    log-probs first exist). ``normalize`` (verl's ``rollout_is_batch_normalize``): the weights are divided
+    by their mean over the batch: over valid tokens at token level, over sequences (one weight each)
+    at sequence / geometric level, so they average 1."""
     from trainer.algos.rollout_is import compute_rollout_is_weights
 
     kw = settings if isinstance(settings, dict) else settings.kwargs()
     if not weights:
         kw = {**kw, "rollout_is": False}
     w, _, is_m = compute_rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, **kw)
+    if weights and normalize and w is not None:
+        m = batch.response_mask.to(w.dtype)  # [B, T]
+        if kw["rollout_is_level"] == "token":
+            mean = (w * m).sum() / m.sum().clamp_min(1)
+        else:  # one weight per sequence
+            rows = m.sum(-1) > 0  # [B]
+            seq_w = (w * m).sum(-1) / m.sum(-1).clamp_min(1)  # [B]
+            mean = seq_w[rows].mean() if bool(rows.any()) else w.new_ones(())
+        if float(mean) > 1e-8:
+            w = w / mean
+        is_m["rollout_is_batch_norm_factor"] = float(mean) if float(mean) > 1e-8 else 1.0
     if weights:
         batch.rollout_is_weights = w
     return to_float_metrics(is_m)
@@ -260,7 +273,7 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
     m: dict[str, float] = {}
     if old is not None and plan.driver_needs_old_log_probs():
         batch.old_log_probs = old.fetch()["old_log_probs"]
-    for r in plan.rejection or ():  # verl's comma list of rejection options: every one must keep a token
+    for r in (plan.rejection if plan.bypass is None else None) or ():  # verl's comma list (bypass: in the loss) of rejection options: every one must keep a token
         batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
                                                            batch.response_mask, divergence=r.divergence, agg=r.agg,
                                                            lower=r.lower, upper=r.upper)
@@ -268,7 +281,7 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
             rs_m = {k.replace("rollout_rs_", f"rollout_rs_{r.agg}_{r.divergence}_", 1): v for k, v in rs_m.items()}
         m.update(to_float_metrics(rs_m))
     if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
-        m.update(apply_rollout_is(batch, plan.rollout_is))
+        m.update(apply_rollout_is(batch, plan.rollout_is, normalize=plan.is_batch_normalize))
     if plan.use_kl_in_reward:
         batch.ref_log_probs = ref.fetch()["ref_log_probs"]
         batch.token_level_rewards, kl_m = apply_kl_in_reward(
@@ -299,8 +312,10 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
 def loss_fields(batch: RolloutBatch, plan) -> dict[str, torch.Tensor]:
     """The driver-computed per-token fields the actor's loss reads (sent once per shard)."""
     out = {"advantages": batch.advantages, "rollout_is_weights": batch.rollout_is_weights}
-    if plan.rejection is not None:  # the rejection-masked loss mask replaces the shard's own
+    if plan.rejection is not None and plan.bypass is None:  # the rejection-masked loss mask replaces the shard's own
         out["response_mask"] = batch.response_mask
+    if plan.bypass is not None:  # bypass mode: the old log-probs are the sampler's
+        out["old_log_probs"] = batch.rollout_log_probs
     return out
 
 

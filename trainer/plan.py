@@ -146,6 +146,8 @@ class Plan:
     # the RL math on the driver
     rollout_is: Optional[RolloutIS]
     rejection: Optional[tuple]  # of Rejection: every option's mask applies (verl's comma list); None = off
+    bypass: Optional[str]  # verl's rollout_correction bypass mode: None (decoupled) | ppo_clip | reinforce
+    is_batch_normalize: bool  # IS weights divided by their batch mean (token or sequence level)
     adv_estimator: str
     gamma: float
     lam: float
@@ -233,7 +235,8 @@ class Plan:
             filter_groups=OmegaConf.to_container(al.filter_groups), overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer),
             actor_update=actor_update, critic_update=critic_update, actor_log_prob=actor_log_prob,
             ref_log_prob=ref_log_prob, critic_values=critic_values,
-            rollout_is=is_, rejection=rej, adv_estimator=al.adv_estimator, gamma=al.gamma, lam=al.lam,
+            rollout_is=is_, rejection=rej, bypass=bypass_loss(al),
+            is_batch_normalize=bool(al.rollout_correction.rollout_is_batch_normalize), adv_estimator=al.adv_estimator, gamma=al.gamma, lam=al.lam,
             norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, use_kl_in_reward=bool(al.use_kl_in_reward),
             kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),
             critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
@@ -246,7 +249,8 @@ class Plan:
         old log-probs and their separate forward is skipped (verl takes the same shortcut)."""
         u = self.actor_update
         return (is_on_policy(num_samples=num_samples, mini_batch_size=u.mini_batch_size, epochs=u.epochs)
-                and step > self.critic_warmup and self.rejection is None and not self.use_kl_in_reward)
+                and step > self.critic_warmup and self.rejection is None and not self.use_kl_in_reward
+                and not self.is_batch_normalize and self.bypass is None)
 
     def trains_actor(self, step: int) -> bool:
         return step > self.critic_warmup
@@ -261,6 +265,8 @@ class Plan:
     def driver_needs_old_log_probs(self) -> bool:
         """The driver computes on the old log-probs only for rollout IS / rejection / KL in reward;
         otherwise they go from the actor's ranks to its update by reference."""
+        if self.bypass is not None:  # old log-probs are the sampler's; IS / rejection run inside the loss
+            return False
         return self.rollout_is is not None or self.rejection is not None or self.use_kl_in_reward
 
 
@@ -300,6 +306,17 @@ def rollout_correction(al) -> tuple[Optional[RolloutIS], Optional[tuple]]:
     rej = None if al.rollout_rs is None else (Rejection(divergence=al.rollout_rs_divergence, agg=al.rollout_rs,
                                                         lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold),)
     return is_, rej
+
+
+def bypass_loss(al) -> Optional[str]:
+    """verl's bypass mode (``rollout_correction.bypass_mode``): the old log-probs ARE the sampler's (no
+    old-log-prob forward), IS weights and rejection are computed inside the loss from the current
+    log-probs against the sampler's; ``ppo_clip`` clips the ratio to the sampler's policy (no extra IS
+    weights), ``reinforce`` is the policy gradient ``-w A log pi`` with the truncated IS weights ``w``."""
+    rc = al.rollout_correction
+    if not rc.bypass_mode:
+        return None
+    return "reinforce" if (rc.loss_type == "reinforce" or rc.use_policy_gradient) else "ppo_clip"
 
 
 def need_ref(cfg) -> bool:

@@ -158,14 +158,9 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("critic.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
     ("reward_model.enable", lambda v, c: bool(v), "learned reward models are not built yet (issue #20); "
                                                   "rule-based scorers (custom_reward_function) are"),
-    ("algorithm.rollout_correction.bypass_mode", lambda v, c: bool(v),
-     "bypass mode (old log-probs = the sampler's) is not built yet (issue #15); leave it false (decoupled mode)"),
-    ("algorithm.rollout_correction.loss_type", lambda v, c: v != "ppo_clip",
-     "the bypass-mode REINFORCE loss is not built yet (issue #15); leave loss_type=ppo_clip"),
-    ("algorithm.rollout_correction.use_policy_gradient", lambda v, c: bool(v),
-     "the bypass-mode policy-gradient loss is not built yet (issue #15); leave it false"),
-    ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v),
-     "batch-normalised IS weights are not built yet (issue #15); leave it false"),
+    ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v) and bool(
+        c.algorithm.rollout_correction.bypass_mode), "batch-normalised IS weights inside the bypass-mode loss are not "
+     "built yet (issue #15); they are in decoupled mode (bypass_mode=false)"),
 ]
 
 

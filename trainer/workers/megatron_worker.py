@@ -178,7 +178,7 @@ class MegatronWorker:
     # ------------------------------------------------------------------ updates
     def update_actor(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
                      counts: list, on_policy: bool = False, rollout_is: RolloutIS | None = None,
-                     return_log_probs: bool = False) -> dict:
+                     return_log_probs: bool = False, bypass: dict | None = None) -> dict:
         """One optimizer step per mini-batch: ``mini_batches[k]`` are this rank's rows (of its shard)
         of mini-batch k, ``counts[k]`` its GLOBAL (tokens, sequences) over all ranks, so that
         micro-batch and data-parallel splits give the full-batch gradient (``LossAgg``).
@@ -197,10 +197,11 @@ class MegatronWorker:
 
         from trainer.algos.kl import kl_penalty
         from trainer.algos.losses import agg_loss, get_policy_loss_fn
-        from trainer.algos.rollout_is import compute_rollout_is_weights
+        from trainer.algos.rollout_is import compute_rejection_mask, compute_rollout_is_weights
 
         pl = settings.policy
-        policy_loss = get_policy_loss_fn(pl.loss_mode)
+        # verl's bypass mode: "reinforce" is the plain policy gradient -w A log pi (GPG with the IS weights)
+        policy_loss = get_policy_loss_fn("gpg" if bypass and bypass["loss"] == "reinforce" else pl.loss_mode)
         if on_policy and len(mini_batches) != 1:
             raise ValueError(f"on_policy=True needs exactly one mini-batch (got {len(mini_batches)}): with several, "
                              f"later mini-batches run at updated weights and need the start-of-step old log-probs")
@@ -226,6 +227,15 @@ class MegatronWorker:
                                      mb["rows"]))
                     if apply_is and bool(mask.any()):
                         is_w = compute_rollout_is_weights(old, mb["rollout_log_probs"], mask, **rollout_is.kwargs())[0]
+                elif bypass:  # old = the sampler's; IS / rejection from the current (detached) vs the sampler's
+                    roll, cur = mb["rollout_log_probs"], logp.detach()
+                    old, is_w = roll, None
+                    for r in bypass["rejection"] or ():
+                        mask = compute_rejection_mask(cur, roll, mask, divergence=r.divergence, agg=r.agg,
+                                                      lower=r.lower, upper=r.upper)[0]
+                    ris = bypass["rollout_is"]
+                    if bypass["loss"] == "reinforce" and ris is not None and ris.rollout_is and bool(mask.any()):
+                        is_w = compute_rollout_is_weights(cur, roll, mask, **ris.kwargs())[0]  # ppo_clip: the ratio does it
                 pg, metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=mb["advantages"],
                                           response_mask=mask, agg=agg, rollout_is_weights=is_w,
                                           clip_ratio=pl.clip_ratio, clip_ratio_low=pl.clip_ratio_low,

@@ -141,12 +141,15 @@ class ActorGroup(RoleGroup):
         return self._sharded(step, [r[0] for r in refs]), _sum_summaries(summaries)
 
     def update(self, step: StepData, settings: UpdateSettings, extras: Sequence, *, seed: int,
-               on_policy: bool = False, rollout_is: Optional[RolloutIS] = None, per_mini_batch: bool = False):
+               on_policy: bool = False, rollout_is: Optional[RolloutIS] = None, per_mini_batch: bool = False,
+               bypass: Optional[dict] = None):
         """``settings.epochs`` x mini-batches, one optimizer step each; ``extras``: the per-token
         fields the loss reads (``Sharded`` results, or ``StepData.scatter`` references). Returns
         the step's metrics over all DP ranks (``per_mini_batch``: one dict per mini-batch); on-policy
         ``(metrics, {"old_log_probs": [B, T]} or None, entropy summary)``: the old log-probs of the
-        update's own forward come back only when rollout IS needs them on the driver."""
+        update's own forward come back only when rollout IS needs them on the driver. ``bypass``: verl's
+        bypass mode (``{"loss": ppo_clip | reinforce, "rollout_is": RolloutIS | None, "rejection": ...}``),
+        the IS weights and rejection computed in the loss from the current log-probs."""
         if on_policy and not is_on_policy(num_samples=step.batch.num_samples, mini_batch_size=settings.mini_batch_size,
                                           epochs=settings.epochs):
             raise ValueError(f"on_policy=True needs one epoch and one mini-batch ({settings.epochs} epochs, "
@@ -154,7 +157,7 @@ class ActorGroup(RoleGroup):
         want_lp = on_policy and rollout_is is not None
         res, (step_m, rows) = self._update_call("update_actor", step, settings, extras, seed=seed,
                                                 agg_mode=settings.policy.agg_mode, on_policy=on_policy,
-                                                rollout_is=rollout_is, return_log_probs=want_lp)
+                                                rollout_is=rollout_is, return_log_probs=want_lp, bypass=bypass)
         metrics = rows if per_mini_batch else step_m
         if not on_policy:
             return metrics
