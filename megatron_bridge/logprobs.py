@@ -456,7 +456,7 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
 
 
 def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature: float,
-              max_tokens: int, pp_layers):
+              max_tokens: int, pp_layers, sp: bool = False):
     from megatron_bridge.convert import load_hf_weights
     from megatron_bridge.hf_config import read_hf_config
     from megatron_bridge.launch import set_parallel
@@ -464,7 +464,7 @@ def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature
 
     set_parallel(tp=tp, pp=pp)
     hf = read_hf_config(model_dir)
-    model = build_model(hf, pp_layers=pp_layers)
+    model = build_model(hf, pp_layers=pp_layers, sequence_parallel=sp)
     load_hf_weights(model, model_dir)
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
     rows = pack_sequences(seqs, max_tokens)
@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism within TP (megatron's; needs --tp > 1)")
     ap.add_argument("--pp-layers", default=None, help="comma-separated layers per stage (uneven split)")
     ap.add_argument("--input", required=True, help="jsonl with prompt_ids and response_ids per line")
     ap.add_argument("--out", required=True, help="output jsonl: each input line plus 'logprobs'")
@@ -499,12 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     pp_layers = [int(x) for x in a.pp_layers.split(",")] if a.pp_layers else None
     from megatron_bridge.launch import spawn
 
-    res = spawn(_cli_rank, a.tp * a.pp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers)
+    if a.sp and a.tp < 2:
+        raise SystemExit("--sp splits the sequence over tensor-parallel ranks: give --tp 2 or more")
+    res = spawn(_cli_rank, a.tp * a.pp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers, a.sp)
     per_seq = res[0]
     with open(a.out, "w", encoding="utf-8") as f:
         for r, lp in zip(records, per_seq):
             f.write(json.dumps({**r, "logprobs": lp}) + "\n")
-    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, temperature={a.temperature})",
+    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, sp={a.sp}, temperature={a.temperature})",
           file=sys.stderr)
     return 0
 

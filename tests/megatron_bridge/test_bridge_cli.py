@@ -1,5 +1,5 @@
 """`python -m megatron_bridge.logprobs` recomputes a dumped rollout's response log-probs through
-megatron-core at TP=2 (and uneven PP=2), launching its own gloo ranks; checked against transformers."""
+megatron-core at TP=2 with sequence parallelism (and uneven PP=2), launching its own gloo ranks; checked against transformers."""
 
 import json
 import os
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("par", [["--tp", "2"], ["--pp", "2", "--pp-layers", "2,1"]])
+@pytest.mark.parametrize("par", [["--tp", "2", "--sp"], ["--pp", "2", "--pp-layers", "2,1"]])
 def test_cli_recomputes_response_logprobs(tmp_path, par):
     src = str(tmp_path / "m")
     model = make_case("qwen3_qknorm_gqa1_untied", src)
