@@ -593,8 +593,8 @@ class _Load:
         if key in LEGACY_KEYS:
             self.error(origin, f"'{key}' {LEGACY_KEYS[key]}")
             return
-        if key.split(".", 1)[0] == "hydra":
-            return  # hydra's own settings (run dirs, job logging): nothing to train differently
+        if key.split(".", 1)[0] == "hydra" or key.rsplit(".", 1)[-1] == "_target_":
+            return  # hydra's own settings (run dirs, job logging) and verl's dataclass hints: nothing to train
         if not _is_schema_key(key):
             kind, why = verl_only(key, value)
             if kind == "ok" or (kind == "refused" and delete):

@@ -227,7 +227,12 @@ def fsdp_message(key: str) -> Optional[str]:
 def verl_only(key: str, value) -> tuple[str, Optional[str]]:
     """A key only verl has: ``("ok", None)`` at verl's default, ``("no_effect", why)`` for an
     implementation selector, else ``("refused", message)``. ``("unknown", None)`` if verl has no such key."""
-    if key in NO_EFFECT:
+    if key in NO_EFFECT:  # noted only when it asks for something other than verl's default
+        try:
+            if same_value(value, verl_default(key)):
+                return "ok", None
+        except KeyError:
+            pass
         return "no_effect", NO_EFFECT[key]
     msg = fsdp_message(key)
     if msg is not None:
