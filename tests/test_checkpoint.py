@@ -19,7 +19,9 @@ def test_save_find_load_and_prune(tmp_path):
         m.save(s, {"dataloader": {"offset": s * 16}},
                write_workers=lambda d, s=s: open(os.path.join(d, "actor.bin"), "w").write(str(s)))
     assert m.find_latest().endswith("global_step_3")
-    assert sorted(os.listdir(tmp_path)) == ["global_step_2", "global_step_3", "latest"]
+    # verl's layout: global_step_N dirs and the tracker file holding the newest step
+    assert sorted(os.listdir(tmp_path)) == ["global_step_2", "global_step_3", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
     st = load_driver_state(m.find_latest())
     assert st["step"] == 3 and st["dataloader"]["offset"] == 48
     assert open(os.path.join(m.find_latest(), "actor.bin")).read() == "3"
@@ -40,6 +42,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     assert p.returncode == -9
     m = CheckpointManager(str(tmp_path))
     assert m.find_latest().endswith("global_step_1")  # the killed save is invisible
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert load_driver_state(m.find_latest())["x"] == 1
     assert len(m.clean_stale()) == 1 and not any(n.startswith(".tmp") for n in os.listdir(tmp_path))
 
@@ -65,10 +68,29 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     (half / "driver_state.pt").write_bytes(b"\x80garbage")
     with pytest.raises(CheckpointError, match="corrupt"):
         load_driver_state(str(half))
-    # a stale 'latest' pointing at an incomplete dir falls back to the newest complete one
+    # a stale tracker file pointing at an incomplete dir falls back to the newest complete one
     import shutil
     shutil.rmtree(half)
     m = CheckpointManager(str(tmp_path))
     m.save(3, {})
-    (tmp_path / "latest").write_text("global_step_9")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("9")
     assert m.find_latest().endswith("global_step_3")
+    (tmp_path / "global_step_9").mkdir()  # half-written: a directory with no marker is never complete
+    (tmp_path / "global_step_9" / "actor").mkdir()
+    assert m.find_latest().endswith("global_step_3")
+
+
+def test_save_and_load_contents_refused_with_the_reason():
+    from tests.tiny import tiny_config
+    from trainer.config import ConfigError
+
+    ok = tiny_config(["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
+    # verl's default: load_contents follows save_contents ('hf_model' there is a copy, never loaded)
+    assert list(ok.actor_rollout_ref.actor.checkpoint.load_contents) == ["model", "optimizer", "extra", "hf_model"]
+    tiny_config(["actor_rollout_ref.actor.checkpoint.load_contents=[model]"])  # fresh optimizer and scheduler: fine
+    with pytest.raises(ConfigError) as e:
+        tiny_config(["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
+                     "actor_rollout_ref.actor.checkpoint.load_contents=[optimizer,weights]"])
+    msg = str(e.value)
+    assert "save_contents=['model', 'hf_model'] leaves out ['optimizer', 'extra']" in msg
+    assert "load_contents has ['weights']" in msg and "has no 'model'" in msg

@@ -1,18 +1,31 @@
-"""Atomic checkpoints and exact resume for the driver.
+"""Atomic checkpoints and exact resume for the driver, in verl's layout.
 
-Layout under ``trainer.default_local_dir/checkpoints``::
+Under ``trainer.default_local_dir`` (verl's meaning: the checkpoint root)::
 
     global_step_12/            a complete checkpoint (only ever appears by rename)
-        actor/ critic/         sharded model + optimizer + scheduler (megatron dist_checkpointing)
+        actor/                 sharded model + optimizer + LR scheduler (megatron dist_checkpointing)
+        actor/huggingface/     HF safetensors + config + tokenizer (save_contents has 'hf_model')
+        critic/                the critic's, when there is one
         driver_state.pt        step, dataloader position, RNG states, KL controller, DAPO carry-over
+                               (verl's data.pt, plus what exact resume needs)
         COMPLETE               marker written last inside the temp dir, before the rename
-    latest                     text file naming the newest complete checkpoint, replaced atomically
+    latest_checkpointed_iteration.txt   verl's tracker file: the newest complete step, e.g. ``12``
     .tmp-global_step_13-<pid>/ a save in progress (removed on the next start)
 
 A save writes everything into a temporary sibling directory, fsyncs it, renames it into place and only
-then rewrites ``latest`` (write to a temp file + ``os.replace``). A crash at any point leaves either the
-old checkpoint or the new one, never half of one. ``find_latest`` trusts ``latest`` only after checking
-the ``COMPLETE`` marker and otherwise scans for the newest complete directory.
+then rewrites ``latest_checkpointed_iteration.txt`` (temp file + ``os.replace``). A crash at any point
+leaves either the old checkpoint or the new one, never half of one. ``find_latest`` trusts the tracker
+file only after checking the ``COMPLETE`` marker and otherwise scans for the newest complete directory.
+
+``trainer.max_actor_ckpt_to_keep`` (verl: keep the newest N; None or <= 0 keeps all) prunes whole
+``global_step_*`` directories: a Coxswain checkpoint is one unit (actor, critic and driver state).
+
+``actor_rollout_ref.actor.checkpoint.save_contents`` / ``load_contents`` (verl's names):
+``model``, ``optimizer`` and ``extra`` (LR scheduler + RNG states) are always saved (one sharded
+megatron checkpoint holds them; exact resume needs all three), ``hf_model`` adds
+``actor/huggingface``. ``load_contents`` chooses what a resume restores: without ``optimizer`` the
+optimizer starts fresh, without ``extra`` the LR scheduler and the workers' RNG states start fresh;
+``model`` is required (:func:`contents_errors` refuses the rest with the reason).
 """
 
 from __future__ import annotations
@@ -23,14 +36,39 @@ import re
 import shutil
 from typing import Any, Callable, Optional
 
-import numpy as np
-import torch
-
 from megatron_bridge.fsutil import replace_dir
+
+# numpy and torch are imported where used: trainer.config checks save/load_contents at load time
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MARKER = "COMPLETE"
 DRIVER_STATE = "driver_state.pt"
+TRACKER = "latest_checkpointed_iteration.txt"  # verl's name
+HF_DIR = os.path.join("actor", "huggingface")
+CONTENTS = ("model", "optimizer", "extra", "hf_model")
+ALWAYS_SAVED = ("model", "optimizer", "extra")
+
+
+def contents_errors(save_contents, load_contents) -> list[str]:
+    """Why ``actor_rollout_ref.actor.checkpoint.{save,load}_contents`` cannot be honoured (empty: fine)."""
+    key = "actor_rollout_ref.actor.checkpoint"
+    errs = []
+    save, load = list(save_contents or []), list(load_contents or [])
+    for name, vals in (("save_contents", save), ("load_contents", load)):
+        bad = [v for v in vals if v not in CONTENTS]
+        if bad:
+            errs.append(f"{key}.{name} has {bad}; the values are {list(CONTENTS)}.")
+    missing = [v for v in ALWAYS_SAVED if v not in save]
+    if missing:
+        errs.append(f"{key}.save_contents={save} leaves out {missing}: a Coxswain checkpoint is one sharded megatron "
+                    f"checkpoint holding model, optimizer and LR scheduler, so it cannot leave parts out. Use "
+                    f"{list(ALWAYS_SAVED)} (add 'hf_model' for actor/huggingface), and choose what a resume restores "
+                    f"with {key}.load_contents.")
+    if load and "model" not in load:
+        errs.append(f"{key}.load_contents={load} has no 'model': resuming step N without step N's weights is not a "
+                    f"resume. Keep 'model' (drop 'optimizer' / 'extra' to start those fresh), or start a new run "
+                    f"from other weights with actor_rollout_ref.model.path and trainer.resume_mode=disable.")
+    return errs
 
 
 class CheckpointError(RuntimeError):
@@ -39,6 +77,9 @@ class CheckpointError(RuntimeError):
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG the driver (or a worker) draws from."""
+    import numpy as np
+    import torch
+
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -46,6 +87,9 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -76,7 +120,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 class CheckpointManager:
     def __init__(self, root: str, max_to_keep: Optional[int] = None):
         self.root = root
-        self.max_to_keep = max_to_keep
+        self.max_to_keep = max_to_keep if max_to_keep and max_to_keep > 0 else None  # verl: None / <= 0 keep all
         os.makedirs(root, exist_ok=True)
 
     def step_dir(self, step: int) -> str:
@@ -86,7 +130,7 @@ class CheckpointManager:
         """Remove temp dirs left by a save that was killed; returns what was removed."""
         removed = []
         for name in os.listdir(self.root):
-            if name.startswith(".tmp-"):
+            if name.startswith(".tmp-global_step_"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
                 removed.append(name)
         return removed
@@ -95,6 +139,8 @@ class CheckpointManager:
              write_workers: Optional[Callable[[str], None]] = None) -> str:
         """Write a checkpoint atomically. ``write_workers(tmp_dir)`` saves the worker states (actor,
         critic, ...) into the temporary directory before the driver state and the marker."""
+        import torch
+
         final = self.step_dir(step)
         tmp = os.path.join(self.root, f".tmp-global_step_{step}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,7 +156,7 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _atomic_write_text(os.path.join(self.root, "latest"), os.path.basename(final))
+        _atomic_write_text(os.path.join(self.root, TRACKER), str(step))  # only after the rename: never half a checkpoint
         self._prune()
         return final
 
@@ -129,18 +175,21 @@ class CheckpointManager:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
 
     def find_latest(self) -> Optional[str]:
-        pointer = os.path.join(self.root, "latest")
+        pointer = os.path.join(self.root, TRACKER)
         if os.path.isfile(pointer):
-            name = open(pointer).read().strip()
-            path = os.path.join(self.root, name)
-            if os.path.isfile(os.path.join(path, MARKER)):
-                return path
+            text = open(pointer).read().strip()
+            if text.isdigit():
+                path = self.step_dir(int(text))
+                if os.path.isfile(os.path.join(path, MARKER)):
+                    return path
         steps = self._complete_steps()
         return self.step_dir(steps[-1]) if steps else None
 
 
 def load_driver_state(path: str) -> dict[str, Any]:
     """Load and check a checkpoint's driver state; a bad checkpoint is a clear error."""
+    import torch
+
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint '{path}' does not exist; check trainer.resume_from_path.")
     if not os.path.isfile(os.path.join(path, MARKER)):
@@ -156,3 +205,18 @@ def load_driver_state(path: str) -> dict[str, Any]:
     if not isinstance(state, dict) or "step" not in state:
         raise CheckpointError(f"checkpoint '{path}': {DRIVER_STATE} is not a Coxswain driver state (no 'step').")
     return state
+
+
+def save_workers(cluster, ckpt_dir: str, save_contents, model_path: str) -> None:
+    """The workers' part of a checkpoint: ``actor/``, ``critic/`` and, with 'hf_model' in
+    ``save_contents``, ``actor/huggingface`` (HF safetensors + config + tokenizer of ``model_path``)."""
+    cluster.save(ckpt_dir)
+    if "hf_model" in (save_contents or []):
+        cluster.actor.export(os.path.join(ckpt_dir, HF_DIR), model_path)
+
+
+def load_workers(cluster, ckpt_dir: str, load_contents) -> None:
+    """Restore the trained groups from ``ckpt_dir/<role>``, only what ``load_contents`` names."""
+    contents = tuple(c for c in (load_contents or ALWAYS_SAVED) if c in ALWAYS_SAVED)
+    for name, group in cluster.trained().items():
+        group.group.call("load", [(os.path.join(ckpt_dir, name),)] * group.size, contents=contents)

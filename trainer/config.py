@@ -139,8 +139,8 @@ class PolicyLossConfig:
 
 @dataclass
 class CheckpointContents:
-    save_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])  # what a checkpoint holds
-    load_contents: List[str] = "${.save_contents}"  # what a resume loads
+    save_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])  # what a checkpoint holds: model, optimizer, extra always; add hf_model for global_step_N/actor/huggingface
+    load_contents: List[str] = "${.save_contents}"  # what a resume restores: model (required), optimizer, extra (LR scheduler + RNG); hf_model is ignored here
 
 
 @dataclass
@@ -405,7 +405,7 @@ class DebugConfig:
 class TrainerConfig:
     project_name: str = "verl_examples"  # tracker project (MLflow experiment)
     experiment_name: str = "gsm8k"  # tracker run name
-    logger: List[str] = field(default_factory=lambda: ["console", "wandb"])  # console | mlflow
+    logger: List[str] = field(default_factory=lambda: ["console", "wandb"])  # console | mlflow | wandb (offline without WANDB_API_KEY) | tensorboard
     device: str = "cuda"  # cuda | cpu
     nnodes: int = 1  # nodes in the Ray cluster
     n_gpus_per_node: int = 8  # devices (GPUs, or CPU slots on CPU) per node
@@ -416,8 +416,9 @@ class TrainerConfig:
     test_freq: int = -1  # eval every N steps (-1 = never)
     val_before_train: bool = True  # eval at step 0
     save_freq: int = -1  # checkpoint every N steps (-1 = never)
-    max_actor_ckpt_to_keep: Optional[int] = None  # prune older checkpoints; None = keep all
-    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # run directory: checkpoints, resolved config, report
+    max_actor_ckpt_to_keep: Optional[int] = None  # keep the newest N global_step_* checkpoints; None or <= 0 = keep all
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # run directory: global_step_N/{actor,critic}, latest_checkpointed_iteration.txt, resolved config, report
+    log_val_generations: int = 0  # log N validation samples (input, output, score, step) per validation as a table: wandb Table, MLflow JSON artifact, tensorboard text
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # checkpoint dir when resume_mode=resume_path
     seed: int = 1  # driver seed
@@ -991,6 +992,10 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     if cfg.trainer.device == "cpu" and r.name == "sglang":
         errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
     errs.extend(_rollout_correction_errors(al))
+    from trainer.checkpoint import contents_errors  # verl's save_contents / load_contents, honoured or refused
+
+    ck = cfg.actor_rollout_ref.actor.checkpoint
+    errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
     if r.mode != "sync" and r.name == "sglang":
         errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with rollout.name=sglang: SGLang server engines are not built "
                     f"yet (issue #19); use rollout.mode=sync (the same on-policy samples from SGLang engines in the workers).")

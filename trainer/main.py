@@ -91,7 +91,7 @@ def train(cfg) -> dict:
     from transformers import AutoTokenizer
 
     from trainer.algos.kl import make_kl_controller
-    from trainer.checkpoint import CheckpointManager, load_driver_state
+    from trainer.checkpoint import CheckpointManager, load_driver_state, load_workers, save_workers
     from trainer.credit import adca_active, make_judge
     from trainer.data.dataset import PromptSampler, build_dataset
     from trainer.hf_io import stop_token_ids
@@ -126,7 +126,9 @@ def train(cfg) -> dict:
     try:
         # ADCA-GRPO: the LLM judge of step-level credit (a local trainer.serve subprocess or an API)
         judge, judge_server = make_judge(cfg, run_dir) if adca_active(cfg) else (None, None)
-        ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), cfg.trainer.max_actor_ckpt_to_keep)
+        # verl's layout: default_local_dir/global_step_N/{actor,critic} + latest_checkpointed_iteration.txt
+        ckpt = CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep)
+        contents = cfg.actor_rollout_ref.actor.checkpoint
         resume_from = None
         if cfg.trainer.resume_mode == "auto":
             ckpt.clean_stale()
@@ -134,8 +136,10 @@ def train(cfg) -> dict:
         elif cfg.trainer.resume_mode == "resume_path":
             resume_from = cfg.trainer.resume_from_path
         if resume_from:
-            cluster.load(resume_from)
-            cluster.set_rng_states(state.load_state_dict(load_driver_state(resume_from)))
+            load_workers(cluster, resume_from, contents.load_contents)  # what load_contents names
+            worker_rng = state.load_state_dict(load_driver_state(resume_from))
+            if "extra" in contents.load_contents:  # verl's 'extra': LR scheduler and RNG states
+                cluster.set_rng_states(worker_rng)
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
         tracker = Tracker(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger,
                           config=OmegaConf.to_container(cfg, resolve=True), total_steps=plan.total_steps, run_id=state.run_id)
@@ -212,7 +216,8 @@ def train(cfg) -> dict:
             if plan.should_save(step):
                 with timer(m, "save_checkpoint"):
                     log(m, step)
-                    ckpt.save(step, state.state_dict(worker_rng=cluster.rng_states()), write_workers=cluster.save)
+                    ckpt.save(step, state.state_dict(worker_rng=cluster.rng_states()),
+                              write_workers=lambda d: save_workers(cluster, d, contents.save_contents, model_path))
             else:
                 log(m, step)
 

@@ -371,11 +371,14 @@ class MegatronWorker:
         t = self.trainer
         return save_checkpoint(ckpt_dir, self._module(), t.optimizer if t else None, t.scheduler if t else None, extra=extra)
 
-    def load(self, ckpt_dir: str) -> dict:
+    def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
+        """``contents``: verl's load_contents (the model always; the optimizer and the LR scheduler
+        ('extra') only when named, otherwise they keep their fresh state)."""
         from megatron_bridge.checkpoint import load_checkpoint
 
         t = self.trainer
-        return load_checkpoint(ckpt_dir, self._module(), t.optimizer if t else None, t.scheduler if t else None)
+        return load_checkpoint(ckpt_dir, self._module(), t.optimizer if t and "optimizer" in contents else None,
+                               t.scheduler if t and "extra" in contents else None)
 
     def export_hf(self, out_dir: str, source_dir: str | None = None) -> str:
         from megatron_bridge.export import export_hf
