@@ -29,7 +29,8 @@ install_requires = [
 ]
 
 extras = {
-    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "wandb>=0.19", "tensorboard>=2.14"],
+    "trackers": ["wandb>=0.19", "tensorboard>=2.14"],  # trainer.logger wandb (offline without WANDB_API_KEY) and tensorboard; no torch
     "gpu": ["transformer-engine[pytorch]"],
     "sglang": ["sglang==0.5.21"],  # exact API of trainer/rollout/sglang_engine.py; the newest release pinning torch==2.13.0 (CUDA only)
     "bench": ["trl==1.16.0"],  # only benchmarks/bench_e2e.py's baseline; never a product dependency

@@ -142,3 +142,75 @@ class ConsoleLog:
         if self.pbar is not None:
             self.pbar.close()
             self.pbar = None
+
+
+# ---------------------------------------------------------------------------------------------- --help-keys
+def field_comments(source_path: str | None = None) -> dict[tuple[str, str], str]:
+    """``{(dataclass name, field name): inline comment}`` of a module's dataclass fields (the ``# ...``
+    on the field's line, or the last one of a multi-line field), read with ast + tokenize."""
+    import ast
+    import io
+    import tokenize
+
+    if source_path is None:
+        import trainer.config as mod
+
+        source_path = mod.__file__
+    src = open(source_path, encoding="utf-8").read()
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    out = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ClassDef):
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                    lines = [comments[i] for i in range(st.lineno, st.end_lineno + 1) if i in comments]
+                    if lines:
+                        out[(node.name, st.target.id)] = lines[-1]
+    return out
+
+
+def help_keys_lines(root=None) -> list[str]:
+    """Every config key with its default and description, grouped by section."""
+    import dataclasses
+
+    if root is None:
+        from trainer.config import CoxswainConfig as root
+    notes = field_comments()
+    lines: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            desc = notes.get((cls.__name__, f.name), "")
+            if dataclasses.is_dataclass(default):
+                lines.append("")
+                lines.append(f"[{key}]" + (f"  {desc}" if desc else ""))
+                walk(type(default), key + ".")
+            else:
+                shown = "null" if default is None else repr(default) if isinstance(default, str) else str(default)
+                if isinstance(default, bool):
+                    shown = str(default).lower()
+                lines.append(f"{key} = {shown}")
+                if desc:
+                    lines.append(f"      {desc}")
+
+    walk(root, "")
+    return lines[1:] if lines and lines[0] == "" else lines
+
+
+def print_lines(lines) -> int:
+    """Print ``lines``; a closed pipe (``| head``) ends quietly instead of with a BrokenPipe traceback."""
+    import os
+
+    try:
+        for line in lines:
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe: no error at interpreter exit
+        os.dup2(devnull, sys.stdout.fileno())
+    return 0

@@ -142,18 +142,26 @@ def train(cfg) -> dict:
                 cluster.set_rng_states(worker_rng)
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
         tracker = Tracker(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger,
-                          config=OmegaConf.to_container(cfg, resolve=True), total_steps=plan.total_steps, run_id=state.run_id)
+                          config=OmegaConf.to_container(cfg, resolve=True), total_steps=plan.total_steps, run_id=state.run_id,
+                          log_dir=run_dir)
         state.run_id = tracker.run_id
         actor, ref, critic, rollout = cluster.actor, cluster.ref, cluster.critic, cluster.rollout
         gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds)
         first = rollout.sync_from(actor)
+
+        def evaluate(step: int) -> dict:  # trainer.log_val_generations: N samples to the trackers
+            samples = [] if cfg.trainer.log_val_generations > 0 else None
+            out = gen.evaluate(samples=samples)
+            if samples:
+                tracker.log_val_generations(samples, step, cfg.trainer.log_val_generations)
+            return out
 
         def log(metrics: dict, step: int):
             state.history.append({"step": step, **metrics})
             tracker.log_metrics(metrics, step)
 
         if state.step == 0 and plan.val_before_train and plan.test_freq != 0:
-            log(gen.evaluate(), 0)
+            log(evaluate(0), 0)
             state.last_eval = 0
 
         for step in range(state.step + 1, plan.total_steps + 1):
@@ -206,7 +214,7 @@ def train(cfg) -> dict:
                     m.update(rollout.sync_from(actor))
             if plan.should_eval(step, state.last_eval):  # 10. eval, checkpoint, log
                 with timer(m, "testing"):
-                    m.update(gen.evaluate())
+                    m.update(evaluate(step))
                 state.last_eval = step
             m.update(batch_metrics(batch, plan, entropy=ent, kl_coef=state.kl_ctrl.value))
             m.update(cluster.transport.take_metrics())
@@ -224,8 +232,8 @@ def train(cfg) -> dict:
         export_dir = os.path.join(run_dir, "hf_export")
         cluster.actor.export(export_dir, model_path)
         report = write_report(state.history, run_dir)
-        for p in [os.path.join(run_dir, "config.yaml"), report, export_dir]:
-            tracker.log_artifact(p)
+        for p, folder in [(os.path.join(run_dir, "config.yaml"), "config"), (report, "report"), (export_dir, "hf_export")]:
+            tracker.log_artifact(p, folder)
         tracker.finish()
         print(f"done: {plan.total_steps} steps in {time.time() - t_start:.0f}s; run dir {run_dir}", flush=True)
         return {"history": state.history, "final": dict(state.history[-1] if state.history else {}), "run_dir": run_dir}
@@ -238,9 +246,10 @@ def train(cfg) -> dict:
 
 def cli(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--help-keys" in argv:
-        print("\n".join(all_keys()))
-        return 0
+    if "--help-keys" in argv:  # every key, its default and its description (the field's comment in trainer/config.py)
+        from trainer.console import help_keys_lines, print_lines
+
+        return print_lines(help_keys_lines())
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         print("All keys: python -m trainer.main --help-keys; resolve and print only: --print-config")

@@ -189,7 +189,7 @@ def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, nor
 # eval
 # ----------------------------------------------------------------------------------------------
 def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
-             batch_size: int | None, multi_turn: dict | None = None) -> dict[str, float]:
+             batch_size: int | None, multi_turn: dict | None = None, samples: list | None = None) -> dict[str, float]:
     """Score the held-out set once (greedy by default), ``n = val_kwargs.n`` responses per prompt,
     with verl's names (``RayPPOTrainer._val_metrics_update``): ``val-core/{data_source}/acc/mean@{n}``
     (the headline), ``val-aux/{data_source}/reward/mean@{n}`` (the score), and with n > 1 the
@@ -203,6 +203,12 @@ def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_promp
         batch, _ = generate_scored(rollout, reward_mgr, tokenizer, items, list(range(s, s + len(items))), params,
                                    max_prompt_length=max_prompt_length, overlong=None, multi_turn=multi_turn)
         lens.append(batch.response_length.float())
+        if samples is not None:  # trainer.log_val_generations: (input, output, score) as text
+            P = batch.prompts.shape[1]
+            for i, sc in enumerate(batch.scores.tolist()):
+                samples.append((tokenizer.decode(batch.prompts[i][batch.attention_mask[i, :P].bool()], skip_special_tokens=True),
+                                tokenizer.decode(batch.responses[i, :int(batch.response_length[i])], skip_special_tokens=True),
+                                float(sc)))
         for src, g, a, sc in zip(batch.get_meta("data_source"), batch.group_ids.tolist(), batch.acc.tolist(),
                                  batch.scores.tolist()):
             accs, scores = per.setdefault((src, g), ([], []))
@@ -254,11 +260,13 @@ class Generation:
         m.update(gm)
         return batch
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, samples: list | None = None) -> dict[str, float]:
+        """``samples``: a list that receives every (input, output, score) (trainer.log_val_generations)."""
         p = self.plan
         with self.rollout.awake():
             return validate(self.rollout, self.reward_mgr, self.tok, self.val_ds, p.val_sampling.params(0, 0),
-                            max_prompt_length=p.max_prompt_length, batch_size=p.val_batch_size, multi_turn=p.multi_turn)
+                            max_prompt_length=p.max_prompt_length, batch_size=p.val_batch_size, multi_turn=p.multi_turn,
+                            samples=samples)
 
 
 def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int) -> dict[str, float]:

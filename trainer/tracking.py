@@ -1,20 +1,40 @@
-"""Experiment tracking: MLflow (params, per-step metrics, artifacts) and a console progress line.
+"""Experiment tracking as verl's ``trainer.logger``: console, mlflow, wandb, tensorboard.
 
-Default store: a local SQLite MLflow store at ``./mlruns/mlflow.db`` with artifacts under
-``./mlruns/artifacts`` — nothing to start. (MLflow 3.x refuses the plain ``file:`` store unless
-``MLFLOW_ALLOW_FILE_STORE=true``; SQLite works out of the box.) ``MLFLOW_TRACKING_URI`` selects a server.
+Every tracker gets the same metric names (verl's), steps and values from one ``log_metrics`` call.
 
-Each step's metrics go out in ONE ``log_batch`` call: a single ``log_metric`` costs about 4 ms on the
-SQLite store, and a step logs a hundred metrics. Secrets never reach MLflow: config values whose key
-looks like a secret (``*key*``, ``*token*``, ``*secret*``, ``*password*``) are masked, and any string
-equal to the value of an environment variable whose NAME looks like a secret is masked too.
+MLflow. Default store: a local SQLite MLflow store at ``./mlruns/mlflow.db`` with artifacts under
+``./mlruns/artifacts`` — nothing to start; open it with
+``mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db``. (MLflow 3.x refuses the plain ``file:``
+store unless ``MLFLOW_ALLOW_FILE_STORE=true``; SQLite works out of the box.) ``MLFLOW_TRACKING_URI``
+selects a server. Metric keys follow verl's MLflow rule ("@" -> "_at_"). A run is tagged with its
+source (``mlflow.source.name``, ``mlflow.source.type``) and git commit (``mlflow.source.git.commit``,
+``coxswain.git.dirty``); artifacts go in folders (``config/``, ``report/``, ``hf_export/``,
+``val_generations/``). Each step's metrics go out in ONE ``log_batch`` call: a single ``log_metric``
+costs about 4 ms on the SQLite store, and a step logs a hundred metrics.
+
+wandb. Offline unless ``WANDB_API_KEY`` is set or ``WANDB_MODE`` says otherwise: the run is written
+under ``<dir>/wandb/offline-run-*`` (``wandb sync`` uploads it later), with no network access and no
+login prompt. ``<dir>`` is ``WANDB_DIR`` or the run directory.
+
+tensorboard. Event files under ``TENSORBOARD_DIR`` (verl's variable) or ``<run dir>/tensorboard``:
+``tensorboard --logdir <that dir>``.
+
+``trainer.log_val_generations=N``: N validation samples (verl's choice: sorted by input, shuffled with
+seed 42, the first N) with their step, as a wandb Table (``val/generations``), an MLflow JSON artifact
+(``val_generations/val_step{N}.json``) and tensorboard text (``val/generations``).
+
+Secrets never reach a tracker's config: config values whose key looks like a secret (``*key*``,
+``*token*``, ``*secret*``, ``*password*``) are masked, and any string equal to the value of an
+environment variable whose NAME looks like a secret is masked too.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import subprocess
 import sys
 import time
 from typing import Any, Mapping
@@ -58,16 +78,53 @@ def default_tracking_uri(root: str = "mlruns") -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(root)}/mlflow.db"
 
 
+def git_info(path: str | None = None) -> dict[str, str]:
+    """The commit (and whether the tree has uncommitted changes) of the repository holding ``path``."""
+    path = path or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        if not commit:
+            return {}
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=path,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return {"commit": commit, "dirty": str(bool(dirty)).lower()}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def pick_val_generations(samples, n: int) -> list[tuple[str, str, float]]:
+    """verl's choice of the ``n`` logged samples: sorted by input, shuffled with seed 42, the first n."""
+    import numpy as np
+
+    samples = sorted(samples, key=lambda x: x[0])
+    order = np.random.RandomState(42).permutation(len(samples))
+    return [samples[i] for i in order[:n]]
+
+
 class Tracker:
-    """MLflow run + console line. ``loggers`` is a subset of {"console", "mlflow"}."""
+    """``loggers``: a subset of {"console", "mlflow", "wandb", "tensorboard"}. ``log_dir``: the run
+    directory (wandb offline files, tensorboard event files)."""
 
     def __init__(self, project: str, experiment: str, loggers, config: Mapping | None = None,
-                 total_steps: int | None = None, mlruns_root: str = "mlruns", run_id: str | None = None):
+                 total_steps: int | None = None, mlruns_root: str = "mlruns", run_id: str | None = None,
+                 log_dir: str = "."):
         self.loggers = set(loggers)
         self.total_steps = total_steps
         self.t0 = time.time()
         self.client = None
         self.run_id = None
+        self.wandb = self.tb = None
+        self._val_rows: list = []
+        flat = redact(flatten(config)) if config is not None else {}
+        if "wandb" in self.loggers:
+            self.wandb = _start_wandb(project, experiment, flat, log_dir)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb_dir = os.environ.get("TENSORBOARD_DIR") or os.path.join(log_dir, "tensorboard")
+            os.makedirs(self.tb_dir, exist_ok=True)
+            self.tb = SummaryWriter(log_dir=self.tb_dir)
         if "mlflow" in self.loggers:
             import logging
 
@@ -90,7 +147,11 @@ class Tracker:
             if run_id is not None:  # resume into the same MLflow run
                 self.run_id = run_id
             else:
-                self.run_id = self.client.create_run(exp_id, run_name=experiment).info.run_id
+                tags = {"mlflow.source.name": os.path.basename(sys.argv[0]) or "python", "mlflow.source.type": "LOCAL"}
+                git = git_info()
+                if git:
+                    tags.update({"mlflow.source.git.commit": git["commit"], "coxswain.git.dirty": git["dirty"]})
+                self.run_id = self.client.create_run(exp_id, run_name=experiment, tags=tags).info.run_id
                 if config is not None:
                     self.log_params(flatten(config))
 
@@ -113,8 +174,38 @@ class Tracker:
             items = [Metric(re.sub(r"[^\w\-./ ]", "_", k.replace("@", "_at_")), v, ts, step) for k, v in clean.items()]
             for i in range(0, len(items), 1000):
                 self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if self.tb is not None:
+            for k, v in clean.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
         if "console" in self.loggers:
             self._console(clean, step)
+
+    def log_val_generations(self, samples, step: int, n: int) -> list:
+        """Log ``n`` of the validation ``samples`` ((input, output, score)) of ``step``; returns them."""
+        picked = pick_val_generations(samples, n)
+        if not picked:
+            return picked
+        if self.wandb is not None:  # one table, a row per validation (verl's columns)
+            import wandb
+
+            cols = ["step"] + [f"{c}_{i + 1}" for i in range(len(picked)) for c in ("input", "output", "score")]
+            self._val_rows.append([step] + [v for smp in picked for v in smp])
+            width = len(cols)
+            self.wandb.log({"val/generations": wandb.Table(columns=cols, data=[r[:width] + [None] * (width - len(r))
+                                                                               for r in self._val_rows])}, step=step)
+        if self.client is not None:
+            rows = [{"input": i, "output": o, "score": sc} for i, o, sc in picked]
+            self.client.log_text(self.run_id, json.dumps(rows, indent=1), f"val_generations/val_step{step}.json")
+        if self.tb is not None:
+            text = f"**Generation Results - Step {step}**\n\n" + "\n\n".join(
+                f"**Sample {i + 1}**\n\n*Input:* {inp}\n\n*Output:* {out}\n\n*Score:* {sc}\n\n---"
+                for i, (inp, out, sc) in enumerate(picked))
+            self.tb.add_text("val/generations", text, step)
+            self.tb.flush()
+        return picked
 
     def _console(self, m: Mapping[str, float], step: int) -> None:
         # the step line and progress bar (trainer.console); created at the first line
@@ -136,3 +227,24 @@ class Tracker:
             self._console_log.close()
         if self.client is not None:
             self.client.set_terminated(self.run_id, status)
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=0 if status == "FINISHED" else 1)
+            self.wandb = None
+
+
+def _start_wandb(project: str, experiment: str, config: Mapping[str, str], log_dir: str):
+    """A wandb run; offline (no network, no prompt) unless WANDB_API_KEY or WANDB_MODE says otherwise."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("trainer.logger has 'wandb' but wandb is not installed: pip install 'coxswain[trackers]', "
+                          "or drop 'wandb' from trainer.logger") from e
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    wdir = os.environ.get("WANDB_DIR") or log_dir
+    os.makedirs(wdir, exist_ok=True)
+    settings = wandb.Settings(init_timeout=120, console="off", silent=True, x_disable_stats=True)
+    return wandb.init(project=project, name=experiment, config=dict(config), dir=wdir, mode=mode,
+                      settings=settings, reinit="create_new")
