@@ -19,6 +19,63 @@ from typing import Any, Sequence
 # flag when it is first imported, so it is set at import time of this module.
 os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
 
+# Start-up notices, summarised in one line (``startup_summary``) instead of a wall: megatron-core warns
+# once per module that Apex / TransformerEngine are missing (every worker, ~20 lines on CPU), and Ray
+# logs its token-authentication notice. Filtered in the driver (warnings filters, a logging filter) and
+# in every Ray worker (PYTHONWARNINGS in the runtime env; literal message prefixes).
+_QUIET_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                   "full scope is deprecated")
+
+
+def _quiet_warnings_env() -> str:
+    own = ",".join(f"ignore:{m}" for m in _QUIET_WARNINGS)
+    return ",".join(x for x in (os.environ.get("PYTHONWARNINGS", ""), own) if x)
+
+
+class _RayTokenNotice:
+    """A logging filter holding back Ray's token-authentication notice (its first sentence is kept)."""
+
+    seen: str | None = None
+
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        if msg.startswith("Token authentication is"):
+            _RayTokenNotice.seen = msg.split(". ")[0]
+            return False
+        return True
+
+
+def _quiet_driver() -> None:
+    import logging
+    import re
+    import warnings
+
+    for m in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(m))
+    lg = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _RayTokenNotice) for f in lg.filters):
+        lg.addFilter(_RayTokenNotice())
+
+
+def startup_summary() -> str:
+    """The one line that replaces the start-up wall."""
+    import importlib.util
+
+    parts = []
+    missing = [n for n, mod in (("Apex", "apex"), ("TransformerEngine", "transformer_engine"))
+               if importlib.util.find_spec(mod) is None]
+    if missing:
+        parts.append(f"megatron-core without {' / '.join(missing)}: torch fallbacks for fused optimizer, norms and "
+                     f"multi-tensor ops (expected on CPU)")
+    if _RayTokenNotice.seen:
+        seen = _RayTokenNotice.seen
+        parts.append(f"Ray: {seen[0].lower() + seen[1:]}"
+                     + (" (RAY_AUTH_MODE=disabled opts out)" if " enabled" in seen else ""))
+    return "start-up: " + "; ".join(parts) if parts else ""
+
+
+_quiet_driver()
+
 
 class WorkerDiedError(RuntimeError):
     pass
@@ -31,12 +88,15 @@ def init_ray(num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.getcwd(), os.environ.get("PYTHONPATH", "")])}}
+        [os.getcwd(), os.environ.get("PYTHONPATH", "")]), "PYTHONWARNINGS": _quiet_warnings_env()}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=env, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  configure_logging=True, logging_level="WARNING")
+        line = startup_summary()
+        if line:
+            print(line, flush=True)
         return True
     return False
 
