@@ -172,11 +172,12 @@ def test_five_kinds_of_problem_in_one_cli_run(tmp_path):
 def test_hydra_grammar():
     c = tiny_config(["+algorithm.gamma=0.5", "++algorithm.lam=0.25", "~data.seed", "trainer.logger=console",
                      "actor_rollout_ref.actor.optim.betas=[0.8,0.9]", "trainer.experiment_name='a b'",
-                     "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"])
+                     "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
     assert c.algorithm.gamma == 0.5 and c.algorithm.lam == 0.25
     assert c.data.seed is None  # ~key: back to the default (verl's null)
     assert list(c.trainer.logger) == ["console"]  # a plain string where a list is expected: one item
     assert list(c.actor_rollout_ref.actor.optim.betas) == [0.8, 0.9] and c.trainer.experiment_name == "a b"
+    assert list(c.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "optimizer", "extra", "hf_model"]
     with pytest.raises(ConfigError, match="hydra sweep"):
         tiny_config(["algorithm.gamma=0.1,0.2"])
     with pytest.raises(ConfigError, match="cannot parse"):

@@ -281,8 +281,9 @@ class OverlongBufferConfig:
 @dataclass
 class RewardModelConfig:
     enable: bool = False  # use a learned reward model (else rule-based scorers)
-    reward_manager: str = "naive"  # naive | dapo | pkg.module:Class
-    num_workers: int = 2  # scorer processes
+    reward_manager: str = "naive"  # naive | prime | dapo | batch: verl's reward managers (trainer/rewards/manager.py)
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # the manager's keywords: dapo: max_resp_len, overlong_buffer_cfg.{enable,len,penalty_factor,log}; batch: passed to the batch scorer
+    num_workers: int = 1  # scorer processes (0 = score in the trainer process)
     timeout: float = 10.0  # per-sample scorer timeout in seconds
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO shaping
     model: Dict[str, Any] = field(default_factory=dict)  # reward-model settings (path, ...)
@@ -292,6 +293,7 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: Optional[str] = None  # python file holding the user's scorer
     name: str = "compute_score"  # function name in that file
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # keywords bound to every call of that function
 
 
 # ----------------------------------------------------------------------------------------------
@@ -454,7 +456,59 @@ LEGACY_KEYS = {
 KEY_ALIASES: dict[str, str] = {
     # verl >= 0.7 moved the weight-sync bucket under checkpoint_engine
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
-        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",}
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+    # verl >= 0.6's top-level reward_manager section names the same manager
+    "reward_manager.name": "reward_model.reward_manager",
+}
+
+# the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
+DAPO_KWARGS = ("max_resp_len", "overlong_buffer_cfg")
+OVERLONG_FIELDS = ("enable", "len", "penalty_factor", "log")
+
+
+def _reward_errors(cfg) -> list[str]:
+    """reward_model.reward_kwargs / custom_reward_function.reward_kwargs against the chosen manager,
+    with verl's meaning: what verl would reject with a TypeError or an assertion is named here."""
+    rm, crf, errs = cfg.reward_model, cfg.custom_reward_function, []
+    kind = rm.reward_manager
+    kw = OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}
+    move = "keywords for your scorer go in custom_reward_function.reward_kwargs"
+    if kind in ("naive", "prime") and kw:
+        hint = (" DAPO's overlong shaping needs reward_model.reward_manager=dapo." if "overlong_buffer_cfg" in kw else "")
+        errs.append(f"reward_model.reward_kwargs {sorted(kw)}: the {kind} reward manager takes no keywords "
+                    f"(verl would fail with a TypeError); {move}.{hint}")
+    if kind == "dapo":
+        bad = sorted(set(kw) - set(DAPO_KWARGS))
+        if bad:
+            errs.append(f"reward_model.reward_kwargs {bad}: the dapo reward manager takes only {list(DAPO_KWARGS)}; {move}.")
+        ob = kw.get("overlong_buffer_cfg")
+        if ob is not None and not isinstance(ob, dict):
+            errs.append(f"reward_model.reward_kwargs.overlong_buffer_cfg={ob!r} must be a mapping of {list(OVERLONG_FIELDS)}.")
+        elif ob is not None:
+            bad = sorted(set(ob) - set(OVERLONG_FIELDS))
+            if bad:
+                errs.append(f"reward_model.reward_kwargs.overlong_buffer_cfg has {bad}; its fields are {list(OVERLONG_FIELDS)}.")
+            mx = kw.get("max_resp_len")
+            if mx is None:
+                errs.append("reward_model.reward_kwargs.overlong_buffer_cfg needs reward_model.reward_kwargs.max_resp_len "
+                            f"(as verl asserts): add +reward_model.reward_kwargs.max_resp_len={cfg.data.max_response_length}.")
+            elif ob.get("enable") and not (0 < int(ob.get("len", 4)) <= int(mx)):
+                errs.append(f"reward_model.reward_kwargs.overlong_buffer_cfg.len={ob.get('len', 4)} must be in "
+                            f"(0, max_resp_len={mx}].")
+            if ob.get("enable") and rm.overlong_buffer.enable:
+                errs.append("overlong shaping is on twice (reward_model.overlong_buffer.enable and "
+                            "reward_model.reward_kwargs.overlong_buffer_cfg.enable): keep one spelling.")
+        elif "max_resp_len" in kw:
+            errs.append("reward_model.reward_kwargs.max_resp_len is the overlong shaping's maximum length: it needs "
+                        "reward_model.reward_kwargs.overlong_buffer_cfg (verl fails without one); remove it or add the buffer.")
+    if kind == "batch" and not crf.path:
+        errs.append("reward_model.reward_manager=batch calls one scorer for the whole batch: set custom_reward_function.path "
+                    "(and .name) to a function taking data_sources, solution_strs, ground_truths, extra_infos.")
+    if crf.reward_kwargs and not crf.path:
+        errs.append("custom_reward_function.reward_kwargs are bound to custom_reward_function.path's function: set the "
+                    "path, or remove them (the built-in scorers take no keywords).")
+    return errs
+
 
 # Enumerated string fields: key -> allowed values (a "pkg.module:function" is also allowed where noted).
 CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -473,6 +527,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
         ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"), True),
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
+    "reward_model.reward_manager": (("naive", "prime", "dapo", "batch"), False),
     "actor_rollout_ref.rollout.mode": (("sync", "async", "server"), False),
     "actor_rollout_ref.actor.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
     "critic.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
@@ -979,6 +1034,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     ob = cfg.reward_model.overlong_buffer
     if ob.enable and not (0 < ob.len <= d.max_response_length):
         errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
+    errs.extend(_reward_errors(cfg))
 
     bad_loggers = [x for x in cfg.trainer.logger if x not in LOGGERS]
     if bad_loggers:

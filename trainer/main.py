@@ -119,8 +119,7 @@ def train(cfg) -> dict:
     state = LoopState(sampler=PromptSampler(len(train_ds), seed=data_seed(cfg), shuffle=cfg.data.shuffle),
                       kl_ctrl=make_kl_controller(al.kl_ctrl.type, kl_coef=al.kl_ctrl.kl_coef, target_kl=al.kl_ctrl.target_kl,
                                                  horizon=al.kl_ctrl.horizon))
-    reward_mgr = RewardManager(num_workers=cfg.reward_model.num_workers, timeout=cfg.reward_model.timeout,
-                               custom_path=cfg.custom_reward_function.path, custom_name=cfg.custom_reward_function.name)
+    reward_mgr = RewardManager.from_config(cfg, tok)
     cluster = Cluster(cfg, plan.total_steps)  # Ray (or in-process) role groups, placement, rollout
     judge_server = None
     try:

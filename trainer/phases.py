@@ -62,14 +62,16 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
     scores = torch.as_tensor(extras["scores"], dtype=torch.float32)
     batch.acc = torch.as_tensor(extras["acc"], dtype=torch.float32)
     if overlong is not None and overlong.get("enable"):
-        pen = overlong_reward_penalty(lengths, max_response_length=params["max_new_tokens"],
+        # verl's DAPO manager: L_exp = max_resp_len - len (max_resp_len: reward_kwargs, else the budget)
+        pen = overlong_reward_penalty(lengths, max_response_length=overlong.get("max_resp_len") or params["max_new_tokens"],
                                       overlong_buffer_len=overlong["len"], penalty_factor=overlong["penalty_factor"])
         last = (lengths - 1).clamp_min(0)
         tls = tls.clone()
         tls[torch.arange(len(lengths)), last] += pen.to(tls.dtype)
         scores = scores + pen
-        m["reward/overlong_penalty_mean"] = float(pen.mean())
-        m["reward/overlong_fraction"] = float((pen < 0).float().mean())
+        if overlong.get("log"):  # verl's overlong_buffer.log: the shaping term and the overlong flag
+            m["reward/overlong_reward_mean"] = float(pen.mean())
+            m["reward/overlong_fraction"] = float((pen < 0).float().mean())
     batch.token_level_scores = tls.float()
     batch.scores = scores
     m.update(to_float_metrics(rm))
@@ -189,19 +191,21 @@ def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, nor
 # eval
 # ----------------------------------------------------------------------------------------------
 def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
-             batch_size: int | None, multi_turn: dict | None = None, samples: list | None = None) -> dict[str, float]:
+             batch_size: int | None, multi_turn: dict | None = None, samples: list | None = None,
+             overlong: dict | None = None) -> dict[str, float]:
     """Score the held-out set once (greedy by default), ``n = val_kwargs.n`` responses per prompt,
     with verl's names (``RayPPOTrainer._val_metrics_update``): ``val-core/{data_source}/acc/mean@{n}``
     (the headline), ``val-aux/{data_source}/reward/mean@{n}`` (the score), and with n > 1 the
     ``std@{n}`` of each (the mean over prompts of the std over a prompt's n responses).
-    ``val-aux/response_length/mean`` is Coxswain's."""
+    ``val-aux/response_length/mean`` is Coxswain's. ``overlong``: the training's overlong shaping,
+    which verl's DAPO manager also applies to the validation reward (never to ``acc``)."""
     n = len(dataset)
     bs = batch_size or n
     lens, per = [], {}  # per[(source, prompt)] = ([acc], [score])
     for s in range(0, n, bs):
         items = [dataset[i] for i in range(s, min(n, s + bs))]
         batch, _ = generate_scored(rollout, reward_mgr, tokenizer, items, list(range(s, s + len(items))), params,
-                                   max_prompt_length=max_prompt_length, overlong=None, multi_turn=multi_turn)
+                                   max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn)
         lens.append(batch.response_length.float())
         if samples is not None:  # trainer.log_val_generations: (input, output, score) as text
             P = batch.prompts.shape[1]
@@ -266,7 +270,7 @@ class Generation:
         with self.rollout.awake():
             return validate(self.rollout, self.reward_mgr, self.tok, self.val_ds, p.val_sampling.params(0, 0),
                             max_prompt_length=p.max_prompt_length, batch_size=p.val_batch_size, multi_turn=p.multi_turn,
-                            samples=samples)
+                            samples=samples, overlong=p.overlong)
 
 
 def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int) -> dict[str, float]:

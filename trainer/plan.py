@@ -232,7 +232,7 @@ class Plan:
             gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size, n=r.n,
             max_prompt_length=cfg.data.max_prompt_length, response_width=width, val_batch_size=cfg.data.val_batch_size,
             sampling=sampling(r, r.n), val_sampling=sampling(r.val_kwargs, r.val_kwargs.n), multi_turn=mt,
-            filter_groups=OmegaConf.to_container(al.filter_groups), overlong=OmegaConf.to_container(cfg.reward_model.overlong_buffer),
+            filter_groups=OmegaConf.to_container(al.filter_groups), overlong=overlong_shaping(cfg),
             actor_update=actor_update, critic_update=critic_update, actor_log_prob=actor_log_prob,
             ref_log_prob=ref_log_prob, critic_values=critic_values,
             rollout_is=is_, rejection=rej, bypass=bypass_loss(al),
@@ -355,3 +355,25 @@ class LoopState:
         self.step, self.next_group_id, self.last_eval = st["step"], st["next_group_id"], st["last_eval"]
         self.run_id, self.history = st.get("mlflow_run_id"), list(st.get("history", []))
         return st.get("worker_rng", {})
+
+
+def overlong_shaping(cfg) -> dict:
+    """DAPO's soft overlong punishment (DAPO, Yu et al. 2025, sec. 3.4) from verl's two spellings:
+    the dapo reward manager's ``reward_model.reward_kwargs.overlong_buffer_cfg`` with
+    ``reward_kwargs.max_resp_len`` (verl's main trainer and its DAPO scripts), or the DAPO recipe's
+    ``reward_model.overlong_buffer`` (max length = the response budget). Returns ``{enable, len,
+    penalty_factor, log, max_resp_len}``; ``max_resp_len`` None means the sampling budget."""
+    from omegaconf import OmegaConf
+
+    rm = cfg.reward_model
+    kw = OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}
+    ob = kw.get("overlong_buffer_cfg") if rm.reward_manager == "dapo" else None
+    out = OmegaConf.to_container(rm.overlong_buffer, resolve=True)
+    out["max_resp_len"] = None
+    if ob is not None and (ob.get("enable") or not out["enable"]):
+        from dataclasses import asdict
+
+        from trainer.config import OverlongBufferConfig
+
+        out = {**asdict(OverlongBufferConfig()), **ob, "max_resp_len": kw.get("max_resp_len")}
+    return out

@@ -77,6 +77,12 @@ VERL_MESSAGES: dict[str, str] = {
     "critic.profiler": "profiling is not implemented; remove the profiler lines",
     "reward_model.profiler": "profiling is not implemented; remove the profiler lines",
     "global_profiler": "profiling is not implemented; remove the global_profiler lines",
+    "reward_manager.source": "reward-manager classes loaded from a file are not supported: the registered managers "
+                             "(reward_model.reward_manager=naive|prime|dapo|batch) are; a batch scorer "
+                             "(reward_manager=batch + custom_reward_function.path) covers most custom managers",
+    "reward_manager.module": "reward-manager classes loaded from a file are not supported: the registered managers "
+                             "(reward_model.reward_manager=naive|prime|dapo|batch) are; a batch scorer "
+                             "(reward_manager=batch + custom_reward_function.path) covers most custom managers",
     "actor_rollout_ref.rollout.agent": "verl's agent-loop workers: Coxswain's multi-turn loop is "
                                        "actor_rollout_ref.rollout.multi_turn.* (environment=pkg.module:Class)",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": "tools are environments here: "
@@ -142,7 +148,7 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("actor_rollout_ref.actor.ppo_micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("actor_rollout_ref.model.override_config", _override_config_set,
-     "HF config overrides are not implemented; edit the model's config.json instead"),
+     "overriding the HF config is not implemented; edit the model's config.json instead"),
     ("*.context_parallel_size", lambda v, c: v not in (None, 1), "context parallelism is not built yet (issue #16)"),
     ("*.virtual_pipeline_model_parallel_size", lambda v, c: v not in (None, 1),
      "the interleaved (virtual) pipeline is not built yet (issue #16)"),

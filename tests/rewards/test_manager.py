@@ -197,9 +197,10 @@ def test_killed_worker_takes_its_code_sandbox_with_it():
     """The manager's timeout (1 s) fires before the sandbox's own wall clock (8 s): the worker is
     killed, and the parent-death signal / PID namespace take the sandboxed candidate down too."""
     hung = "```python\nimport time\ntime.sleep(300)\n```"
-    with RewardManager(num_workers=1, timeout=1.0) as m:
-        _, metrics, extras = m.score([hung], [{"test_list": ["assert True"]}], ["mbpp"], None, ones(1))
-    assert metrics["reward/timeouts"] == 1.0 and extras["scores"].tolist() == [0.0]
+    with RewardManager(num_workers=1, timeout=1.0) as m:  # (a good sample too: an all-failed batch stops the run)
+        _, metrics, extras = m.score([hung, "46"], [{"test_list": ["assert True"]}, "46"], ["mbpp", "coxswain/arith"],
+                                     None, ones(2))
+    assert metrics["reward/timeouts"] == 1.0 and extras["scores"].tolist() == [0.0, 1.0]
     deadline = time.monotonic() + 5
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.1)

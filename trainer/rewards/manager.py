@@ -1,8 +1,9 @@
 """The reward manager: score a batch of responses in parallel and place each score on its last token.
 
-``RewardManager(num_workers, timeout, custom_path=None, custom_name="compute_score")`` keeps a pool of
-scorer processes for the whole run. ``score(responses, ground_truths, data_sources, extra_infos,
-response_mask)`` returns ``(token_level_scores [B, T], metrics, extras)``:
+``RewardManager(num_workers, timeout, custom_path=None, custom_name="compute_score", kind="naive",
+scorer_kwargs=None, eos_token=None)`` keeps a pool of scorer processes for the whole run.
+``score(responses, ground_truths, data_sources, extra_infos, response_mask)`` returns
+``(token_level_scores [B, T], metrics, extras)``:
 
 * ``token_level_scores[i, t_i] = score_i`` where ``t_i`` is the LAST position with
   ``response_mask[i] == 1`` (every other entry is 0): the outcome reward sits on the token that ended
@@ -12,23 +13,40 @@ response_mask)`` returns ``(token_level_scores [B, T], metrics, extras)``:
   per-sample dict has the same keys: the scorer's extra keys (``pred``, ``status``, ...; missing ones
   are None) plus ``reward_status`` (``ok`` | ``error`` | ``timeout``).
 * ``metrics``: ``reward/score_mean``, ``reward/acc_mean``, ``reward/errors`` (raised, timed out, bad
-  return value or a crashed worker), ``reward/timeouts``, ``reward/worker_restarts``,
-  ``reward/empty_responses``, ``reward/time_s`` and ``reward/acc/<data_source>`` per source.
+  return value or a crashed worker), ``reward/error_fraction`` (errors / B), ``reward/timeouts``,
+  ``reward/worker_restarts``, ``reward/empty_responses``, ``reward/time_s`` and
+  ``reward/acc/<data_source>`` per source.
+
+The managers (``kind``, verl's ``reward_model.reward_manager``; verl's ``verl/workers/reward_manager``):
+
+* ``naive``: one call per response, ``fn(data_source=, solution_str=, ground_truth=, extra_info=)``.
+* ``prime``: the same calls; verl's prime manager exists to run them in a process pool with a
+  timeout, which every manager here does.
+* ``dapo``: the same calls on the response text with a trailing EOS string removed (verl's
+  ``DAPORewardManager``); its overlong shaping (``reward_kwargs.overlong_buffer_cfg``) is applied by
+  the driver (:func:`trainer.algos.filtering.overlong_reward_penalty`), the same term as verl's.
+* ``batch``: ONE call for the batch, ``fn(data_sources=, solution_strs=, ground_truths=,
+  extra_infos=, **reward_model.reward_kwargs)`` returning a list of B numbers or dicts; it runs in a
+  pool worker with a deadline of ``timeout`` x B. A failed call fails every response.
+
+``scorer_kwargs`` are bound to every call and win over the call's own keywords, as verl's
+``custom_reward_function.reward_kwargs``. ``extra_info`` is always a dict (``{}`` when the row has none).
 
 Failure policy: a scorer that raises, returns a non-finite or malformed value, kills its worker, or
-runs past ``timeout`` seconds gives that sample score 0 and acc 0 and is counted. It never raises into
-the training loop, and never goes unreported: the first error's traceback (and the first timeout) is
-logged once per manager. A hung scorer does not hang the pool: at most ``num_workers`` samples are in
-flight, each with a deadline ``timeout`` seconds after it was handed to an idle worker; when one
-expires the pool's processes are killed and a fresh pool takes the remaining samples (the innocent
-in-flight ones restart with a fresh deadline). When a worker dies on its own, the samples that were in
-flight are re-run one at a time, so the one that kills its worker is identified and only it fails.
+runs past ``timeout`` seconds gives that sample score 0 and acc 0 and is counted. The first error's
+traceback (and the first timeout) is logged once per manager. When EVERY response of a batch fails,
+``score`` raises :class:`RewardError` with the first traceback: a step trained on all-zero rewards
+learns nothing and hides a broken scorer (verl would go on and exit 0). A hung scorer does not hang
+the pool: at most ``num_workers`` samples are in flight, each with a deadline ``timeout`` seconds after
+it was handed to an idle worker; when one expires the pool's processes are killed and a fresh pool
+takes the remaining samples (the innocent in-flight ones restart with a fresh deadline). When a worker
+dies on its own, the samples that were in flight are re-run one at a time, so the one that kills its
+worker is identified and only it fails.
 
-Scorers: a custom function (``custom_reward_function.path`` + ``.name``, as in verl) is called with
-verl's keywords ``fn(data_source=, solution_str=, ground_truth=, extra_info=)``; ``path`` is a python
-file or an importable module. Without one, ``trainer.rewards.scorers.compute_score`` dispatches on
-``data_source``. A result is a number (score; acc = score) or a dict with ``score`` and optionally
-``acc`` (else acc = score) and any extra keys.
+Scorers: a custom function (``custom_reward_function.path`` + ``.name``, as in verl); ``path`` is a
+python file or an importable module. Without one, ``trainer.rewards.scorers.compute_score``
+dispatches on ``data_source``. A result is a number (score; acc = score) or a dict with ``score`` and
+optionally ``acc`` (else acc = score) and any extra keys.
 
 ``num_workers=0`` scores in the calling process, serially: ``breakpoint()`` works in a scorer, but no
 timeout can be enforced there (errors are still caught and counted).
@@ -51,9 +69,21 @@ from typing import Any, Sequence
 
 import torch
 
-from trainer.rewards.scoring_worker import _init_worker, _ping, _score_one, load_custom_fn
+from trainer.rewards.scoring_worker import _init_worker, _ping, _score_batch, _score_one, load_custom_fn, make_scorer
 
-__all__ = ["RewardManager", "load_custom_fn"]
+__all__ = ["MANAGERS", "RewardError", "RewardManager", "load_custom_fn"]
+
+# verl's registered reward managers (``reward_model.reward_manager``)
+MANAGERS = ("naive", "prime", "dapo", "batch")
+
+
+class RewardError(RuntimeError):
+    """Every response of a batch failed to score: the run stops rather than train on zeros."""
+
+
+def timeout_text(mgr, b: int) -> str:
+    t = mgr.timeout * (b if mgr.kind == "batch" else 1) if mgr.timeout else None
+    return f"{t:.1f} s" if t else "no limit"
 
 logger = logging.getLogger(__name__)
 
@@ -78,28 +108,49 @@ class RewardManager:
 
     def __init__(
         self,
-        num_workers: int = 2,
+        num_workers: int = 1,
         timeout: float | None = 10.0,
         custom_path: str | None = None,
         custom_name: str = "compute_score",
         mp_context: str = "forkserver",
+        kind: str = "naive",
+        scorer_kwargs: dict | None = None,
+        eos_token: str | None = None,
     ):
+        if kind not in MANAGERS:
+            raise ValueError(f"reward manager {kind!r}: choose one of {list(MANAGERS)}")
+        if kind == "batch" and not custom_path:
+            raise ValueError("the batch reward manager calls a batch scorer: set custom_reward_function.path "
+                             "(and .name) to a function taking data_sources, solution_strs, ground_truths, extra_infos")
+        self.kind = kind
         self.num_workers = int(num_workers)
         self.timeout = float(timeout) if timeout and timeout > 0 else None
         self.custom_path = custom_path or None
         self.custom_name = custom_name or "compute_score"
+        self.scorer_kwargs = dict(scorer_kwargs or {})
+        self.eos_token = eos_token if kind == "dapo" else None
         self.mp_context = mp_context
         # Load once here too: a wrong path or name fails at start-up with a clear message, not as
         # B scorer errors per step. In-process mode also uses this function.
-        self._fn = load_custom_fn(self.custom_path, self.custom_name) if self.custom_path else None
-        if self._fn is None:
-            from trainer.rewards.scorers import compute_score
-
-            self._fn = compute_score
+        self._fn = make_scorer(self.custom_path, self.custom_name, self.scorer_kwargs)
         self._pool: cf.ProcessPoolExecutor | None = None
         self._logged_error = False
         self._logged_timeout = False
         self.worker_restarts = 0
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None) -> "RewardManager":
+        """The run's manager from ``reward_model.*`` and ``custom_reward_function.*``. As verl does,
+        ``custom_reward_function.reward_kwargs`` are bound to the scorer, and the batch manager also
+        passes ``reward_model.reward_kwargs`` to it (the dapo manager's own keywords are the overlong
+        shaping, which the driver applies: ``trainer.plan.overlong_shaping``)."""
+        from omegaconf import OmegaConf
+
+        rm, crf = cfg.reward_model, cfg.custom_reward_function
+        kw = OmegaConf.to_container(rm.reward_kwargs, resolve=True) if rm.reward_manager == "batch" else {}
+        kw.update(OmegaConf.to_container(crf.reward_kwargs, resolve=True))
+        return cls(num_workers=rm.num_workers, timeout=rm.timeout, custom_path=crf.path, custom_name=crf.name,
+                   kind=rm.reward_manager, scorer_kwargs=kw, eos_token=getattr(tokenizer, "eos_token", None))
 
     # -- pool lifecycle ------------------------------------------------------------------------
     def _new_pool(self) -> cf.ProcessPoolExecutor:
@@ -108,7 +159,8 @@ class RewardManager:
             # Imported once in the fork server, inherited by every worker (effective before it starts).
             ctx.set_forkserver_preload(["trainer.rewards.scoring_worker", "trainer.rewards.scorers", "math_verify"])
         pool = cf.ProcessPoolExecutor(
-            self.num_workers, mp_context=ctx, initializer=_init_worker, initargs=(self.custom_path, self.custom_name)
+            self.num_workers, mp_context=ctx, initializer=_init_worker,
+            initargs=(self.custom_path, self.custom_name, self.scorer_kwargs)
         )
         # Start every worker now (3.11 spawns them on submit) and wait until each has answered, so
         # start-up never counts against a sample's deadline.
@@ -175,12 +227,27 @@ class RewardManager:
             pass
 
     # -- scoring -------------------------------------------------------------------------------
-    def _run_all(self, jobs: list[tuple]) -> list[tuple]:
-        """Score every job; returns one outcome tuple per job (see ``_score_one``) or ("timeout",)."""
+    def _score_whole_batch(self, responses, ground_truths, data_sources, extra_infos) -> list[tuple]:
+        """The batch manager: one scorer call for the whole batch, in a pool worker (deadline
+        ``timeout`` x batch size) or in process; a failed call fails every response."""
+        b = len(responses)
+        job = (list(data_sources), responses, list(ground_truths), extra_infos)
+        if self.num_workers <= 0:
+            res = _score_batch(self._fn, *job)
+        else:
+            res = self._run_all([job], func=_score_batch, timeout=self.timeout * b if self.timeout else None)[0]
+        if res[0] == "ok":
+            return list(res[1])
+        return [res] * b
+
+    def _run_all(self, jobs: list[tuple], func=_score_one, timeout: float | None = None) -> list[tuple]:
+        """Run ``func(None, *job)`` for every job in the pool, ``timeout`` seconds each (default the
+        manager's); returns one outcome tuple per job (see ``_score_one``) or ("timeout",)."""
         n = len(jobs)
         out: list[tuple | None] = [None] * n
+        timeout = timeout or self.timeout
         if self.num_workers <= 0:
-            return [_score_one(self._fn, *j) for j in jobs]
+            return [func(self._fn, *j) for j in jobs]
         queue = deque(range(n))  # normal scheduling, num_workers in flight
         isolate: deque[int] = deque()  # after a worker died: re-run alone to find the culprit
         inflight: dict[cf.Future, tuple[int, float, bool]] = {}  # future -> (job, deadline, alone)
@@ -191,9 +258,9 @@ class RewardManager:
             src = isolate if alone else queue
             while src and len(inflight) < window:
                 i = src.popleft()
-                deadline = time.monotonic() + self.timeout if self.timeout else math.inf
+                deadline = time.monotonic() + timeout if timeout else math.inf
                 try:
-                    inflight[pool.submit(_score_one, None, *jobs[i])] = (i, deadline, alone)
+                    inflight[pool.submit(func, None, *jobs[i])] = (i, deadline, alone)
                 except (BrokenProcessPool, RuntimeError):
                     # the pool broke between results (a worker died while idle): retry on a fresh one
                     src.appendleft(i)
@@ -258,14 +325,25 @@ class RewardManager:
             )
         t0 = time.monotonic()
         restarts0 = self.worker_restarts
-        jobs = [(data_sources[i], responses[i], ground_truths[i], extra_infos[i]) for i in range(b)]
-        outcomes = self._run_all(jobs)
+        # verl's managers hand the scorer a dict (never None) as extra_info
+        extra_infos = [{} if e is None else e for e in extra_infos]
+        responses = list(responses)
+        if self.eos_token:  # the dapo manager strips a trailing EOS text that decoding kept
+            responses = [r[: -len(self.eos_token)] if r.endswith(self.eos_token) else r for r in responses]
+        if self.kind == "batch":
+            outcomes = self._score_whole_batch(responses, ground_truths, data_sources, extra_infos)
+        else:
+            jobs = [(data_sources[i], responses[i], ground_truths[i], extra_infos[i]) for i in range(b)]
+            outcomes = self._run_all(jobs)
 
         scores = torch.zeros(b, dtype=torch.float32)  # [B]
         acc = torch.zeros(b, dtype=torch.float32)  # [B]
         per_sample: list[dict] = []
         errors = timeouts = 0
+        first_failure = None
         for i, o in enumerate(outcomes):
+            if o[0] != "ok" and first_failure is None:
+                first_failure = (i, o)
             if o[0] == "ok":
                 scores[i], acc[i] = o[1], o[2]
                 per_sample.append(dict(o[3], reward_status="ok"))
@@ -277,8 +355,8 @@ class RewardManager:
                 if not self._logged_timeout:
                     self._logged_timeout = True
                     logger.warning(
-                        "reward: sample %d (data_source=%r) timed out after %.1f s; scored 0 and counted in "
-                        "reward/timeouts (further timeouts are counted, not logged)", i, data_sources[i], self.timeout,
+                        "reward: sample %d (data_source=%r) timed out after %s; scored 0 and counted in "
+                        "reward/timeouts (further timeouts are counted, not logged)", i, data_sources[i], timeout_text(self, b),
                     )
             else:
                 per_sample.append({"reward_status": "error"})
@@ -304,6 +382,7 @@ class RewardManager:
             "reward/score_mean": float(scores.mean()) if b else 0.0,
             "reward/acc_mean": float(acc.mean()) if b else 0.0,
             "reward/errors": float(errors),
+            "reward/error_fraction": errors / b if b else 0.0,
             "reward/timeouts": float(timeouts),
             "reward/worker_restarts": float(self.worker_restarts - restarts0),
             "reward/empty_responses": float(b - int(has_token.sum())),
@@ -314,4 +393,14 @@ class RewardManager:
             by_source.setdefault(str(ds), []).append(float(acc[i]))
         for ds, v in by_source.items():
             metrics[f"reward/acc/{ds}"] = sum(v) / len(v)
+        if b and errors == b:
+            # Every reward is a failure's 0: training on this batch learns nothing and would hide the bug.
+            i, o = first_failure
+            why = (f"it timed out after {timeout_text(self, b)} (reward_model.timeout)" if o[0] == "timeout"
+                   else f"the first failure (sample {i}, data_source={data_sources[i]!r}):\n{o[1]}")
+            raise RewardError(
+                f"reward: all {b} responses of this batch failed to score ({self.kind} reward manager, "
+                f"scorer {self.custom_path or 'trainer.rewards.scorers'}:{self.custom_name if self.custom_path else 'compute_score'}); "
+                f"{why}\nFix the scorer (run it on one response in a python shell), or check "
+                f"reward_model.reward_manager / custom_reward_function.reward_kwargs.")
         return token_level_scores, metrics, {"scores": scores, "acc": acc, "per_sample": per_sample}

@@ -41,14 +41,29 @@ def load_custom_fn(path: str, name: str = "compute_score") -> Callable:
     return fn
 
 
-def _init_worker(custom_path: str | None, custom_name: str) -> None:
-    global _FN
+def make_scorer(custom_path: str | None, custom_name: str = "compute_score", kwargs: dict | None = None) -> Callable:
+    """The scorer the manager calls: the user's function (or the built-in dispatcher) with ``kwargs``
+    bound. As in verl's ``_call_with_kwargs``, the bound keywords win over the call's own."""
     if custom_path:
-        _FN = load_custom_fn(custom_path, custom_name)
+        fn = load_custom_fn(custom_path, custom_name)
     else:
         from trainer.rewards.scorers import compute_score
 
-        _FN = compute_score
+        fn = compute_score
+    if not kwargs:
+        return fn
+    bound = dict(kwargs)
+
+    def scorer(*args, **call_kwargs):
+        return fn(*args, **{**call_kwargs, **bound})
+
+    scorer.__wrapped__ = fn
+    return scorer
+
+
+def _init_worker(custom_path: str | None, custom_name: str, kwargs: dict | None = None) -> None:
+    global _FN
+    _FN = make_scorer(custom_path, custom_name, kwargs)
 
 
 def _ping(delay: float = 0.0) -> int:
@@ -93,5 +108,31 @@ def _score_one(fn: Callable | None, data_source, solution_str, ground_truth, ext
         return ("ok",) + _normalize(result)
     except BaseException:  # noqa: BLE001 - a user scorer may raise anything, SystemExit included
         return ("error", traceback.format_exc(limit=20))
+
+
+def _score_batch(fn: Callable | None, data_sources, solution_strs, ground_truths, extra_infos) -> tuple:
+    """verl's batch reward manager: ONE call with lists (``fn(data_sources=, solution_strs=,
+    ground_truths=, extra_infos=)``) returning one number or dict per response. Never raises:
+    ``("ok", [outcome per response])`` where each outcome is as ``_score_one``'s (a malformed item
+    fails alone), or ``("error", traceback)`` when the call raises or returns the wrong number of items."""
+    try:
+        fn = fn or _FN
+        result = fn(data_sources=list(data_sources), solution_strs=list(solution_strs),
+                    ground_truths=list(ground_truths), extra_infos=list(extra_infos))
+        if hasattr(result, "tolist") and not isinstance(result, (list, tuple)):
+            result = result.tolist()  # a tensor / numpy array of scores
+        if not isinstance(result, (list, tuple)) or len(result) != len(solution_strs):
+            got = f"{type(result).__name__} of length {len(result)}" if isinstance(result, (list, tuple)) else type(result).__name__
+            raise ValueError(f"a batch scorer must return one score (or dict with 'score') per response: "
+                             f"expected a list of {len(solution_strs)}, got {got}")
+    except BaseException:  # noqa: BLE001
+        return ("error", traceback.format_exc(limit=20))
+    out = []
+    for i, r in enumerate(result):
+        try:
+            out.append(("ok",) + _normalize(r))
+        except BaseException:  # noqa: BLE001
+            out.append(("error", f"item {i} of the batch scorer's result: " + traceback.format_exc(limit=3)))
+    return ("ok", out)
 
 
