@@ -241,3 +241,29 @@ def test_rollout_correction_means_the_flat_keys():
     with pytest.raises(ConfigError, match="seq_avg_k1"):
         tiny_config(["algorithm.rollout_is_threshold=null", "algorithm.rollout_correction.rollout_rs=seq_avg_k1",
                      "algorithm.rollout_correction.rollout_rs_threshold=2"])
+
+
+def test_adca_seed_recommended_yaml_resolves():
+    """The ADCA seed's recommended YAML pasted as written: skip_type and enable_adca_metric where the seed
+    puts them (under adca_grpo; the seed's trainer also reads enable_adca_metric and the allocation
+    scales at the top level), prm_epoch, api_max_retries; no problem, no note, every value lands."""
+    import trainer.config as tc
+
+    path = os.path.join(os.path.dirname(__file__), "data", "adca_recommended.yaml")
+    c = tiny_config(["--config", path])
+    assert tc.LAST_LOAD_NOTES == []
+    a = c.attribution_driven_credit_assignment
+    assert a.enable and a.model == "qwen-plus" and a.concurrent == 10 and a.api_max_retries == 200
+    assert a.skip_type == "skip_small_adv" and a.adca_grpo.prm_epoch == 20 and a.adca_grpo.enable_adca_metric
+    assert a.llm_evaluation_log_dir == "/path/to/your/logs" and a.adca_grpo.alpha == 0.1
+    c = tiny_config(["attribution_driven_credit_assignment.adca_grpo.skip_type=none",
+                     "attribution_driven_credit_assignment.enable_adca_metric=false",
+                     "attribution_driven_credit_assignment.pos_unconsistent_scale=0.3"])
+    a = c.attribution_driven_credit_assignment
+    assert a.skip_type == "none" and a.adca_grpo.enable_adca_metric is False and a.adca_grpo.pos_unconsistent_scale == 0.3
+    # defaults: the seed's (api_max_retries 200, prm_epoch 100, the trainer's token_level_rewards)
+    d = tiny_config().attribution_driven_credit_assignment
+    assert (d.api_max_retries, d.adca_grpo.prm_epoch, d.overall_score_source) == (200, 100, "token_level_rewards")
+    with pytest.raises(ConfigError, match="same setting"):
+        tiny_config(["attribution_driven_credit_assignment.adca_grpo.skip_type=none",
+                     "attribution_driven_credit_assignment.skip_type=none"])

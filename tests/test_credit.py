@@ -17,7 +17,7 @@ from scripted_judge import ScriptedServer, correct_answer, expected_flags
 from trainer.algos.adca import compute_adca_grpo_advantage
 from trainer.phases import val_core_acc
 from trainer.batch import RolloutBatch
-from trainer.config import load_config
+from tests.tiny import tiny_config
 from trainer.credit import adca_advantages, steps_from_messages
 from trainer.rewards.judge import JudgeClient
 
@@ -26,7 +26,7 @@ TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 
 
 def adca_cfg(**over):
-    cfg = load_config([f"attribution_driven_credit_assignment.{k}={v}" for k, v in over.items()])
+    cfg = tiny_config([f"attribution_driven_credit_assignment.{k}={v}" for k, v in over.items()])
     return cfg.attribution_driven_credit_assignment
 
 
@@ -138,6 +138,35 @@ def test_skip_types_and_prm_steps():
         adv, _, m = adca_advantages(make_batch(), None, judge_for(srv.url),
                                     adca_cfg(skip_type="none", **{"adca_grpo.prm_steps": 3}), global_step=3)
         assert len(srv.requests) == n and m["adca/prm_fraction"] == 0.0  # attribution is off from step 3 on
+        # the seed's epoch gate (adca_grpo.prm_epoch): on in data epochs < prm_epoch, off from then on
+        cfg2 = adca_cfg(skip_type="none", **{"adca_grpo.prm_epoch": 2})
+        adca_advantages(make_batch(), None, judge_for(srv.url), cfg2, global_step=5, epoch=2)
+        assert len(srv.requests) == n
+        adca_advantages(make_batch(), None, judge_for(srv.url), cfg2, global_step=5, epoch=1)
+        assert len(srv.requests) == n + 6
+    finally:
+        srv.close()
+
+
+def _shown_scores(requests) -> list[float]:
+    return sorted(float(re.search(r"Outcome score: ([-+][0-9.]+)", r["body"]["messages"][-1]["content"]).group(1))
+                  for r in requests)
+
+
+def test_overall_score_source():
+    """The seed's overall_score_source: the judge sees the outcome (token_level_rewards, the seed
+    trainer's choice) or verl's GRPO advantage (advantages): group 0's scores [1, 0, 1] have mean 2/3 and
+    unbiased std sqrt(1/3), so A = (1/3 | -2/3) / sqrt(1/3); the constant group 1 is 0."""
+    srv = ScriptedServer(lambda i, body: ("reply", correct_answer(body), 0))
+    try:
+        adca_advantages(make_batch(), None, judge_for(srv.url), adca_cfg(skip_type="none"), global_step=1)
+        assert _shown_scores(srv.requests) == sorted(SCORES)
+        n = len(srv.requests)
+        adca_advantages(make_batch(), None, judge_for(srv.url),
+                        adca_cfg(skip_type="none", overall_score_source="advantages"), global_step=1)
+        s = math.sqrt(1 / 3)
+        want = sorted([(1 / 3) / s, -(2 / 3) / s, (1 / 3) / s, 0.0, 0.0, 0.0])
+        assert _shown_scores(srv.requests[n:]) == pytest.approx(want, abs=2e-4)
     finally:
         srv.close()
 
@@ -188,7 +217,7 @@ def test_three_step_adca_run_with_the_local_judge_server(tmp_path):
     from trainer.main import train
 
     log_dir = tmp_path / "judge_log"
-    cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
                               "attribution_driven_credit_assignment.evaluation_type=local",
                               f"attribution_driven_credit_assignment.llm_evaluation_log_dir={log_dir}"])
     hist = train(cfg)["history"]
@@ -211,7 +240,7 @@ def test_three_step_adca_run_with_an_api_judge(tmp_path, monkeypatch):
     monkeypatch.setenv("COXSWAIN_TEST_JUDGE_KEY", "sk-judge-test")
     srv = ScriptedServer(lambda i, body: ("reply", correct_answer(body), 0))
     try:
-        cfg = load_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
+        cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
                                   f"attribution_driven_credit_assignment.base_url={srv.url}",
                                   "attribution_driven_credit_assignment.api_key_env=COXSWAIN_TEST_JUDGE_KEY"])
         hist = train(cfg)["history"]
@@ -250,7 +279,7 @@ def test_multi_turn_adca_run_on_hanoi_with_an_api_judge(tmp_path):
 
     srv = ScriptedServer(lambda i, body: ("reply", correct_answer(body), 0))
     try:
-        cfg = load_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}",
+        cfg = tiny_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}",
                                 "actor_rollout_ref.rollout.multi_turn.environment=hanoi",
                                 f"attribution_driven_credit_assignment.base_url={srv.url}",
                                 "attribution_driven_credit_assignment.api_key_env=COXSWAIN_UNSET_KEY"])
@@ -281,7 +310,7 @@ def test_multi_turn_adca_run_on_the_calculator_with_the_local_judge(tmp_path):
     the whole path runs; whatever the tiny judge answers, each trajectory gets flags or falls back."""
     from trainer.main import train
 
-    cfg = load_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.test_freq=-1",
+    cfg = tiny_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.test_freq=-1",
                             "data.max_prompt_length=640", "actor_rollout_ref.rollout.multi_turn.environment=calculator",
                             "attribution_driven_credit_assignment.evaluation_type=local"])
     hist = train(cfg)["history"]

@@ -365,7 +365,8 @@ class AdcaGrpoConfig:
     alpha: float = 0.1  # weight of the step (PRM) term
     beta: float = 1.0  # weight of the outcome (ORM) term
     orm_distribution: str = "last_step"  # last_step | all_steps
-    prm_steps: int = 20  # turn attribution off after this many training steps
+    prm_steps: Optional[int] = None  # turn attribution off after this many training steps (None = no step limit)
+    prm_epoch: Optional[int] = 100  # the seed's gate: attribution only in data epochs < prm_epoch (None = always)
     enable_adca_metric: bool = True  # log the adca/* metrics
     enable_length_normalization: bool = False  # divide by sqrt(number of steps)
     consistent_scale: float = 1.0  # allocation: weight of steps whose flag agrees with the outcome
@@ -381,11 +382,12 @@ class AdcaConfig:
     base_url: str = "https://dashscope.aliyuncs.com/compatible-mode/v1"  # judge endpoint
     api_key_env: str = "DASHSCOPE_API_KEY"  # env var holding the judge API key (never logged)
     concurrent: int = 8  # judge requests in flight
-    api_max_retries: int = 5  # retries on 429 / 5xx / timeouts
+    api_max_retries: int = 200  # retries on 429 / 5xx / timeouts (the seed's default)
     request_timeout: float = 60.0  # per-request timeout in seconds
     rate_limit_per_s: Optional[float] = None  # token-bucket rate; None = unlimited
     llm_evaluation_log_dir: Optional[str] = None  # JSONL log of every judge request/response
-    skip_type: str = "skip_small_adv"  # skip_small_adv | skip_all_neg | none
+    skip_type: str = "skip_small_adv"  # skip_small_adv | skip_all_neg | none (the seed also writes it under adca_grpo)
+    overall_score_source: str = "token_level_rewards"  # the score the judge sees: token_level_rewards (outcome, as the seed's trainer) | advantages (the GRPO advantage)
     judge_max_tokens: Optional[int] = 256  # max_tokens of each judge answer (None = the server's default)
     local_model_path: Optional[str] = None  # evaluation_type=local: HF dir served as the judge (None = the actor's model)
     local_max_seq_len: int = 4096  # evaluation_type=local: the judge server's context length
@@ -459,6 +461,15 @@ KEY_ALIASES: dict[str, str] = {
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
     # verl >= 0.6's top-level reward_manager section names the same manager
     "reward_manager.name": "reward_model.reward_manager",
+    # the ADCA seed (AgentEvolver) reads these at either level: its recommended YAML and its trainer differ
+    "attribution_driven_credit_assignment.adca_grpo.skip_type": "attribution_driven_credit_assignment.skip_type",
+    "attribution_driven_credit_assignment.enable_adca_metric":
+        "attribution_driven_credit_assignment.adca_grpo.enable_adca_metric",
+    "attribution_driven_credit_assignment.consistent_scale": "attribution_driven_credit_assignment.adca_grpo.consistent_scale",
+    "attribution_driven_credit_assignment.pos_unconsistent_scale":
+        "attribution_driven_credit_assignment.adca_grpo.pos_unconsistent_scale",
+    "attribution_driven_credit_assignment.neg_unconsistent_scale":
+        "attribution_driven_credit_assignment.adca_grpo.neg_unconsistent_scale",
 }
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
@@ -539,6 +550,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "trainer.placement": (("colocated", "split"), False),
     "trainer.resume_mode": (("auto", "disable", "resume_path"), False),
     "attribution_driven_credit_assignment.skip_type": (("skip_small_adv", "skip_all_neg", "none"), False),
+    "attribution_driven_credit_assignment.overall_score_source": (("token_level_rewards", "advantages"), False),
     "attribution_driven_credit_assignment.evaluation_type": (("api", "local"), False),
     "attribution_driven_credit_assignment.adca_grpo.prm_scheme": (("decouple", "allocation"), False),
     "attribution_driven_credit_assignment.adca_grpo.orm_distribution": (("last_step", "all_steps"), False),
@@ -632,20 +644,19 @@ class _Load:
         self.default = OmegaConf.structured(CoxswainConfig)
         self.errors: list[str] = []
         self.notes: list[str] = []
-        self.set_by: dict[str, str] = {}  # canonical key -> the origin that set it (aliases: both given is an error)
+        self.set_by: dict[str, tuple[str, str]] = {}  # canonical key -> (origin, spelling) (two spellings in one layer: an error)
 
     def error(self, origin: str, msg: str) -> None:
         self.errors.append(f"{origin}: {msg}")
 
     def set(self, key: str, value, origin: str, *, delete: bool = False, from_base: bool = False) -> None:
         """Apply one ``key=value`` (or ``~key``) of a layer, or record why it cannot be applied."""
-        key = key.strip()
-        if key in KEY_ALIASES:
-            canon = KEY_ALIASES[key]
-            if self.set_by.get(canon, "").startswith(f"{origin} "):
-                self.error(origin, f"'{key}' and '{canon}' are the same setting; give only one.")
-                return
-            key = canon
+        key = spelled = key.strip()
+        key = KEY_ALIASES.get(key, key)
+        prev = self.set_by.get(key)
+        if prev is not None and prev[0] == origin and prev[1] != spelled:  # two spellings of one setting in one layer
+            self.error(origin, f"'{prev[1]}' and '{spelled}' are the same setting; give only one.")
+            return
         if key in LEGACY_KEYS:
             self.error(origin, f"'{key}' {LEGACY_KEYS[key]}")
             return
@@ -682,7 +693,7 @@ class _Load:
         except OmegaConfBaseException as e:
             self.error(origin, f"key '{key}': {getattr(e, 'msg', e)}")
             return
-        self.set_by[key] = f"{origin} "
+        self.set_by[key] = (origin, spelled)
 
     def layer(self, node, origin: str, *, from_base: bool = False) -> None:
         for key, value in _flatten(node).items():

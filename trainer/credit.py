@@ -7,8 +7,8 @@ one call per step from ``trainer/main.py``:
 
   1. outcome scores R_i = sum of the token-level rewards (after overlong shaping / KL-in-reward);
   2. o_i = per-group z-score of R (:func:`outcome_zscore`) decides, with ``skip_type``, which samples
-     the judge is asked about (:func:`select_judge_samples`); after ``prm_steps`` training steps
-     nobody is asked (:func:`prm_active`);
+     the judge is asked about (:func:`select_judge_samples`); after ``prm_steps`` training steps, or
+     from data epoch ``prm_epoch`` on (the seed's gate), nobody is asked (:func:`prm_active`);
   3. each asked trajectory becomes ``(query, steps, score)``: the steps are the assistant turns, in
      order, each with the environment's answer as its observation (multi-turn: from the conversation
      the agent loop kept in ``meta["messages"]``; single-turn: the response is the one step). The
@@ -93,13 +93,28 @@ def judge_trajectories(batch: RolloutBatch, tokenizer, rows: Sequence[int], scor
     return out
 
 
+def grpo_advantage(batch: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's GRPO outcome advantage (R - mean_g) / (std_g + 1e-6), unbiased std as verl's GRPO,
+    ``[B]``: what the seed's judge sees with ``overall_score_source=advantages`` (it reads the batch's
+    advantages after verl's GRPO pass)."""
+    from trainer.algos.advantages import compute_grpo_outcome_advantage
+
+    adv, _ = compute_grpo_outcome_advantage(token_level_rewards=batch.token_level_rewards.double(),
+                                            response_mask=mask, index=batch.group_ids)  # [B, T]
+    return (adv * mask).sum(-1) / mask.sum(-1).clamp_min(1)  # [B]: the per-token value is constant per row
+
+
 # --------------------------------------------------------------------------------------------------
 # the phase
 # --------------------------------------------------------------------------------------------------
-def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_step: int
+def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_step: int, epoch: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """``(advantages [B, T], returns [B, T], metrics)`` for ``batch`` (needs ``token_level_rewards``,
-    ``group_ids``, ``step_ids``). ``judge`` has ``judge_batch(trajectories, global_step=) -> (flags, metrics)``."""
+    ``group_ids``, ``step_ids``). ``judge`` has ``judge_batch(trajectories, global_step=) -> (flags, metrics)``.
+    Attribution runs while ``global_step < prm_steps`` and ``epoch < prm_epoch`` (the seed's gate, in
+    data epochs). The judge sees as each trajectory's overall score (``overall_score_source``, the
+    seed's name) its outcome score R_i (``token_level_rewards``, as the seed's trainer asks) or its
+    GRPO advantage o_i (``advantages``)."""
     g = adca_cfg.adca_grpo
     mask = batch.response_mask.bool()  # [B, T]
     if batch.step_ids is None:  # single-turn: every response token belongs to step 0
@@ -108,15 +123,17 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_s
     scores = (batch.token_level_rewards.double() * mask).sum(-1)  # [B]
     k = num_steps_from_step_ids(step_ids)  # [B]
 
-    ask = select_judge_samples(outcome_zscore(scores, batch.group_ids), scores, adca_cfg.skip_type)  # [B]
+    zs = outcome_zscore(scores, batch.group_ids)  # [B]
+    ask = select_judge_samples(zs, scores, adca_cfg.skip_type)  # [B]
     ask &= k > 0
-    if not prm_active(global_step, g.prm_steps):
+    if not prm_active(global_step, g.prm_steps) or (g.prm_epoch is not None and epoch >= g.prm_epoch):
         ask[:] = False
     rows = ask.nonzero().flatten().tolist()
     flags: list = [None] * len(scores)
     judge_m: dict[str, float] = {}
     if rows:
-        got, judge_m = judge.judge_batch(judge_trajectories(batch, tokenizer, rows, scores, k), global_step=global_step)
+        shown = grpo_advantage(batch, mask) if adca_cfg.overall_score_source == "advantages" else scores
+        got, judge_m = judge.judge_batch(judge_trajectories(batch, tokenizer, rows, shown, k), global_step=global_step)
         for i, f in zip(rows, got):
             flags[i] = f
     use_prm = torch.tensor([f is not None and len(f) > 0 for f in flags], dtype=torch.bool)  # [B]

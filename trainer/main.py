@@ -192,7 +192,8 @@ def train(cfg) -> dict:
                     values = critic.values(data, plan.critic_values)
             with timer(m, "adv"):  # 6-7. rollout IS / rejection, KL in reward, advantages: the driver's math
                 m.update(driver_math(plan, batch, old=old, ref=ref_lp, values=values, kl_ctrl=state.kl_ctrl,
-                                     adca=(judge, tok, cfg.attribution_driven_credit_assignment) if judge else None, step=step))
+                                     adca=(judge, tok, cfg.attribution_driven_credit_assignment) if judge else None, step=step,
+                                     epoch=state.sampler.epoch))
             if critic is not None:  # 8. critic, then actor
                 with timer(m, "update_critic"):
                     m.update(critic.update(data, plan.critic_update, [values, data.scatter(critic.dp, {"returns": batch.returns})],

@@ -273,11 +273,12 @@ class Generation:
                             samples=samples, overlong=p.overlong)
 
 
-def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int) -> dict[str, float]:
+def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int, epoch: int = 0) -> dict[str, float]:
     """Steps 6-7 on the driver, writing the batch's fields: rejection mask, rollout-IS weights and
     mismatch metrics, KL in reward, critic values, advantages and returns. ``old``, ``ref``,
     ``values``: the role groups' results (``Sharded``, or None), fetched here only where this math
-    reads them. ``adca``: ``(judge, tokenizer, adca_cfg)`` for ADCA-GRPO."""
+    reads them. ``adca``: ``(judge, tokenizer, adca_cfg)`` for ADCA-GRPO; ``epoch``: the data epoch of
+    the batch (ADCA's ``prm_epoch`` gate)."""
     from trainer.algos.advantages import compute_advantage
     from trainer.algos.kl import apply_kl_in_reward
     from trainer.algos.rollout_is import compute_rejection_mask
@@ -310,7 +311,7 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
         from trainer.credit import adca_advantages
 
         judge, tok, adca_cfg = adca
-        batch.advantages, batch.returns, adv_m = adca_advantages(batch, tok, judge, adca_cfg, global_step=step)
+        batch.advantages, batch.returns, adv_m = adca_advantages(batch, tok, judge, adca_cfg, global_step=step, epoch=epoch)
         m.update(to_float_metrics(adv_m))  # adca/*
     else:
         batch.advantages, batch.returns, adv_m = compute_advantage(

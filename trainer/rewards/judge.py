@@ -514,7 +514,7 @@ class JudgeClient:
         """From the ``attribution_driven_credit_assignment`` config section (an object or a mapping)."""
         get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
         kw = dict(base_url=get("base_url"), model=get("model"), api_key_env=get("api_key_env", "DASHSCOPE_API_KEY"),
-                  concurrent=get("concurrent", 8), api_max_retries=get("api_max_retries", 5),
+                  concurrent=get("concurrent", 8), api_max_retries=get("api_max_retries", 200),
                   request_timeout=get("request_timeout", 60.0), rate_limit_per_s=get("rate_limit_per_s"),
                   llm_evaluation_log_dir=get("llm_evaluation_log_dir"))
         kw.update(overrides)
