@@ -97,10 +97,13 @@ class _WriterManager:
 
 
 def _state(model, optimizer, scheduler, *, is_loading: bool) -> dict:
-    from megatron_bridge.model import unwrap
+    """The sharded state. Under virtual pipeline stages the chunks' states sit side by side
+    (``model0``, ``model1``, ...); every tensor's key is its global name, so the layout (TP, PP, VPP)
+    at load time need not be the one at save time."""
+    from megatron_bridge.model import chunks, unwrap
 
-    m = unwrap(model)
-    model_sd = m.sharded_state_dict()
+    cs = [unwrap(c) for c in chunks(model)]
+    model_sd = cs[0].sharded_state_dict() if len(cs) == 1 else {f"model{i}": c.sharded_state_dict() for i, c in enumerate(cs)}
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
@@ -160,7 +163,7 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     from megatron.core import dist_checkpointing
 
     from megatron_bridge import cpu_shims
-    from megatron_bridge.model import unwrap
+    from megatron_bridge.model import chunks, unwrap
 
     cpu_shims.install()
     if not is_complete(ckpt_dir):
@@ -170,7 +173,12 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     if scheduler is not None:
         state["scheduler"] = None
     loaded = dist_checkpointing.load(state, ckpt_dir)
-    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    cs = [unwrap(c) for c in chunks(model)]
+    if len(cs) == 1:
+        cs[0].load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, c in enumerate(cs):
+            c.load_state_dict(loaded["model"][f"model{i}"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:

@@ -278,7 +278,7 @@ def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]]
 
 
 def iter_local_params(model) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, canonical name, parameter) for every parameter of this rank's chunk."""
+    """(local name, canonical name, parameter) for every parameter of one model chunk."""
     from megatron_bridge.model import unwrap
 
     m = unwrap(model)
@@ -288,17 +288,25 @@ def iter_local_params(model) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
 
 @torch.no_grad()
 def load_hf_weights(model, source) -> None:
-    """Copy HF weights into this rank's model chunk (only the tensors this rank needs are read).
+    """Copy HF weights into this rank's model chunk(s) (only the tensors this rank needs are read).
 
     ``source``: a HF directory, an :class:`HFCheckpoint`, or a ``{hf_name: tensor}`` dict.
     """
+    from megatron_bridge.model import chunks
+
+    if isinstance(source, (str, os.PathLike)):
+        source = HFCheckpoint(str(source))
+    for c in chunks(model):
+        _load_chunk(c, source)
+
+
+@torch.no_grad()
+def _load_chunk(model, source) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.model import unwrap
 
     m = unwrap(model)
-    if isinstance(source, (str, os.PathLike)):
-        source = HFCheckpoint(str(source))
     get = source.get if isinstance(source, HFCheckpoint) else source.__getitem__
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     keys = source.keys()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_bridge.fsutil import replace_dir
 
-from megatron_bridge.convert import canonical_names, canonical_to_hf, local_name, stage_of_layers, tp_kind, tp_merge
+from megatron_bridge.convert import canonical_names, canonical_to_hf, local_name, tp_kind, tp_merge
 from megatron_bridge.hf_config import HFModelConfig
 
 TOKENIZER_FILES = (
@@ -62,16 +62,21 @@ def canonical_shape(name: str, hf: HFModelConfig, padded_vocab: int) -> tuple[in
     raise KeyError(name)
 
 
-def _stage_plan(m) -> list[tuple[int, str]]:
-    """(owning PP stage, canonical name) for every parameter of the whole model, in HF order."""
+def _stage_plan(m) -> list[tuple[int, int, str]]:
+    """(owning PP stage, its chunk, canonical name) for every parameter of the whole model, in HF
+    order. Virtual stage ``v`` (of ``pp * vpp``, in model order) is chunk ``v // pp`` of rank ``v % pp``."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
     hf = m.hf_config
+    layout = m.virtual_layers
+    nv = len(layout)
+    starts = [sum(layout[:v]) for v in range(nv)]
     plan = []
-    for s, layers in enumerate(stage_of_layers(hf, pp, m.stage_layers)):
-        for n in canonical_names(hf, layers=layers, pre=s == 0, post=s == pp - 1, value_head=m.is_critic):
-            plan.append((s, n))
+    for v in range(nv):
+        layers = range(starts[v], starts[v] + layout[v])
+        for n in canonical_names(hf, layers=layers, pre=v == 0, post=v == nv - 1, value_head=m.is_critic):
+            plan.append((v % pp, v // pp, n))
     return plan
 
 
@@ -95,18 +100,19 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
     from megatron_bridge import cpu_shims
-    from megatron_bridge.model import unwrap
+    from megatron_bridge.model import chunks, unwrap
 
     cpu_shims.install()
-    m = unwrap(model)
+    ms = [unwrap(c) for c in chunks(model)]
+    m = ms[0]
     hf = m.hf_config
     my_stage = ps.get_pipeline_model_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_group = ps.get_pipeline_model_parallel_group()
     dtype = next(m.parameters()).dtype
     device = next(m.parameters()).device
-    params = dict(m.named_parameters())
-    for stage, name in _stage_plan(m):
+    params = [dict(c.named_parameters()) for c in ms]
+    for stage, chunk, name in _stage_plan(m):
         if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
             continue  # the tied copy on the last stage is the embedding; HF stores it once
         if m.is_critic and name.startswith("output_layer."):
@@ -114,7 +120,7 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             shape = canonical_shape(name, hf, m.padded_vocab_size)
         if stage == my_stage:
-            pairs = canonical_to_hf(name, _full_param(m, params, name), hf, value_head=m.is_critic)
+            pairs = canonical_to_hf(name, _full_param(ms[chunk], params[chunk], name), hf, value_head=m.is_critic)
         else:
             meta = torch.empty(shape, device="meta")
             pairs = [(k, torch.empty(v.shape, dtype=dtype, device=device))
@@ -165,9 +171,9 @@ def export_hf(model, out_dir: str, *, source_dir: str | None = None, max_shard_b
     """Write a HF directory (rank 0; every model-parallel rank must call). Returns the path on rank 0."""
     from safetensors.torch import save_file
 
-    from megatron_bridge.model import unwrap
+    from megatron_bridge.model import chunks, unwrap
 
-    m = unwrap(model)
+    m = unwrap(chunks(model)[0])
     writer = dist.get_rank() == 0
     tmp = None
     if writer:
@@ -188,7 +194,7 @@ def export_hf(model, out_dir: str, *, source_dir: str | None = None, max_shard_b
                 weight_map.update({k: fn for k in shard})
                 shard, shard_size = {}, 0
 
-        for bucket in iter_hf_weights(m, bucket_bytes):
+        for bucket in iter_hf_weights(model, bucket_bytes):
             if not writer:
                 continue
             for k, t in bucket:

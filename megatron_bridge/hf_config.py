@@ -75,11 +75,27 @@ def pipeline_layout(num_layers: int, pp: int, pp_layers: list[int] | None) -> li
     return list(pp_layers)
 
 
+def virtual_layout(num_layers: int, pp: int, vpp: int, pp_layers: list[int] | None) -> list[int]:
+    """Layers per virtual pipeline stage, in model order (``pp * vpp`` entries; stage ``s`` lives on
+    pipeline rank ``s % pp`` as its chunk ``s // pp``, megatron's interleaving). ``vpp == 1``: the
+    pipeline layout."""
+    if vpp <= 1:
+        return pipeline_layout(num_layers, pp, pp_layers)
+    if pp_layers is not None:
+        raise ValueError(f"pp_layers={pp_layers} (an uneven pipeline split) cannot be combined with virtual pipeline "
+                         f"stages (vpp={vpp}): drop one of them")
+    if num_layers % (pp * vpp):
+        raise ValueError(f"{num_layers} layers do not split evenly over pp={pp} x vpp={vpp} = {pp * vpp} virtual "
+                         f"stages: choose a virtual_pipeline_model_parallel_size that divides {num_layers // pp if num_layers % pp == 0 else num_layers} layers per rank")
+    return [num_layers // (pp * vpp)] * (pp * vpp)
+
+
 def transformer_config_kwargs(
     cfg: HFModelConfig,
     *,
     tp: int = 1,
     pp: int = 1,
+    vpp: int = 1,
     pp_layers: list[int] | None = None,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
@@ -93,6 +109,7 @@ def transformer_config_kwargs(
     import torch.nn.functional as F
 
     layout = pipeline_layout(cfg.num_layers, pp, pp_layers)
+    virtual_layout(cfg.num_layers, pp, vpp, pp_layers)  # the error names the fault
     kw: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -111,6 +128,7 @@ def transformer_config_kwargs(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

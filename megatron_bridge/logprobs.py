@@ -31,7 +31,7 @@ numbers, attention cost of the whole row).
 
 CLI (to recompute trainer-side log-probs of a dumped rollout)::
 
-    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M --input IN.jsonl --out OUT.jsonl [--temperature T]
+    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M [--vpp V] [--sp] --input IN.jsonl --out OUT.jsonl [--temperature T]
 
 Each input line ``{"prompt_ids": [...], "response_ids": [...]}``; each output line adds
 ``"logprobs"``, one per response token. The ranks are launched locally (gloo on CPU).
@@ -135,18 +135,63 @@ class ModelInputs:
     packed: bool = False
     cu_seqlens: torch.Tensor | None = None  # [N+1] for packed rows
     real: torch.Tensor | None = None  # [B, S] bool attention mask of a padded batch
+    pad_to: int = 0  # > 0: run as one THD row of exactly this many tokens (virtual pipeline stages)
 
     def to(self, device) -> "ModelInputs":
         mv = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return ModelInputs(*(mv(getattr(self, f)) for f in ("input_ids", "position_ids", "attention_mask", "labels",
                                                               "next_valid", "token_valid")),
-                           packed=self.packed, cu_seqlens=self.cu_seqlens, real=mv(self.real))
+                           packed=self.packed, cu_seqlens=self.cu_seqlens, real=mv(self.real), pad_to=self.pad_to)
 
 
 def model_device(model) -> torch.device:
-    from megatron_bridge.model import unwrap
+    from megatron_bridge.model import chunks, unwrap
 
-    return next(unwrap(model).parameters()).device
+    return next(unwrap(chunks(model)[0]).parameters()).device
+
+
+def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_length: int, micro_batch_size: int) -> dict:
+    """The model / data arguments of megatron's schedule for ``inputs`` (what each step pulls; their
+    ``prepared`` model inputs, in the same order).
+
+    Without virtual stages: the one chunk and one iterator, variable sequence lengths (each p2p
+    exchange sends its shape first). With them (vpp > 1) megatron's interleaved schedule gets the chunk
+    list and one iterator per chunk, and every micro-batch runs as one THD row padded (a dummy
+    sequence, cropped on the last stage) to the longest one's token count, so every exchange has one
+    fixed shape and no shape messages: with variable shapes at pp=2 the batched exchanges paired a
+    stage's activation with another micro-batch's (seen here on gloo as a shape error; with equal
+    shapes it would be silent), which the overlapped p2p mode below also avoids. The schedule needs
+    at least ``pp`` micro-batches."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.model import chunks, unwrap
+
+    cs = chunks(model)
+    cfg = cs[0].config
+    if len(cs) == 1:
+        cfg.variable_seq_lengths = True
+        return {"model": cs, "data_iterator": iter(inputs), "seq_length": seq_length, "micro_batch_size": micro_batch_size}
+    if not getattr(unwrap(cs[0]), "supports_thd", False):
+        raise ValueError("virtual pipeline stages run every micro-batch as a padded THD row: build the model with "
+                         "attention='sdpa' (or Transformer Engine)")
+    pp, tp, n = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(), len(inputs)
+    if n < pp:
+        raise ValueError(f"the interleaved pipeline (vpp={len(cs)}) needs at least pp={pp} micro-batches, got "
+                         f"{n}: use smaller micro-batches (or more rows)")
+    tokens = max(int(i.input_ids.shape[1]) if i.packed else int(i.real.sum()) for i in prepared)
+    if cfg.sequence_parallel:
+        tokens += (-tokens) % tp
+    for i in prepared:
+        i.pad_to = tokens
+    cfg.variable_seq_lengths = False
+    if pp == 2:
+        # the previous and the next stage are the same rank: batched exchanges would pair a gradient
+        # send with an activation receive (Megatron-LM allows pp=2 interleaving only with overlapped p2p)
+        cfg.overlap_p2p_comm, cfg.batch_p2p_comm = True, False
+    # micro-batches run through a virtual stage in groups of g (megatron's default g = pp); the
+    # schedule needs n % g == 0 or n % g >= pp: the smallest such g >= pp (the numbers do not depend on it)
+    cfg.microbatch_group_size_per_vp_stage = next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)
+    return {"model": cs, "data_iterator": [iter(inputs) for _ in cs], "seq_length": tokens, "micro_batch_size": 1}
 
 
 def batch_to(mb: dict, device) -> dict:
@@ -306,10 +351,12 @@ def _sp_pad(n: int, model) -> int:
     return (-n) % tp if getattr(model, "sequence_parallel", False) and tp > 1 else 0
 
 
-def _run_packed(model, m, ids: torch.Tensor, cu: torch.Tensor):
+def _run_packed(model, m, ids: torch.Tensor, cu: torch.Tensor, pad_to: int = 0):
     """A THD row through the model; under sequence parallelism the row is padded with one dummy
-    sequence to a multiple of TP (megatron splits the sequence dim evenly) and the logits cropped back."""
-    T, pad = ids.shape[1], _sp_pad(ids.shape[1], m)
+    sequence to a multiple of TP (megatron splits the sequence dim evenly), under virtual pipeline
+    stages to ``pad_to`` tokens, and the logits cropped back."""
+    T = ids.shape[1]
+    pad = pad_to - T if pad_to else _sp_pad(T, m)
     if pad:
         ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
         cu = torch.cat([cu.to(torch.long), torch.tensor([T + pad])])
@@ -347,8 +394,8 @@ def run_model(model, inp: ModelInputs):
     m = unwrap(model)
     if inp.packed and getattr(m, "supports_thd", False):
         # THD: [1, T] tokens, positions restart from cu_seqlens inside megatron's RoPE.
-        return _run_packed(model, m, inp.input_ids, inp.cu_seqlens)
-    if not getattr(m, "uses_te", False):
+        return _run_packed(model, m, inp.input_ids, inp.cu_seqlens, inp.pad_to)
+    if not getattr(m, "uses_te", False) and not inp.pad_to:
         if inp.packed:  # attention without THD: dense block-diagonal causal mask
             inp = packed_inputs(inp.input_ids, inp.cu_seqlens, dense_mask=True)
         return _run_dense(model, m, inp)
@@ -356,7 +403,7 @@ def run_model(model, inp: ModelInputs):
     lens = real.sum(1)  # [B]
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     cu[1:] = lens.cpu().cumsum(0)
-    out = _run_packed(model, m, inp.input_ids[real][None], cu)  # [1, T] real tokens
+    out = _run_packed(model, m, inp.input_ids[real][None], cu, inp.pad_to)  # [1, T] real tokens
     if not m.post_process:
         return out  # hidden [T, 1, H] for the next stage
     full = out.new_zeros(*real.shape, out.shape[-1])  # [B, S, V_local]
@@ -414,16 +461,16 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bridge import cpu_shims
-    from megatron_bridge.model import unwrap
+    from megatron_bridge.model import chunks, unwrap
 
     cpu_shims.install()  # this thread may not be the one that built the model (threaded Ray actors)
-    chunk = model[0] if isinstance(model, list) else model
-    m = unwrap(chunk)
-    was_training = chunk.training
-    chunk.eval()
-    device = model_device(chunk)
+    cs = chunks(model)
+    m = unwrap(cs[0])
+    was_training = cs[0].training
+    for c in cs:
+        c.eval()
+    device = model_device(model)
     inputs = [model_inputs(mb).to(device) for mb in micro_batches]
-    it = iter(inputs)
 
     def step(data_iterator, mdl):
         inp = next(data_iterator)
@@ -438,10 +485,11 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     S = max(i.input_ids.shape[1] for i in inputs)
     B = max(i.input_ids.shape[0] for i in inputs)
     res = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=it, model=[chunk], num_microbatches=len(inputs),
-        seq_length=S, micro_batch_size=B, forward_only=True)
+        forward_step_func=step, **schedule_args(model, inputs, inputs, seq_length=S, micro_batch_size=B),
+        num_microbatches=len(inputs), forward_only=True)
     if was_training:
-        chunk.train()
+        for c in cs:
+            c.train()
     keys = ["values"] if m.is_critic else (["logprobs", "entropy"] if with_entropy else ["logprobs"])
     out = []
     for i, inp in enumerate(inputs):
@@ -456,18 +504,20 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
 
 
 def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature: float,
-              max_tokens: int, pp_layers, sp: bool = False):
+              max_tokens: int, pp_layers, sp: bool = False, vpp: int = 1):
     from megatron_bridge.convert import load_hf_weights
     from megatron_bridge.hf_config import read_hf_config
     from megatron_bridge.launch import set_parallel
     from megatron_bridge.model import build_model
 
-    set_parallel(tp=tp, pp=pp)
+    set_parallel(tp=tp, pp=pp, vpp=vpp)
     hf = read_hf_config(model_dir)
     model = build_model(hf, pp_layers=pp_layers, sequence_parallel=sp)
     load_hf_weights(model, model_dir)
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
     rows = pack_sequences(seqs, max_tokens)
+    if vpp > 1 and len(rows) < pp:  # the interleaved schedule needs >= pp micro-batches: one row per sequence
+        rows = pack_sequences(seqs, 1)
     outs = compute_logprobs(model, [{k: v for k, v in r.items() if k != "index"} for r in rows],
                             temperature=temperature)
     if dist.get_rank() != 0:
@@ -485,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank (interleaved; needs --pp > 1)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism within TP (megatron's; needs --tp > 1)")
     ap.add_argument("--pp-layers", default=None, help="comma-separated layers per stage (uneven split)")
     ap.add_argument("--input", required=True, help="jsonl with prompt_ids and response_ids per line")
@@ -502,12 +553,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.sp and a.tp < 2:
         raise SystemExit("--sp splits the sequence over tensor-parallel ranks: give --tp 2 or more")
-    res = spawn(_cli_rank, a.tp * a.pp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers, a.sp)
+    if a.vpp > 1 and a.pp < 2:
+        raise SystemExit("--vpp interleaves a pipeline: give --pp 2 or more")
+    res = spawn(_cli_rank, a.tp * a.pp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers, a.sp, a.vpp)
     per_seq = res[0]
     with open(a.out, "w", encoding="utf-8") as f:
         for r, lp in zip(records, per_seq):
             f.write(json.dumps({**r, "logprobs": lp}) + "\n")
-    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, sp={a.sp}, temperature={a.temperature})",
+    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, vpp={a.vpp}, sp={a.sp}, temperature={a.temperature})",
           file=sys.stderr)
     return 0
 

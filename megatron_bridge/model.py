@@ -35,6 +35,7 @@ from megatron_bridge.hf_config import (
     padded_vocab_size,
     pipeline_layout,
     transformer_config_kwargs,
+    virtual_layout,
 )
 from trainer.hf_io import rope_inv_freq
 
@@ -208,7 +209,8 @@ def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=
     the layers' activations are dropped in the forward and recomputed in the backward."""
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, pp_layers=pp_layers, params_dtype=params_dtype,
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, params_dtype=params_dtype,
                                    use_cpu_initialization=not torch.cuda.is_available(),
                                    sequence_parallel=bool(sequence_parallel) and tp > 1)  # megatron: SP needs TP > 1
     kw.update(recompute or {})
@@ -227,8 +229,10 @@ def build_model(
     attention: str = "sdpa",
     recompute: dict | None = None,
     sequence_parallel: bool = False,
-) -> BridgeGPTModel:
-    """This rank's model chunk for the current megatron parallel state (TP, PP from ``ps``).
+):
+    """This rank's model for the current megatron parallel state (TP, PP, VPP from ``ps``): one
+    ``BridgeGPTModel`` chunk, or with virtual pipeline stages (vpp > 1) the list of this rank's
+    ``vpp`` chunks in schedule order (megatron's convention; :func:`chunks` reads both).
 
     The weights are megatron's random init (CPU init is TP-invariant: the full matrix is drawn,
     then split); load real weights with :func:`megatron_bridge.convert.load_hf_weights`.
@@ -242,9 +246,6 @@ def build_model(
 
     cpu_shims.install()  # idempotent, per thread; a no-op with CUDA
     _install_thd_rope()
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
     config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype, recompute=recompute,
                                       sequence_parallel=sequence_parallel)
     use_te = te_available() if use_te is None else use_te
@@ -263,19 +264,37 @@ def build_model(
             raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'megatron'")
         if config.sequence_parallel:
             spec = _sequence_parallel_spec(spec, config)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    kw = dict(hf=hf, config=config, spec=spec, pp_layers=pp_layers, params_dtype=params_dtype, value_head=value_head,
+              use_te=use_te, vocab_multiple=vocab_multiple, value_head_seed=value_head_seed, attention=attention)
+    if vpp == 1:
+        return _build_chunk(vp_stage=None, **kw)
+    return [_build_chunk(vp_stage=v, **kw) for v in range(vpp)]
+
+
+def _build_chunk(*, hf, config, spec, pp_layers, params_dtype, value_head, use_te, vocab_multiple, value_head_seed,
+                 attention, vp_stage: int | None) -> BridgeGPTModel:
+    """One model chunk: the whole stage (``vp_stage`` None) or virtual stage ``vp_stage`` of this rank."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    vpp = 1 if vp_stage is None else ps.get_virtual_pipeline_model_parallel_world_size()
     vocab = padded_vocab_size(hf.vocab_size, tp, vocab_multiple)
     tie = hf.tie_word_embeddings and not value_head
+    first = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = BridgeGPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=hf.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=first,
+        post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=tie,
         position_embedding_type="rope",
         rotary_base=int(hf.rope_theta) if float(hf.rope_theta).is_integer() else hf.rope_theta,
+        vp_stage=vp_stage,
     )
     model.rotary_pos_emb = PositionRotary(rope_inv_freq(hf))
     if value_head and model.post_process:
@@ -290,10 +309,14 @@ def build_model(
             if prm.is_floating_point() and prm.dtype != params_dtype:
                 prm.data = prm.data.to(params_dtype)
     layout = pipeline_layout(hf.num_layers, pp, pp_layers)
+    vlayout = virtual_layout(hf.num_layers, pp, vpp, pp_layers)
+    stage = pp_rank if vp_stage is None else vp_stage * pp + pp_rank  # index into vlayout
     # Bookkeeping the converter, exporter and log-prob code read back.
     model.hf_config = hf
     model.stage_layers = layout
-    model.layer_offset = sum(layout[:pp_rank])
+    model.virtual_layers = vlayout  # layers per virtual stage, in model order (= stage_layers when vpp == 1)
+    model.vp_stage = vp_stage
+    model.layer_offset = sum(vlayout[:stage])
     model.true_vocab_size = hf.vocab_size
     model.padded_vocab_size = vocab
     model.is_critic = value_head
@@ -301,10 +324,15 @@ def build_model(
     model.supports_thd = use_te or attention == "sdpa"  # packed rows run as real THD
     model.sequence_parallel = config.sequence_parallel  # inputs are padded to a multiple of TP (logprobs.run_model)
     n_local = len(model.decoder.layers)
-    assert n_local == layout[pp_rank], (n_local, layout)
+    assert n_local == vlayout[stage], (n_local, vlayout, stage)
     if n_local:
         assert model.decoder.layers[0].layer_number - 1 == model.layer_offset
     return model
+
+
+def chunks(model) -> list:
+    """This rank's model chunks as a list: ``[model]``, or the list itself under virtual pipeline stages."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def unwrap(model) -> BridgeGPTModel:
@@ -314,7 +342,7 @@ def unwrap(model) -> BridgeGPTModel:
     return model
 
 
-def compile_model(model) -> BridgeGPTModel:
+def compile_model(model):
     """``torch.compile`` (inductor) this rank's model chunk in place, under any DDP wrapper.
 
     ``Module.compile`` keeps the module object, its parameters and its state-dict names, so the DDP
@@ -324,6 +352,6 @@ def compile_model(model) -> BridgeGPTModel:
     gain is the fusion of the elementwise chains (RMSNorm, RoPE, SwiGLU, residual adds, casts) around
     the matmuls: measured 0.43 -> 0.31 s per forward+backward at the bench_e2e size in bf16.
     """
-    m = unwrap(model)
-    m.compile()
-    return m
+    for c in chunks(model):
+        unwrap(c).compile()
+    return model

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.logprobs import batch_to, head_outputs, model_device, model_inputs, run_model
+from megatron_bridge.logprobs import batch_to, head_outputs, model_device, model_inputs, run_model, schedule_args
 
 LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict]"]
 
@@ -64,7 +64,7 @@ class OptimConfig:
 class Trainer:
     """What a train step needs, bundled: DDP-wrapped model chunk, optimizer, LR scheduler."""
 
-    model: torch.nn.Module  # megatron DistributedDataParallel around a BridgeGPTModel
+    model: object  # megatron DistributedDataParallel around a BridgeGPTModel (a list of them: one per virtual stage)
     optimizer: object
     scheduler: object
     optim: OptimConfig
@@ -79,32 +79,37 @@ def _dist_optimizer_ok(requested: bool) -> bool:
 
 
 def make_trainer(model, optim: OptimConfig) -> Trainer:
-    """Wrap a freshly built (and loaded) model chunk in megatron DDP and build optimizer + schedule."""
+    """Wrap a freshly built (and loaded) model (one chunk, or the chunk list of virtual pipeline
+    stages) in megatron DDP and build optimizer + schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_bridge import cpu_shims
 
+    from megatron_bridge.model import chunks
+
     cpu_shims.install()
-    cfg = model.config
+    cs = chunks(model)
+    cfg = cs[0].config  # one TransformerConfig shared by the chunks
     use_dist = _dist_optimizer_ok(optim.use_distributed_optimizer)
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist,
         bucket_size=None)
-    ddp = DistributedDataParallel(cfg, ddp_cfg, model)
+    # megatron's convention: only the first chunk's buffers are bucketed
+    ddps = [DistributedDataParallel(cfg, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(cs)]
     ocfg = OptimizerConfig(
         optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
         sgd_momentum=optim.sgd_momentum, clip_grad=0.0,  # clipping is ours (see module docstring)
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype, use_distributed_optimizer=use_dist)
     with cpu_shims.cuda_type_names():  # bf16/fp16 on CPU: megatron's type check wants CUDA names
-        opt = get_megatron_optimizer(ocfg, [ddp])
+        opt = get_megatron_optimizer(ocfg, ddps)
     _use_fused_adam(opt)
-    cfg.no_sync_func = ddp.no_sync
+    cfg.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = opt.scale_loss
     sched = make_scheduler(opt, optim)
-    return Trainer(ddp, opt, sched, optim)
+    return Trainer(ddps[0] if not isinstance(model, (list, tuple)) else ddps, opt, sched, optim)
 
 
 def _use_fused_adam(optimizer) -> None:
@@ -222,8 +227,8 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
     S = max(i.input_ids.shape[1] for _, i in inputs)
     B = max(i.input_ids.shape[0] for _, i in inputs)
     res = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(inputs), model=[model], num_microbatches=n,
-        seq_length=S, micro_batch_size=B, forward_only=forward_only)
+        forward_step_func=step, **schedule_args(model, inputs, [i for _, i in inputs], seq_length=S, micro_batch_size=B),
+        num_microbatches=n, forward_only=forward_only)
     return _last_stage_broadcast_object(_reduce_metrics(res or []))
 
 
@@ -232,10 +237,13 @@ def train_step(trainer: Trainer, micro_batches: list[dict], loss_fn: LossFn, *, 
     """One optimizer step over ``micro_batches``; returns ``loss``, metric means, ``grad_norm``, ``lr``."""
     from megatron_bridge import cpu_shims
 
+    from megatron_bridge.model import chunks
+
     cpu_shims.install()
     ddp, opt = trainer.model, trainer.optimizer
-    ddp.train()
-    ddp.zero_grad_buffer()
+    for d in chunks(ddp):
+        d.train()
+        d.zero_grad_buffer()
     opt.zero_grad()
     metrics = forward_backward(ddp, micro_batches, loss_fn, temperature=temperature, with_entropy=with_entropy,
                                entropy_grad=entropy_grad)

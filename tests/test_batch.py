@@ -577,3 +577,20 @@ def test_trim_padding_drops_only_all_pad_columns():
     e = RolloutBatch.from_tokens(prompts, torch.zeros(2, 3, dtype=torch.long), pm, torch.zeros(2, 3, dtype=torch.bool))
     et, _, tail = e.trim_padding()
     assert tail == 2 and et.response_width == 1
+
+
+def test_micro_batch_groups_fixed_budget_and_minimum():
+    from trainer.batch import micro_batch_groups
+
+    toks = [5, 9, 3, 4, 8]
+    assert micro_batch_groups(toks, size=2) == [[0, 1], [2, 3], [4]]
+    # a token budget of 15: ceil(29 / 15) = 2 groups, every one within it, every row once
+    g = micro_batch_groups(toks, size=1, max_tokens=15)
+    assert len(g) == 2 and max(sum(toks[i] for i in x) for x in g) <= 15 and sorted(sum(g, [])) == list(range(5))
+    # the interleaved pipeline's minimum number of micro-batches (pp), fixed size or budget
+    assert micro_batch_groups(toks, size=64, min_groups=2) == [[0, 1, 2], [3, 4]]
+    g = micro_batch_groups(toks, size=1, max_tokens=100, min_groups=3)
+    assert len(g) == 3 and sorted(sum(g, [])) == list(range(5))
+    assert micro_batch_groups([7], size=4, min_groups=2) == [[0]]  # no more groups than rows
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu=8"):
+        micro_batch_groups(toks, size=1, max_tokens=8)

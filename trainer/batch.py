@@ -612,20 +612,23 @@ def partition_imbalance(seqlens: Sequence[int], partitions: Sequence[Sequence[in
 
 
 def micro_batch_groups(tokens: Sequence[int], *, size: int, max_tokens: Optional[int] = None,
-                       budget_key: str = "ppo_max_token_len_per_gpu") -> list[list[int]]:
+                       budget_key: str = "ppo_max_token_len_per_gpu", min_groups: int = 1) -> list[list[int]]:
     """Row groups of one rank's micro-batches: contiguous runs of ``size`` rows, or (``max_tokens``,
     verl's ``use_dynamic_bsz``) the fewest groups, length-balanced by Karmarkar-Karp, whose token sums
     all fit the budget: ``k = ceil(sum / max_tokens)`` groups, one more while the largest overflows.
     The loss is normalised over the whole mini-batch either way, so the gradient does not depend on
-    the grouping. A row longer than the budget cannot fit any group and is an error naming the key."""
+    the grouping. A row longer than the budget cannot fit any group and is an error naming the key.
+    ``min_groups``: at least this many groups while there are rows for them (the interleaved
+    pipeline schedule needs one micro-batch per pipeline stage)."""
     n = len(tokens)
     if max_tokens is None:
-        return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+        groups = [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+        return groups if len(groups) >= min(min_groups, n) else _contiguous(n, min(min_groups, n))
     longest = max(tokens, default=0)
     if longest > max_tokens:
         raise ValueError(f"a sequence of {longest} tokens does not fit the micro-batch token budget {budget_key}="
                          f"{max_tokens}: raise it to at least the longest prompt + response")
-    k = max(1, -(-sum(tokens) // max_tokens))
+    k = max(1, min_groups, -(-sum(tokens) // max_tokens))
     while True:
         groups = [sorted(g) for g in karmarkar_karp(list(tokens), min(k, n), equal_size=False) if g]
         if max(sum(tokens[i] for i in g) for g in groups) <= max_tokens or k >= n:

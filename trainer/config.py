@@ -970,6 +970,15 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                 errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
                             f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
                             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
+        vpp = mcfg.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp < 1:
+            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} must be >= 1 (or null).")
+        elif vpp is not None and vpp > 1 and pp < 2:
+            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} interleaves pipeline stages: it needs "
+                        f"{role}.megatron.pipeline_model_parallel_size >= 2 (got {pp}).")
+        elif vpp is not None and vpp > 1 and mcfg.pipeline_layer_split is not None:
+            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} needs an even split: remove "
+                        f"{role}.megatron.pipeline_layer_split.")
         split = mcfg.pipeline_layer_split
         if split is not None and len(split) != pp:
             errs.append(f"{role}.megatron.pipeline_layer_split has {len(split)} entries but "

@@ -150,8 +150,6 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("actor_rollout_ref.model.override_config", _override_config_set,
      "overriding the HF config is not implemented; edit the model's config.json instead"),
     ("*.context_parallel_size", lambda v, c: v not in (None, 1), "context parallelism is not built yet (issue #16)"),
-    ("*.virtual_pipeline_model_parallel_size", lambda v, c: v not in (None, 1),
-     "the interleaved (virtual) pipeline is not built yet (issue #16)"),
     ("*.expert_model_parallel_size", lambda v, c: v not in (None, 1),
      "expert parallelism (mixture-of-experts models) is not built yet (issue #16)"),
     ("*.expert_tensor_parallel_size", lambda v, c: v not in (None, 1),

@@ -1,5 +1,6 @@
 """`python -m megatron_bridge.logprobs` recomputes a dumped rollout's response log-probs through
-megatron-core at TP=2 with sequence parallelism (and uneven PP=2), launching its own gloo ranks; checked against transformers."""
+megatron-core at TP=2 with sequence parallelism, uneven PP=2, and PP=2 with two virtual stages per rank
+(a 4-layer model: 4 chunks of 1 layer), launching its own gloo ranks; checked against transformers."""
 
 import json
 import os
@@ -9,16 +10,17 @@ import sys
 import pytest
 import torch
 
-from bridge_tiny import hf_reference, make_case, random_seqs
+from bridge_tiny import CASES, hf_reference, make_hf, random_seqs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("par", [["--tp", "2", "--sp"], ["--pp", "2", "--pp-layers", "2,1"]])
+@pytest.mark.parametrize("par", [["--tp", "2", "--sp"], ["--pp", "2", "--pp-layers", "2,1"], ["--pp", "2", "--vpp", "2"]])
 def test_cli_recomputes_response_logprobs(tmp_path, par):
     src = str(tmp_path / "m")
-    model = make_case("qwen3_qknorm_gqa1_untied", src)
+    kind, kw = CASES["qwen3_qknorm_gqa1_untied"]  # 3 layers; 4 for two virtual stages on each of 2 ranks
+    model = make_hf(kind, src, **{**kw, "num_hidden_layers": 4 if "--vpp" in par else kw["num_hidden_layers"]})
     seqs = random_seqs([7, 12, 4], seed=9)
     prompts = [3, 5, 1]  # the first p tokens are the prompt
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -75,7 +75,7 @@ def combine_digests(digests: dict[str, bytes]) -> str:
 
 class MegatronWorker:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
-                 model_path: str, tp: int = 1, pp: int = 1, pp_layers=None, params_dtype: str = "float32",
+                 model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, pp_layers=None, params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1,
                  recompute: dict | None = None, sequence_parallel: bool = False):
         from megatron_bridge import launch
@@ -85,7 +85,7 @@ class MegatronWorker:
 
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
-        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, seed=seed)
+        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, seed=seed)
         self.mesh = launch.parallel_layout()
         self.hf = read_hf_config(model_path)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
@@ -109,8 +109,7 @@ class MegatronWorker:
     def _module(self):
         return self.trainer.model if self.trainer is not None else self.model
 
-    @staticmethod
-    def _micro_batches(batch: RolloutBatch, settings, fields: tuple[str, ...]) -> list[dict]:
+    def _micro_batches(self, batch: RolloutBatch, settings, fields: tuple[str, ...]) -> list[dict]:
         """The batch's micro-batches (``settings``: a ``ForwardSettings`` or ``UpdateSettings``):
         ``micro_batch_size`` rows each or filled up to ``max_token_len`` tokens
         (``trainer.batch.micro_batch_groups``); ``packed``: one THD row of the real tokens
@@ -118,8 +117,10 @@ class MegatronWorker:
         each micro-batch's rows of ``batch``; ``fields``: per-row tensors the loss reads."""
         from megatron_bridge.logprobs import pack_padded
 
+        # the interleaved schedule (virtual pipeline stages) needs a micro-batch per pipeline stage
+        least = self.mesh["pp_size"] if self.mesh.get("vpp_size", 1) > 1 else 1
         groups = micro_batch_groups(batch.num_tokens.tolist(), size=settings.micro_batch_size,
-                                    max_tokens=settings.max_token_len, budget_key=settings.budget_key)
+                                    max_tokens=settings.max_token_len, budget_key=settings.budget_key, min_groups=least)
         out = []
         for rows in groups:
             idx = torch.as_tensor(rows, dtype=torch.long)
