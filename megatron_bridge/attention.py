@@ -43,8 +43,6 @@ class TorchSDPAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("TorchSDPAttention does not support context parallelism")
         p = config.attention_dropout if attention_dropout is None else attention_dropout
         if p:
             raise NotImplementedError("TorchSDPAttention: attention dropout is not supported")
@@ -62,7 +60,14 @@ class TorchSDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            plan = getattr(packed_seq_params, "_coxswain_cp", None)
+            if plan is not None:  # context parallelism: gather keys / values over the CP group
+                from megatron_bridge.context_parallel import attention as cp_attention
+
+                return cp_attention(query, key, value, plan, self.scale)
             return self._thd(query, key, value, packed_seq_params)
+        if self.config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs packed (THD) inputs with a CP plan (logprobs.run_model)")
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))  # see the docstring
         gqa = key.shape[2] != query.shape[2]

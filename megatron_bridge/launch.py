@@ -49,6 +49,7 @@ def init_distributed(
     tp: int = 1,
     pp: int = 1,
     vpp: int = 1,
+    cp: int = 1,
     backend: str | None = None,
     seed: int = 1234,
     local_rank: int | None = None,
@@ -71,12 +72,13 @@ def init_distributed(
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
-    set_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed)
+    set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=seed)
 
 
-def set_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, vpp: int = 1) -> None:
-    """(Re)build megatron's model-parallel groups; data parallel = world / (tp * pp). ``vpp`` > 1:
-    each pipeline rank holds ``vpp`` model chunks (megatron's interleaved 1F1B schedule)."""
+def set_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, vpp: int = 1, cp: int = 1) -> None:
+    """(Re)build megatron's model-parallel groups; data parallel = world / (tp * pp * cp). ``vpp`` > 1:
+    each pipeline rank holds ``vpp`` model chunks (megatron's interleaved 1F1B schedule); ``cp`` > 1:
+    each sequence is split over ``cp`` ranks (:mod:`megatron_bridge.context_parallel`)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -84,7 +86,8 @@ def set_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, vpp: int = 1) -> No
         raise ValueError(f"virtual pipeline stages (vpp={vpp}) interleave a pipeline: they need pp >= 2 (got pp={pp})")
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                 context_parallel_size=cp)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
@@ -189,4 +192,5 @@ def parallel_layout() -> dict:
     return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
             "tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size(),
-            "vpp_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+            "vpp_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "cp_rank": ps.get_context_parallel_rank(), "cp_size": ps.get_context_parallel_world_size()}

@@ -31,7 +31,7 @@ numbers, attention cost of the whole row).
 
 CLI (to recompute trainer-side log-probs of a dumped rollout)::
 
-    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M [--vpp V] [--sp] --input IN.jsonl --out OUT.jsonl [--temperature T]
+    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M [--vpp V] [--cp C] [--sp] --input IN.jsonl --out OUT.jsonl [--temperature T]
 
 Each input line ``{"prompt_ids": [...], "response_ids": [...]}``; each output line adds
 ``"logprobs"``, one per response token. The ranks are launched locally (gloo on CPU).
@@ -136,12 +136,14 @@ class ModelInputs:
     cu_seqlens: torch.Tensor | None = None  # [N+1] for packed rows
     real: torch.Tensor | None = None  # [B, S] bool attention mask of a padded batch
     pad_to: int = 0  # > 0: run as one THD row of exactly this many tokens (virtual pipeline stages)
+    cp: object = None  # context parallelism: this rank's share (megatron_bridge.context_parallel.CPPlan)
 
     def to(self, device) -> "ModelInputs":
         mv = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return ModelInputs(*(mv(getattr(self, f)) for f in ("input_ids", "position_ids", "attention_mask", "labels",
                                                               "next_valid", "token_valid")),
-                           packed=self.packed, cu_seqlens=self.cu_seqlens, real=mv(self.real), pad_to=self.pad_to)
+                           packed=self.packed, cu_seqlens=self.cu_seqlens, real=mv(self.real), pad_to=self.pad_to,
+                           cp=self.cp)
 
 
 def model_device(model) -> torch.device:
@@ -174,6 +176,8 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
     if not getattr(unwrap(cs[0]), "supports_thd", False):
         raise ValueError("virtual pipeline stages run every micro-batch as a padded THD row: build the model with "
                          "attention='sdpa' (or Transformer Engine)")
+    if ps.get_context_parallel_world_size() > 1:
+        raise ValueError("virtual pipeline stages with context parallelism are not built yet (issue #16): use one of them")
     pp, tp, n = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(), len(inputs)
     if n < pp:
         raise ValueError(f"the interleaved pipeline (vpp={len(cs)}) needs at least pp={pp} micro-batches, got "
@@ -381,6 +385,28 @@ def _run_dense(model, m, inp: ModelInputs):
     return out[:, :S] if m.post_process else out
 
 
+def _run_context_parallel(model, m, inp: ModelInputs, cp: int):
+    """The CP split of ``inp`` (built once per micro-batch, kept on it for :func:`head_outputs`) through
+    the model: this rank's tokens with their global positions; attention gathers the rest."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_bridge.context_parallel import build_plan
+
+    if not getattr(m, "supports_thd", False) or getattr(m, "uses_te", False):
+        raise ValueError("context parallelism runs on the bridge's attention (build_model(attention='sdpa'))")
+    if inp.cp is None:
+        tp = ps.get_tensor_model_parallel_world_size()
+        inp.cp = build_plan(inp, cp, ps.get_context_parallel_rank(), ps.get_context_parallel_group(),
+                            multiple=tp if getattr(m, "sequence_parallel", False) else 1)
+    plan = inp.cp
+    cu = plan.cu_local.to(device=plan.ids.device, dtype=torch.int32)
+    mx = int((cu[1:] - cu[:-1]).max())
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx)
+    psp._coxswain_cp = plan
+    return model(plan.ids, plan.positions, None, packed_seq_params=psp)
+
+
 def run_model(model, inp: ModelInputs):
     """One forward of a (possibly DDP-wrapped) bridge model chunk on prepared inputs.
 
@@ -389,9 +415,14 @@ def run_model(model, inp: ModelInputs):
     is first unpadded into one packed row (TE's causal kernels ignore an arbitrary mask, so running
     it padded would let left pads leak) and the last stage's output is scattered back to ``[B, S]``.
     """
+    from megatron.core import parallel_state as ps
+
     from megatron_bridge.model import unwrap
 
     m = unwrap(model)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:  # this rank's share of every sequence, as one THD row (megatron_bridge.context_parallel)
+        return _run_context_parallel(model, m, inp, cp)
     if inp.packed and getattr(m, "supports_thd", False):
         # THD: [1, T] tokens, positions restart from cu_seqlens inside megatron's RoPE.
         return _run_packed(model, m, inp.input_ids, inp.cu_seqlens, inp.pad_to)
@@ -419,17 +450,26 @@ def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: 
     from megatron_bridge.model import unwrap
 
     m = unwrap(model)
+    plan = inp.cp
+    if plan is not None:  # context parallelism: this rank's tokens; gathered into the caller's layout below
+        from megatron_bridge.context_parallel import gather_outputs
+
+        whole = lambda x: gather_outputs(x, plan)  # noqa: E731
+        labels = plan.labels[None]  # [1, Tl]
+    else:
+        whole = lambda x: x  # noqa: E731
+        labels = inp.labels
     if m.is_critic:
         vals = output[..., 0].float()  # [B, S]
-        return {"values": align_to_tokens(vals, inp)}
+        return {"values": align_to_tokens(whole(vals), inp)}
     v_local = output.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * v_local
-    lp, ent = vocab_parallel_logprobs(output, inp.labels, vocab_start=start, vocab_size=m.true_vocab_size,
+    lp, ent = vocab_parallel_logprobs(output, labels, vocab_start=start, vocab_size=m.true_vocab_size,
                                       temperature=temperature, group=ps.get_tensor_model_parallel_group(),
                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
-    out = {"logprobs": align_to_tokens(lp, inp)}
+    out = {"logprobs": align_to_tokens(whole(lp), inp)}
     if ent is not None:
-        out["entropy"] = align_to_tokens(ent, inp)
+        out["entropy"] = align_to_tokens(whole(ent), inp)
     return out
 
 
@@ -504,13 +544,13 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
 
 
 def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature: float,
-              max_tokens: int, pp_layers, sp: bool = False, vpp: int = 1):
+              max_tokens: int, pp_layers, sp: bool = False, vpp: int = 1, cp: int = 1):
     from megatron_bridge.convert import load_hf_weights
     from megatron_bridge.hf_config import read_hf_config
     from megatron_bridge.launch import set_parallel
     from megatron_bridge.model import build_model
 
-    set_parallel(tp=tp, pp=pp, vpp=vpp)
+    set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp)
     hf = read_hf_config(model_dir)
     model = build_model(hf, pp_layers=pp_layers, sequence_parallel=sp)
     load_hf_weights(model, model_dir)
@@ -537,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank (interleaved; needs --pp > 1)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism within TP (megatron's; needs --tp > 1)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
     ap.add_argument("--pp-layers", default=None, help="comma-separated layers per stage (uneven split)")
     ap.add_argument("--input", required=True, help="jsonl with prompt_ids and response_ids per line")
     ap.add_argument("--out", required=True, help="output jsonl: each input line plus 'logprobs'")
@@ -555,12 +596,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--sp splits the sequence over tensor-parallel ranks: give --tp 2 or more")
     if a.vpp > 1 and a.pp < 2:
         raise SystemExit("--vpp interleaves a pipeline: give --pp 2 or more")
-    res = spawn(_cli_rank, a.tp * a.pp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers, a.sp, a.vpp)
+    if a.vpp > 1 and a.cp > 1:
+        raise SystemExit("--vpp with --cp is not built yet: use one of them")
+    res = spawn(_cli_rank, a.tp * a.pp * a.cp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers,
+                a.sp, a.vpp, a.cp)
     per_seq = res[0]
     with open(a.out, "w", encoding="utf-8") as f:
         for r, lp in zip(records, per_seq):
             f.write(json.dumps({**r, "logprobs": lp}) + "\n")
-    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, vpp={a.vpp}, sp={a.sp}, temperature={a.temperature})",
+    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, vpp={a.vpp}, cp={a.cp}, sp={a.sp}, temperature={a.temperature})",
           file=sys.stderr)
     return 0
 

@@ -70,7 +70,7 @@ class PositionRotary(nn.Module):
         self.device = torch.device("cpu")  # the model's device, set per call by BridgeGPTModel
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        if self.positions is None or packed_seq:
+        if self.positions is None:  # packed rows without explicit positions: restarts come from cu_seqlens
             pos = (torch.arange(max_seq_len, device=self.device) + offset)[:, None]  # [S, 1]
         else:
             pos = self.positions.t().to(self.device)  # [S, B]
@@ -95,9 +95,9 @@ def _thd_rope(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_atten
     own sequence (megatron's ``_apply_rotary_pos_emb_thd`` at CP 1, without its Python loop)."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    if cp_group is not None and cp_group.size() > 1:
-        return _MEGATRON_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
     T = t.shape[0]
+    if cp_group is not None and cp_group.size() > 1 and freqs.size(0) != T:
+        return _MEGATRON_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
     if freqs.size(0) != T:  # a table from position 0: each token's position within its sequence
         cu = cu_seqlens.to(device=t.device, dtype=torch.long)
         seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=t.device), cu[1:] - cu[:-1])  # [T]
@@ -210,7 +210,8 @@ def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, params_dtype=params_dtype,
+    cp = ps.get_context_parallel_world_size()
+    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, vpp=vpp, cp=cp, pp_layers=pp_layers, params_dtype=params_dtype,
                                    use_cpu_initialization=not torch.cuda.is_available(),
                                    sequence_parallel=bool(sequence_parallel) and tp > 1)  # megatron: SP needs TP > 1
     kw.update(recompute or {})
@@ -248,7 +249,8 @@ def build_model(
     _install_thd_rope()
     config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype, recompute=recompute,
                                       sequence_parallel=sequence_parallel)
-    use_te = te_available() if use_te is None else use_te
+    if use_te is None:  # context parallelism runs on the bridge's own attention (megatron_bridge.context_parallel)
+        use_te = te_available() and ps.get_context_parallel_world_size() == 1
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
     else:

@@ -204,20 +204,28 @@ def test_main_prints_and_writes_resolved_config(tmp_path):
 
 def test_parallelism_and_offload_not_built_yet_are_refused_together():
     """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
-    keys = ["actor_rollout_ref.actor.megatron.context_parallel_size=2",
-            "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
+    keys = ["actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
             "critic.megatron.expert_model_parallel_size=2", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
             "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.1",
             "actor_rollout_ref.actor.strategy=deepspeed", "reward_model.enable=true"]
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
     msg = str(e.value)
-    for want in ("actor.megatron.context_parallel_size=2: context parallelism is not built",
-                 "ref.megatron.virtual_pipeline_model_parallel_size=2", "critic.megatron.expert_model_parallel_size=2",
+    for want in ("ref.megatron.virtual_pipeline_model_parallel_size=2 interleaves pipeline stages: it needs "
+                 "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size >= 2",
+                 "critic.megatron.expert_model_parallel_size=2: expert parallelism",
                  "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported",
                  "actor_rollout_ref.actor.strategy=deepspeed: the DeepSpeed strategy", "reward_model.enable=True"):
         assert want in msg, want
-    assert msg.startswith("9 problems")  # the reference follows the actor's context parallelism: both named
+    assert msg.startswith("7 problems"), msg  # the reference follows the actor's transformer overrides: both named
+    # context parallelism and the interleaved pipeline are built: accepted (not together, not yet)
+    tiny_config(["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+    tiny_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="not built yet"):
+        tiny_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                     "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+                     "actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=4"])
     # sequence parallelism is built: accepted at any TP
     tiny_config(["actor_rollout_ref.actor.megatron.sequence_parallel=true",
                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])

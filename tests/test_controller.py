@@ -241,3 +241,17 @@ def test_pp2_vpp2_actor_matches_pp1_in_the_loop(tmp_path, monkeypatch):
     assert got["critic/score/mean"] == ref["critic/score/mean"]  # the same samples
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
         assert abs(got[k] - ref[k]) < 1e-4 * max(1.0, abs(ref[k])), (k, got[k], ref[k])
+
+
+def test_cp2_actor_and_reference_match_cp1_in_the_loop(tmp_path, monkeypatch):
+    """Context parallelism in the loop: the actor and the reference (KL loss on) each split every
+    sequence over two ranks; one GRPO step gives the CP=1 run's losses, KL and gradient norm."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    common = ["trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1"]
+    ref = run(tmp_path, *common, name="cp1")["history"][-1]
+    got = run(tmp_path, *common, "actor_rollout_ref.actor.megatron.context_parallel_size=2", name="cp2")["history"][-1]
+    assert got["sync/verified"] == 1.0
+    assert got["critic/score/mean"] == ref["critic/score/mean"]  # the same samples
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+        assert abs(got[k] - ref[k]) < 1e-4 * max(1.0, abs(ref[k])), (k, got[k], ref[k])

@@ -149,7 +149,6 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
      "the global (legacy) micro-batch size is not supported: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("actor_rollout_ref.model.override_config", _override_config_set,
      "overriding the HF config is not implemented; edit the model's config.json instead"),
-    ("*.context_parallel_size", lambda v, c: v not in (None, 1), "context parallelism is not built yet (issue #16)"),
     ("*.expert_model_parallel_size", lambda v, c: v not in (None, 1),
      "expert parallelism (mixture-of-experts models) is not built yet (issue #16)"),
     ("*.expert_tensor_parallel_size", lambda v, c: v not in (None, 1),

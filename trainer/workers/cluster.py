@@ -85,7 +85,7 @@ class Cluster:
             rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
-                        vpp=mcfg.virtual_pipeline_model_parallel_size or 1,
+                        vpp=mcfg.virtual_pipeline_model_parallel_size or 1, cp=mcfg.context_parallel_size,
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
                         params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
                         sequence_parallel=bool(mcfg.sequence_parallel),

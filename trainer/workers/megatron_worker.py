@@ -75,7 +75,8 @@ def combine_digests(digests: dict[str, bytes]) -> str:
 
 class MegatronWorker:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
-                 model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, pp_layers=None, params_dtype: str = "float32",
+                 model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, pp_layers=None,
+                 params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1,
                  recompute: dict | None = None, sequence_parallel: bool = False):
         from megatron_bridge import launch
@@ -85,7 +86,7 @@ class MegatronWorker:
 
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
-        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, seed=seed)
+        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, seed=seed)
         self.mesh = launch.parallel_layout()
         self.hf = read_hf_config(model_path)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
