@@ -24,7 +24,11 @@ os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
 # logs its token-authentication notice. Filtered in the driver (warnings filters, a logging filter) and
 # in every Ray worker (PYTHONWARNINGS in the runtime env; literal message prefixes).
 _QUIET_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                   "full scope is deprecated")
+                   "full scope is deprecated",
+                   # megatron's sequence-parallel layers: a CUDA launch hint, and torch's renamed collectives
+                   "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+                   "`torch.distributed.reduce_scatter_tensor` is deprecated",
+                   "`torch.distributed.all_gather_into_tensor` is deprecated")
 
 
 def _quiet_warnings_env() -> str:
