@@ -10,6 +10,13 @@ bridge reaches (found by ``/work/shared/probes/megatron_cpu_check.py`` and by th
 * activation recompute (``CheckpointFunction``) saves and restores the CUDA RNG state around each
   recomputed block: with no CUDA device there is none, so the get / set become no-ops (megatron
   saves and restores the CPU generator itself).
+* the MoE all-to-all token dispatcher copies its split sizes to the host on a side CUDA stream and
+  waits on an event: ``torch.cuda.Stream()`` / ``current_stream()`` return one CPU stand-in stream
+  (so the copy runs inline, "on the current stream"), ``torch.cuda.stream(s)`` is a null context,
+  and the stand-in's ``record_event()`` gives an event whose ``synchronize()`` returns at once.
+* that dispatcher's split sizes stay CPU tensors (on GPU they become host numpy arrays), which
+  ``all_to_all_single``'s binding refuses: a wrapper converts them to lists (process-wide, since the
+  dispatcher's backward runs where the thread's function mode is not active).
 * a few places pass a literal ``device="cuda"`` (the schedules' token counter, optimizer scalars)
   or call ``tensor.cuda()`` (tied embeddings under pipeline parallelism, before their all-reduce).
   A ``TorchFunctionMode`` rewrites any ``device="cuda..."`` keyword to ``"cpu"`` and turns
@@ -35,6 +42,37 @@ from torch.overrides import TorchFunctionMode
 
 _state = threading.local()
 _patched = False
+_all_to_all_single = torch.distributed.all_to_all_single
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one stand-in CUDA stream of a CPU process: work on it is the host's, in order."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_STREAM = _CpuStream()
 
 
 class CudaToCpu(TorchFunctionMode):
@@ -43,6 +81,7 @@ class CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
             return args[0]
+
         if kwargs:
             dev = kwargs.get("device")
             if dev is not None and str(dev).startswith("cuda"):
@@ -64,6 +103,15 @@ def install() -> bool:
     if not _patched:
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.Stream = lambda *a, **k: _STREAM
+        torch.cuda.current_stream = lambda *a, **k: _STREAM
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
+            tolist = lambda v: v.tolist() if hasattr(v, "tolist") else v  # noqa: E731
+            return _all_to_all_single(output, input, tolist(output_split_sizes), tolist(input_split_sizes), *a, **k)
+
+        torch.distributed.all_to_all_single = all_to_all_single
         # activation recompute saves and restores the CUDA RNG state around each recomputed block;
         # with no CUDA there is none (the CPU state, which megatron saves too, is the one dropout uses)
         from megatron.core.tensor_parallel import random as mp_random
@@ -75,6 +123,15 @@ def install() -> bool:
         _state.mode = CudaToCpu()
         _state.mode.__enter__()
     return True
+
+
+def fix_moe_without_te() -> None:
+    """megatron-core 0.16.1's router gating function names ``te_general_gemm`` even when Transformer
+    Engine is absent (its import is guarded, the name is not): define it as None so the torch path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def uninstall_mode() -> None:

@@ -51,6 +51,9 @@ def read_hf_config(src: str | os.PathLike | dict) -> HFModelConfig:
         raise UnsupportedConfig(f"config.json: {cfg.model_type} with attention_bias=True (a bias on o_proj) is not "
                                 f"supported by the megatron bridge (megatron's add_bias_linear ties it to MLP biases); "
                                 f"the native engine runs it, the trainer cannot: use a checkpoint without it")
+    if cfg.is_moe:
+        raise UnsupportedConfig(f"config.json: {cfg.model_type} (mixture of experts) is not converted by the megatron "
+                                f"bridge yet (issue #16); the native engine runs it")
     if cfg.mlp_bias:
         raise UnsupportedConfig("config.json: mlp_bias=True is not supported by the megatron bridge (megatron's "
                                 "add_bias_linear ties MLP biases to an o_proj bias); the native engine runs it, the "

@@ -9,7 +9,15 @@ the trainer loads, and the two stop on the same tokens:
       out = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))          (pre-norm RMSNorm, SwiGLU)
 
   with any GQA ratio, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's
-  ``attention_bias`` / ``mlp_bias``. Field names of transformers v4 (``rope_theta`` +
+  ``attention_bias`` / ``mlp_bias``; and their mixture-of-experts twins ``qwen3_moe`` / ``qwen2_moe``,
+  whose MLP is a router over ``E`` SwiGLU experts (Shazeer et al. 2017, "Outrageously Large Neural
+  Networks", arXiv:1701.06538; Qwen3 / Qwen2-MoE technical reports):
+
+      p   = softmax(W_router n2(h))                                        (fp32, over the E experts)
+      S   = top-k(p);  w_e = p_e, renormalised to sum 1 over S when norm_topk_prob
+      out = h + sum_{e in S} w_e SwiGLU_e(n2(h)) [+ sigmoid(g . n2(h)) SwiGLU_shared(n2(h))  (qwen2_moe)]
+
+  every layer MoE (``mlp_only_layers`` empty, ``decoder_sparse_step`` 1, as the released models). Field names of transformers v4 (``rope_theta`` +
   ``rope_scaling``) and v5 (``rope_parameters``, also per layer type) are both read.
 * ``*.safetensors`` (:class:`SafetensorsDir`, :func:`iter_safetensors`): one ``model.safetensors``,
   several files, or shards listed by ``model.safetensors.index.json`` (the index is authoritative).
@@ -62,7 +70,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_REQUIRED = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -115,7 +123,16 @@ class ArchConfig:
     max_position_embeddings: int = 2048
     eos_token_id: tuple[int, ...] = ()  # config.json's; see stop_token_ids for the full stop set
     torch_dtype: torch.dtype | None = None  # the checkpoint's declared dtype (None: not given / "auto")
+    num_experts: int = 0  # mixture of experts: routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0  # top-k experts each token is sent to
+    moe_intermediate_size: int = 0  # each routed expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum 1
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: the always-on shared expert's width (0: none)
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as read
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_groups(self) -> int:
@@ -204,6 +221,7 @@ def read_config(src: str | os.PathLike | dict) -> ArchConfig:
     eos = d.get("eos_token_id")
     eos = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     dt = d.get("torch_dtype") or d.get("dtype")
+    moe = _moe_fields(d, mt)
     return ArchConfig(
         model_type=mt,
         vocab_size=_int_field(d, "vocab_size"),
@@ -215,10 +233,11 @@ def read_config(src: str | os.PathLike | dict) -> ArchConfig:
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=True if mt == "qwen2" else attn_bias,  # Qwen2: q/k/v biases always, none on o_proj
-        o_bias=False if mt == "qwen2" else attn_bias,
+        qkv_bias=True if mt in ("qwen2", "qwen2_moe") else attn_bias,  # Qwen2: q/k/v biases always, none on o_proj
+        o_bias=False if mt in ("qwen2", "qwen2_moe") else attn_bias,
         mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,  # Qwen MLPs have no bias
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "qwen3_moe"),
+        **moe,
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
@@ -226,6 +245,29 @@ def read_config(src: str | os.PathLike | dict) -> ArchConfig:
         torch_dtype=_DTYPES.get(dt) if isinstance(dt, str) else None,
         raw=d,
     )
+
+
+def _moe_fields(d: dict, mt: str) -> dict:
+    """The mixture-of-experts fields of a ``qwen3_moe`` / ``qwen2_moe`` config (``{}`` for dense ones)."""
+    if not mt.endswith("_moe"):
+        return {}
+    n_layers = _int_field(d, "num_hidden_layers")
+    dense = sorted(set(int(i) for i in (d.get("mlp_only_layers") or [])))
+    step = int(d.get("decoder_sparse_step") or 1)
+    mixed = dense + [i for i in range(n_layers) if (i + 1) % step and i not in dense]
+    if mixed:
+        raise _refuse(f"{mt} with dense MLP layers {sorted(mixed)} (mlp_only_layers={dense}, decoder_sparse_step={step}) "
+                      f"is not supported: every layer must be a mixture-of-experts layer, as in the released models")
+    if d.get("num_experts") is None and d.get("num_local_experts") is not None:
+        d = {**d, "num_experts": d["num_local_experts"]}  # transformers v5's name for it
+    out = dict(num_experts=_int_field(d, "num_experts"), experts_per_token=_int_field(d, "num_experts_per_tok"),
+               moe_intermediate_size=_int_field(d, "moe_intermediate_size"),
+               norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+    if not 0 < out["experts_per_token"] <= out["num_experts"]:
+        raise _refuse(f"num_experts_per_tok={out['experts_per_token']} must be in 1..num_experts={out['num_experts']}")
+    if mt == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(d.get("shared_expert_intermediate_size") or 0)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

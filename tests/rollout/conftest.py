@@ -22,6 +22,16 @@ ARCHS = {
 }
 
 
+# Mixture-of-experts twins: 4 experts, top-2; Qwen3-MoE renormalises the top-k weights, Qwen2-MoE does
+# not and adds a gated shared expert.
+MOE_ARCHS = {
+    "qwen3_moe": dict(num_key_value_heads=1, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+}
+
+
 def hf_classes(arch: str):
     import transformers as tf
 
@@ -29,6 +39,8 @@ def hf_classes(arch: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
     }[arch]
 
 
@@ -41,7 +53,7 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     cfg_cls, model_cls = hf_classes(arch)
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    kw.update(ARCHS[arch])
+    kw.update({**ARCHS, **MOE_ARCHS}[arch])
     kw.update(overrides)
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)

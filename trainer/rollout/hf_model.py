@@ -110,6 +110,65 @@ class _Layer:
     __slots__ = ("ln1", "wqkv", "bqkv", "q_norm", "k_norm", "qk_norm", "wo", "bo", "ln2", "w_gu", "b_gu", "w_down", "b_down", "packed")
 
 
+class MoEWeights:
+    """One mixture-of-experts MLP (qwen3_moe / qwen2_moe): the router ``[E, h]``, the experts' fused
+    gate|up ``[E, 2I, h]`` and down ``[E, h, I]`` projections, and qwen2_moe's shared expert
+    (gate|up ``[2Is, h]``, down ``[h, Is]``) with its sigmoid gate ``[1, h]``. Math: :func:`moe_residual`."""
+
+    __slots__ = ("router", "w_gu", "w_down", "shared_gu", "shared_down", "shared_gate")
+
+    def __init__(self, cfg: ModelConfig, **kw):
+        E, h, inter, sh = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        self.router = torch.zeros(E, h, **kw)
+        self.w_gu = torch.zeros(E, 2 * inter, h, **kw)
+        self.w_down = torch.zeros(E, h, inter, **kw)
+        self.shared_gu = torch.zeros(2 * sh, h, **kw) if sh else None
+        self.shared_down = torch.zeros(h, sh, **kw) if sh else None
+        self.shared_gate = torch.zeros(1, h, **kw) if sh else None
+
+    def hf(self, prefix: str, inter: int, shared: int) -> dict[str, torch.Tensor]:
+        """HF names -> views into this storage (per-expert names, as the released checkpoints store them)."""
+        out = {prefix + "gate.weight": self.router}
+        for e in range(self.w_gu.shape[0]):
+            q = f"{prefix}experts.{e}."
+            out[q + "gate_proj.weight"] = self.w_gu[e, :inter]
+            out[q + "up_proj.weight"] = self.w_gu[e, inter:]
+            out[q + "down_proj.weight"] = self.w_down[e]
+        if self.shared_gu is not None:
+            out[prefix + "shared_expert.gate_proj.weight"] = self.shared_gu[:shared]
+            out[prefix + "shared_expert.up_proj.weight"] = self.shared_gu[shared:]
+            out[prefix + "shared_expert.down_proj.weight"] = self.shared_down
+            out[prefix + "shared_expert_gate.weight"] = self.shared_gate
+        return out
+
+
+def moe_residual(cfg: ModelConfig, h: torch.Tensor, ln2: torch.Tensor, moe: MoEWeights) -> torch.Tensor:
+    """``h + sum_{e in top-k} w_e SwiGLU_e(x) [+ sigmoid(g . x) SwiGLU_shared(x)]``, ``x = RMSNorm(h)``:
+    routing probabilities ``softmax(W_router x)`` in fp32, the top ``k`` kept (renormalised to sum 1
+    when ``norm_topk_prob``) and cast to the activations' dtype; each expert runs on its own tokens
+    and adds its weighted output, in expert order (transformers' Qwen MoE blocks, term for term)."""
+    x = rms_norm(h, ln2, cfg.rms_norm_eps)
+    lead, hd = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, hd)  # [N, h]
+    probs = torch.softmax(F.linear(x2, moe.router), dim=-1, dtype=torch.float)  # [N, E]
+    top_w, top_i = torch.topk(probs, cfg.experts_per_token, dim=-1)  # [N, k]
+    if cfg.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    top_w = top_w.to(x2.dtype)
+    inter = cfg.moe_intermediate_size
+    out = torch.zeros_like(x2)
+    for e in torch.unique(top_i).tolist():
+        slot, tok = torch.where((top_i == e).t())  # [n_e] each: top-k slot and token of expert e
+        gu = F.linear(x2[tok], moe.w_gu[e])  # [n_e, 2I]
+        y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], moe.w_down[e]) * top_w[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    if moe.shared_gu is not None:
+        sh = cfg.shared_expert_intermediate_size
+        gu = F.linear(x2, moe.shared_gu)
+        out = out + torch.sigmoid(F.linear(x2, moe.shared_gate)) * F.linear(F.silu(gu[:, :sh]) * gu[:, sh:], moe.shared_down)
+    return h + out.view(*lead, hd)
+
+
 def _onednn_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
     """oneDNN-prepacked copy of a bf16/fp16 CPU weight, or None where that is unavailable or inexact.
 
@@ -164,7 +223,10 @@ def qkv_heads(cfg: ModelConfig, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.
 def mlp_residual(cfg: ModelConfig, h: torch.Tensor, ln2: torch.Tensor, w_gu: torch.Tensor, b_gu: torch.Tensor | None,
                  w_down: torch.Tensor, b_down: torch.Tensor | None, packed_gu: torch.Tensor | None = None,
                  packed_down: torch.Tensor | None = None, lin=linear) -> torch.Tensor:
-    """``h + W_down(silu(W_gate h~) * W_up h~)``, ``h~ = RMSNorm(h)`` (gate/up fused in ``w_gu``)."""
+    """``h + W_down(silu(W_gate h~) * W_up h~)``, ``h~ = RMSNorm(h)`` (gate/up fused in ``w_gu``);
+    a mixture-of-experts layer (``w_gu`` a :class:`MoEWeights`) goes to :func:`moe_residual`."""
+    if isinstance(w_gu, MoEWeights):
+        return moe_residual(cfg, h, ln2, w_gu)
     inter = cfg.intermediate_size
     gu = lin(rms_norm(h, ln2, cfg.rms_norm_eps), w_gu, b_gu, packed_gu)  # [..., 2I]
     return h + lin(F.silu(gu[..., :inter]) * gu[..., inter:], w_down, b_down, packed_down)
@@ -195,10 +257,13 @@ class CausalLM:
             L.bo = torch.zeros(h, **kw) if cfg.o_bias else None
             L.q_norm = torch.ones(D, **kw) if cfg.qk_norm else None
             L.k_norm = torch.ones(D, **kw) if cfg.qk_norm else None
-            L.w_gu = torch.zeros(2 * inter, h, **kw)  # rows: gate | up
-            L.b_gu = torch.zeros(2 * inter, **kw) if cfg.mlp_bias else None
-            L.w_down = torch.zeros(h, inter, **kw)
-            L.b_down = torch.zeros(h, **kw) if cfg.mlp_bias else None
+            if cfg.is_moe:  # the MLP slots hold the experts (w_gu) and nothing else
+                L.w_gu, L.b_gu, L.w_down, L.b_down = MoEWeights(cfg, **kw), None, None, None
+            else:
+                L.w_gu = torch.zeros(2 * inter, h, **kw)  # rows: gate | up
+                L.b_gu = torch.zeros(2 * inter, **kw) if cfg.mlp_bias else None
+                L.w_down = torch.zeros(h, inter, **kw)
+                L.b_down = torch.zeros(h, **kw) if cfg.mlp_bias else None
             hf[p + "input_layernorm.weight"] = L.ln1
             hf[p + "post_attention_layernorm.weight"] = L.ln2
             for proj, (a, b) in zip("qkv", qkv_rows):
@@ -211,6 +276,10 @@ class CausalLM:
             if cfg.qk_norm:
                 hf[p + "self_attn.q_norm.weight"] = L.q_norm
                 hf[p + "self_attn.k_norm.weight"] = L.k_norm
+            if cfg.is_moe:
+                hf.update(L.w_gu.hf(p + "mlp.", cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size))
+                self.layers.append(L)
+                continue
             hf[p + "mlp.gate_proj.weight"] = L.w_gu[:inter]
             hf[p + "mlp.up_proj.weight"] = L.w_gu[inter:]
             hf[p + "mlp.down_proj.weight"] = L.w_down
@@ -242,7 +311,8 @@ class CausalLM:
                 L.qk_norm = torch.cat((L.q_norm.expand(H, D), L.k_norm.expand(K, D)))  # [H+K, D]
         on = self.prepack
         for L in self.layers:
-            L.packed = tuple(_onednn_pack(w) if on else None for w in (L.wqkv, L.wo, L.w_gu, L.w_down))
+            L.packed = tuple(_onednn_pack(w) if on and isinstance(w, torch.Tensor) else None
+                             for w in (L.wqkv, L.wo, L.w_gu, L.w_down))
         self.packed_head = _onednn_pack(self.lm_head) if on else None
 
     # ---- rope tables -------------------------------------------------------------------------

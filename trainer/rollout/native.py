@@ -293,6 +293,10 @@ class NativeEngine(RolloutEngine):
             raise ValueError(f"{what} applies to a compiled decode: set compile_decode=true too "
                              "(actor_rollout_ref.rollout.engine_kwargs.compile_decode=true)")
         self.decode_gemm = decode_gemm
+        if compile_decode and self.model.cfg.is_moe:
+            raise ValueError(f"compile_decode does not support mixture-of-experts models ({self.model.cfg.model_type}: "
+                             "the experts each token visits are data-dependent); leave "
+                             "actor_rollout_ref.rollout.engine_kwargs.compile_decode off")
         if compile_decode:
             options = {}
             if decode_gemm == "cpp":
