@@ -45,23 +45,39 @@ _TE_TO_LOCAL = {
 }
 _LOCAL_TO_TE = {v: k for k, v in _TE_TO_LOCAL.items()}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
-def canonical_name(name: str, layer_offset: int) -> str:
-    """Model-local parameter name -> canonical name (local spec, global layer index)."""
+def _shift_expert(rest: str, by: int) -> str:
+    m = _EXPERT.match(rest)
+    return f"mlp.experts.local_experts.{int(m.group(1)) + by}.{m.group(2)}" if m else rest
+
+
+def is_expert(canonical: str) -> bool:
+    """A routed expert's parameter (split over expert-parallel ranks, sharded over expert-TP ranks)."""
+    m = _LAYER.match(canonical)
+    return bool(m and _EXPERT.match(m.group(2)))
+
+
+def expert_index(canonical: str) -> int:
+    return int(_EXPERT.match(_LAYER.match(canonical).group(2)).group(1))
+
+
+def canonical_name(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """Model-local parameter name -> canonical name (local spec, global layer and expert indices)."""
     m = _LAYER.match(name)
     if not m:
         return name
-    rest = _TE_TO_LOCAL.get(m.group(2), m.group(2))
+    rest = _shift_expert(_TE_TO_LOCAL.get(m.group(2), m.group(2)), expert_offset)
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 
-def local_name(canonical: str, layer_offset: int, te: bool) -> str:
+def local_name(canonical: str, layer_offset: int, te: bool, expert_offset: int = 0) -> str:
     m = _LAYER.match(canonical)
     if not m:
         return canonical
     rest = _LOCAL_TO_TE.get(m.group(2), m.group(2)) if te else m.group(2)
-    return f"decoder.layers.{int(m.group(1)) - layer_offset}.{rest}"
+    return f"decoder.layers.{int(m.group(1)) - layer_offset}.{_shift_expert(rest, -expert_offset)}"
 
 
 def canonical_names(hf: HFModelConfig, *, layers: range | None = None, pre: bool = True, post: bool = True,
@@ -76,8 +92,17 @@ def canonical_names(hf: HFModelConfig, *, layers: range | None = None, pre: bool
             out.append(p + "self_attention.linear_qkv.bias")
         if hf.qk_norm:
             out += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        out += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        out += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if hf.is_moe:  # router, every routed expert (global index), the shared expert and its gate
+            out.append(p + "mlp.router.weight")
+            for e in range(hf.num_experts):
+                out += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                        p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            if hf.shared_expert_intermediate_size:
+                out += [p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight",
+                        p + "mlp.shared_experts.gate_weight"]
+        else:
+            out += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     if post:
         out.append("decoder.final_layernorm.weight")
         if value_head:
@@ -136,6 +161,10 @@ def hf_names_for(canonical: str, hf: HFModelConfig) -> list[str]:
     if not m:
         raise KeyError(canonical)
     p, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    ex = _EXPERT.match(rest)
+    if ex:
+        q = f"{p}mlp.experts.{ex.group(1)}."
+        return [q + "gate_proj.weight", q + "up_proj.weight"] if ex.group(2) == "linear_fc1.weight" else [q + "down_proj.weight"]
     table = {
         "input_layernorm.weight": ["input_layernorm.weight"],
         "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -148,6 +177,10 @@ def hf_names_for(canonical: str, hf: HFModelConfig) -> list[str]:
         "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
         "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
         "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+        "mlp.router.weight": ["mlp.gate.weight"],
+        "mlp.shared_experts.linear_fc1.weight": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
+        "mlp.shared_experts.linear_fc2.weight": ["mlp.shared_expert.down_proj.weight"],
+        "mlp.shared_experts.gate_weight": ["mlp.shared_expert_gate.weight"],
     }
     return [p + n for n in table[rest]]
 
@@ -283,7 +316,7 @@ def iter_local_params(model) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
 
     m = unwrap(model)
     for name, p in m.named_parameters():
-        yield name, canonical_name(name, m.layer_offset), p
+        yield name, canonical_name(name, m.layer_offset, getattr(m, "expert_offset", 0)), p
 
 
 @torch.no_grad()
@@ -314,7 +347,11 @@ def _load_chunk(model, source) -> None:
         if m.is_critic and can.startswith("output_layer.") and can.replace("output_layer", "score") not in keys:
             continue  # a causal-LM checkpoint has no critic head: keep the fresh init
         full = hf_to_canonical(can, get, m.hf_config, padded_vocab=m.padded_vocab_size, value_head=m.is_critic)
-        shard = tp_shard(can, full, tp, r, m.is_critic)
+        if is_expert(can):  # routed experts are split over the expert-tensor-parallel ranks
+            shard = tp_shard(can, full, ps.get_expert_tensor_parallel_world_size(),
+                             ps.get_expert_tensor_parallel_rank(), m.is_critic)
+        else:
+            shard = tp_shard(can, full, tp, r, m.is_critic)
         if shard.shape != p.shape:
             raise ValueError(f"{name} ({can}): checkpoint shard {tuple(shard.shape)} != parameter {tuple(p.shape)}")
         p.copy_(shard)

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from megatron_bridge.fsutil import replace_dir
 
-from megatron_bridge.convert import canonical_names, canonical_to_hf, local_name, tp_kind, tp_merge
+from megatron_bridge.convert import (canonical_names, canonical_to_hf, expert_index, is_expert, local_name, tp_kind,
+                                    tp_merge)
 from megatron_bridge.hf_config import HFModelConfig
 
 TOKENIZER_FILES = (
@@ -53,6 +54,12 @@ def canonical_shape(name: str, hf: HFModelConfig, padded_vocab: int) -> tuple[in
         return (hd,)
     if name.endswith("linear_proj.weight"):
         return (H, hf.num_heads * hd)
+    if name.endswith("mlp.router.weight"):
+        return (hf.num_experts, H)
+    if name.endswith("shared_experts.gate_weight"):
+        return (1, H)
+    if ".mlp.experts." in name or ".mlp.shared_experts." in name:
+        F = hf.moe_intermediate_size if ".mlp.experts." in name else hf.shared_expert_intermediate_size
     if name.endswith("linear_fc1.weight"):
         return (2 * F, H)
     if name.endswith("linear_fc2.weight"):
@@ -85,12 +92,15 @@ def _full_param(m, params: dict, canonical: str) -> torch.Tensor:
     """All-gather this stage's TP shards of one parameter and merge them (owning stage only)."""
     from megatron.core import parallel_state as ps
 
-    p = params[local_name(canonical, m.layer_offset, m.uses_te)].detach()
-    tp = ps.get_tensor_model_parallel_world_size()
+    p = params[local_name(canonical, m.layer_offset, m.uses_te, getattr(m, "expert_offset", 0))].detach()
+    if is_expert(canonical):  # a routed expert: sharded over the expert-tensor-parallel group
+        tp, group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
+    else:
+        tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     if tp == 1 or tp_kind(canonical, m.is_critic) == "rep":
         return p
     parts = [torch.empty_like(p) for _ in range(tp)]
-    dist.all_gather(parts, p.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, p.contiguous(), group=group)
     return tp_merge(canonical, parts, m.is_critic)
 
 
@@ -112,6 +122,10 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     dtype = next(m.parameters()).dtype
     device = next(m.parameters()).device
     params = [dict(c.named_parameters()) for c in ms]
+    ep, ep_rank, ep_group = 1, 0, None
+    if hf.is_moe:
+        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        ep_group = ps.get_expert_model_parallel_group()
     for stage, chunk, name in _stage_plan(m):
         if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
             continue  # the tied copy on the last stage is the embedding; HF stores it once
@@ -119,7 +133,15 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
             shape = (1, hf.hidden_size) if name.endswith("weight") else (1,)
         else:
             shape = canonical_shape(name, hf, m.padded_vocab_size)
-        if stage == my_stage:
+        if stage == my_stage and is_expert(name) and ep > 1:
+            # the expert lives on one expert-parallel rank of this stage: it merges, the others receive
+            owner = expert_index(name) // m.num_local_experts
+            full = _full_param(ms[chunk], params[chunk], name) if owner == ep_rank else \
+                torch.empty(shape, dtype=dtype, device=device)
+            full = full.contiguous()
+            dist.broadcast(full, src=dist.get_global_rank(ep_group, owner), group=ep_group)
+            pairs = canonical_to_hf(name, full, hf, value_head=m.is_critic)
+        elif stage == my_stage:
             pairs = canonical_to_hf(name, _full_param(ms[chunk], params[chunk], name), hf, value_head=m.is_critic)
         else:
             meta = torch.empty(shape, device="meta")

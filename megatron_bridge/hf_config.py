@@ -51,9 +51,6 @@ def read_hf_config(src: str | os.PathLike | dict) -> HFModelConfig:
         raise UnsupportedConfig(f"config.json: {cfg.model_type} with attention_bias=True (a bias on o_proj) is not "
                                 f"supported by the megatron bridge (megatron's add_bias_linear ties it to MLP biases); "
                                 f"the native engine runs it, the trainer cannot: use a checkpoint without it")
-    if cfg.is_moe:
-        raise UnsupportedConfig(f"config.json: {cfg.model_type} (mixture of experts) is not converted by the megatron "
-                                f"bridge yet (issue #16); the native engine runs it")
     if cfg.mlp_bias:
         raise UnsupportedConfig("config.json: mlp_bias=True is not supported by the megatron bridge (megatron's "
                                 "add_bias_linear ties MLP biases to an o_proj bias); the native engine runs it, the "
@@ -100,6 +97,8 @@ def transformer_config_kwargs(
     pp: int = 1,
     vpp: int = 1,
     cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
     pp_layers: list[int] | None = None,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
@@ -150,6 +149,21 @@ def transformer_config_kwargs(
         variable_seq_lengths=True,  # micro-batches may differ in length; p2p exchanges shapes
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
     )
+    if cfg.is_moe:
+        if cfg.num_experts % ep:
+            raise ValueError(f"{cfg.num_experts} experts do not split over expert_model_parallel_size={ep}")
+        kw.update(
+            num_moe_experts=cfg.num_experts, moe_router_topk=cfg.experts_per_token,
+            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            # HF: softmax over all experts, then top-k (renormalised when norm_topk_prob). megatron's
+            # pre-softmax router is the former; without it, softmax over the top-k logits, which equals
+            # the renormalised top-k of the full softmax
+            moe_router_pre_softmax=not cfg.norm_topk_prob, moe_router_score_function="softmax",
+            moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp if etp else tp)
+        if cfg.shared_expert_intermediate_size:
+            kw.update(moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, moe_shared_expert_gate=True)
     if pp > 1 and len(set(layout)) > 1:
         # Uneven split: megatron's explicit layout, one list per stage; the embedding sits on the first
         # stage and the loss (final norm + output layer) on the last.

@@ -50,6 +50,8 @@ def init_distributed(
     pp: int = 1,
     vpp: int = 1,
     cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
     backend: str | None = None,
     seed: int = 1234,
     local_rank: int | None = None,
@@ -72,13 +74,16 @@ def init_distributed(
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
-    set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=seed)
+    set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, seed=seed)
 
 
-def set_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, vpp: int = 1, cp: int = 1) -> None:
+def set_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, vpp: int = 1, cp: int = 1, ep: int = 1,
+                 etp: int | None = None) -> None:
     """(Re)build megatron's model-parallel groups; data parallel = world / (tp * pp * cp). ``vpp`` > 1:
     each pipeline rank holds ``vpp`` model chunks (megatron's interleaved 1F1B schedule); ``cp`` > 1:
-    each sequence is split over ``cp`` ranks (:mod:`megatron_bridge.context_parallel`)."""
+    each sequence is split over ``cp`` ranks (:mod:`megatron_bridge.context_parallel`); ``ep`` / ``etp``:
+    mixture-of-experts layers split their experts over ``ep`` ranks and each expert over ``etp``
+    (default: ``tp``) ranks."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -87,7 +92,8 @@ def set_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, vpp: int = 1, cp: i
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                 context_parallel_size=cp)
+                                 context_parallel_size=cp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
@@ -193,4 +199,5 @@ def parallel_layout() -> dict:
             "tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size(),
             "vpp_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-            "cp_rank": ps.get_context_parallel_rank(), "cp_size": ps.get_context_parallel_world_size()}
+            "cp_rank": ps.get_context_parallel_rank(), "cp_size": ps.get_context_parallel_world_size(),
+            "ep_rank": ps.get_expert_model_parallel_rank(), "ep_size": ps.get_expert_model_parallel_world_size()}

@@ -211,7 +211,10 @@ def build_transformer_config(hf: HFModelConfig, *, pp_layers=None, params_dtype=
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     cp = ps.get_context_parallel_world_size()
-    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, vpp=vpp, cp=cp, pp_layers=pp_layers, params_dtype=params_dtype,
+    ep = ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    kw = transformer_config_kwargs(hf, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, pp_layers=pp_layers,
+                                   params_dtype=params_dtype,
                                    use_cpu_initialization=not torch.cuda.is_available(),
                                    sequence_parallel=bool(sequence_parallel) and tp > 1)  # megatron: SP needs TP > 1
     kw.update(recompute or {})
@@ -246,15 +249,18 @@ def build_model(
     from megatron_bridge import cpu_shims
 
     cpu_shims.install()  # idempotent, per thread; a no-op with CUDA
+    if hf.is_moe:
+        cpu_shims.fix_moe_without_te()
     _install_thd_rope()
     config = build_transformer_config(hf, pp_layers=pp_layers, params_dtype=params_dtype, recompute=recompute,
                                       sequence_parallel=sequence_parallel)
     if use_te is None:  # context parallelism runs on the bridge's own attention (megatron_bridge.context_parallel)
         use_te = te_available() and ps.get_context_parallel_world_size() == 1
+    moe = dict(num_experts=hf.num_experts, moe_grouped_gemm=False) if hf.is_moe else {}
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm, **moe)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm", **moe)
         if attention == "sdpa":
             from megatron_bridge.attention import TorchSDPAttention
 
@@ -319,6 +325,9 @@ def _build_chunk(*, hf, config, spec, pp_layers, params_dtype, value_head, use_t
     model.virtual_layers = vlayout  # layers per virtual stage, in model order (= stage_layers when vpp == 1)
     model.vp_stage = vp_stage
     model.layer_offset = sum(vlayout[:stage])
+    # mixture of experts: this rank's experts are the global ones [expert_offset, + num_local_experts)
+    model.num_local_experts = hf.num_experts // ps.get_expert_model_parallel_world_size() if hf.is_moe else 0
+    model.expert_offset = ps.get_expert_model_parallel_rank() * model.num_local_experts
     model.true_vocab_size = hf.vocab_size
     model.padded_vocab_size = vocab
     model.is_critic = value_head

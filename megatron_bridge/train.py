@@ -148,24 +148,27 @@ def _optimizers(optimizer) -> list:
 
 @torch.no_grad()
 def clip_grad_norm(optimizer, max_norm: float) -> float:
-    """Global L2 grad norm over all model-parallel shards; scale grads down to ``max_norm``."""
+    """Global L2 grad norm over all model-parallel shards; scale grads down to ``max_norm``. Each
+    optimizer of a chain (dense parameters; mixture-of-experts expert parameters) sums its squares
+    over its own grad-stats group (its shards are disjoint there), and the totals add up."""
     opts = [o for o in _optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
-    sq = torch.zeros((), dtype=torch.float32)
+    total = 0.0
     params = []
-    group = None
     for o in opts:
+        sq = torch.zeros((), dtype=torch.float32)
         for g in o.get_main_grads_for_grad_norm():  # skips TP duplicates and the tied output copy
             sq += g.detach().float().pow(2).sum().cpu()
-        params += o.get_parameters()
+        ps_ = o.get_parameters()
+        params += ps_
         group = o.get_grad_stats_parallel_group()
-    if group is None:
-        from megatron.core import parallel_state as ps
+        if group is None:
+            from megatron.core import parallel_state as ps
 
-        group = ps.get_model_parallel_group()
-    dev = params[0].device if params else torch.device("cpu")
-    sq = sq.to(dev)
-    dist.all_reduce(sq, group=group)
-    norm = float(sq.sqrt())
+            group = ps.get_model_parallel_group()
+        sq = sq.to(ps_[0].device if ps_ else torch.device("cpu"))
+        dist.all_reduce(sq, group=group)
+        total += float(sq)
+    norm = total ** 0.5
     if max_norm > 0 and norm > max_norm:
         coeff = max_norm / (norm + 1e-6)
         for p in params:

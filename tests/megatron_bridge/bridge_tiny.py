@@ -29,9 +29,11 @@ CASES = {
 
 def make_hf(kind: str, path: str, *, seed: int = 0, **overrides):
     """Build a random tiny HF model of family ``kind``, save it (safetensors) to ``path``, return it."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+           "qwen2_moe": Qwen2MoeConfig}[kind]
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
     kw.update(overrides)
@@ -42,6 +44,8 @@ def make_hf(kind: str, path: str, *, seed: int = 0, **overrides):
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif n.endswith("mlp.gate.weight"):  # a router far from uniform: no near-ties in the top-k
+                p.copy_(torch.randn_like(p))
             elif n.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)
