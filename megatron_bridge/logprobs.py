@@ -31,7 +31,7 @@ numbers, attention cost of the whole row).
 
 CLI (to recompute trainer-side log-probs of a dumped rollout)::
 
-    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M [--vpp V] [--cp C] [--sp] --input IN.jsonl --out OUT.jsonl [--temperature T]
+    python -m megatron_bridge.logprobs --model HF_DIR --tp N --pp M [--vpp V] [--cp C] [--ep E [--etp T]] [--sp] --input IN.jsonl --out OUT.jsonl [--temperature T]
 
 Each input line ``{"prompt_ids": [...], "response_ids": [...]}``; each output line adds
 ``"logprobs"``, one per response token. The ranks are launched locally (gloo on CPU).
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -544,13 +545,14 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
 
 
 def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature: float,
-              max_tokens: int, pp_layers, sp: bool = False, vpp: int = 1, cp: int = 1):
+              max_tokens: int, pp_layers, sp: bool = False, vpp: int = 1, cp: int = 1, ep: int = 1,
+              etp: int | None = None):
     from megatron_bridge.convert import load_hf_weights
     from megatron_bridge.hf_config import read_hf_config
     from megatron_bridge.launch import set_parallel
     from megatron_bridge.model import build_model
 
-    set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp)
+    set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
     hf = read_hf_config(model_dir)
     model = build_model(hf, pp_layers=pp_layers, sequence_parallel=sp)
     load_hf_weights(model, model_dir)
@@ -578,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank (interleaved; needs --pp > 1)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism within TP (megatron's; needs --tp > 1)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     ap.add_argument("--pp-layers", default=None, help="comma-separated layers per stage (uneven split)")
     ap.add_argument("--input", required=True, help="jsonl with prompt_ids and response_ids per line")
     ap.add_argument("--out", required=True, help="output jsonl: each input line plus 'logprobs'")
@@ -598,13 +602,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--vpp interleaves a pipeline: give --pp 2 or more")
     if a.vpp > 1 and a.cp > 1:
         raise SystemExit("--vpp with --cp is not built yet: use one of them")
-    res = spawn(_cli_rank, a.tp * a.pp * a.cp, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers,
-                a.sp, a.vpp, a.cp)
+    # ranks: TP x CP x PP, times the data-parallel copies expert parallelism needs (EP x ETP ranks per stage)
+    inner, need = a.tp * a.cp, a.ep * (a.etp or a.tp)
+    world = inner * a.pp * (need // math.gcd(need, inner))
+    res = spawn(_cli_rank, world, a.model, a.tp, a.pp, records, a.temperature, a.max_tokens, pp_layers,
+                a.sp, a.vpp, a.cp, a.ep, a.etp)
     per_seq = res[0]
     with open(a.out, "w", encoding="utf-8") as f:
         for r, lp in zip(records, per_seq):
             f.write(json.dumps({**r, "logprobs": lp}) + "\n")
-    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, vpp={a.vpp}, cp={a.cp}, sp={a.sp}, temperature={a.temperature})",
+    print(f"wrote {len(records)} lines to {a.out} (tp={a.tp}, pp={a.pp}, vpp={a.vpp}, cp={a.cp}, ep={a.ep}, sp={a.sp}, temperature={a.temperature})",
           file=sys.stderr)
     return 0
 

@@ -205,20 +205,23 @@ def test_main_prints_and_writes_resolved_config(tmp_path):
 def test_parallelism_and_offload_not_built_yet_are_refused_together():
     """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
     keys = ["actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
-            "critic.megatron.expert_model_parallel_size=2", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
-            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.1",
+            "critic.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_expert_capacity_factor=1.5",
             "actor_rollout_ref.actor.strategy=deepspeed", "reward_model.enable=true"]
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
     msg = str(e.value)
     for want in ("ref.megatron.virtual_pipeline_model_parallel_size=2 interleaves pipeline stages: it needs "
                  "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size >= 2",
-                 "critic.megatron.expert_model_parallel_size=2: expert parallelism",
-                 "optimizer_offload=True: optimizer offload", "['moe_aux_loss_coeff'] not supported",
+                 "critic.megatron.param_offload=True: parameter offload",
+                 "optimizer_offload=True: optimizer offload", "['moe_expert_capacity_factor'] not supported",
                  "actor_rollout_ref.actor.strategy=deepspeed: the DeepSpeed strategy", "reward_model.enable=True"):
         assert want in msg, want
     assert msg.startswith("7 problems"), msg  # the reference follows the actor's transformer overrides: both named
-    # context parallelism and the interleaved pipeline are built: accepted (not together, not yet)
+    # expert parallelism and the MoE losses, context parallelism and the interleaved pipeline are built:
+    # accepted (CP with VPP not yet)
+    tiny_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01"])
     tiny_config(["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
     tiny_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                  "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])

@@ -157,13 +157,13 @@ def test_five_kinds_of_problem_in_one_cli_run(tmp_path):
     verl FSDP key: all named by one run of the CLI, which exits 2."""
     argv = ["--print-config", "--config", TINY_YAML, f"trainer.default_local_dir={tmp_path}",
             "algorithm.gama=0.9", "data.train_batch_size=many", "actor_rollout_ref.model.lora_rank=8",
-            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=5",
+            "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.ppo_mini_batch_size=5",
             "actor_rollout_ref.actor.fsdp_config.param_offload=true"]
     p = subprocess.run([sys.executable, "-m", "trainer.main", *argv], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2, p.stderr
     err = p.stderr
     assert re.search(r"\b[6-9] problems", err), err
-    for want in ("Did you mean 'algorithm.gamma'", "'many'", "lora_rank': LoRA training is not implemented", "expert_model_parallel_size=2: expert parallelism",
+    for want in ("Did you mean 'algorithm.gamma'", "'many'", "lora_rank': LoRA training is not implemented", "param_offload=True: parameter offload",
                  "ppo_mini_batch_size=5", "fsdp_config.param_offload"):
         assert want in err, want
     assert "Traceback" not in err

@@ -866,6 +866,18 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
 
 # megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
 RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+# megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
+MOE_KEYS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff")
+MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+
+
+def moe_settings(mcfg) -> dict:
+    """The MoE loss settings of a role's ``override_transformer_config`` (megatron TransformerConfig
+    fields; the load-balancing loss is on only with a positive coefficient)."""
+    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in MOE_KEYS}
+    if float(over.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in over:
+        over["moe_router_load_balancing_type"] = "aux_loss"  # megatron's default type, verl's too
+    return over
 
 
 def recompute_settings(enable: bool, mcfg) -> dict | None:
@@ -944,10 +956,22 @@ def validation_errors(cfg: DictConfig) -> list[str]:
 
     for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
                        ("critic", cfg.critic.megatron)):
-        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - {"attention_backend"})
+        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
         if bad:
             errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
-                        f"settings {list(RECOMPUTE_KEYS)} (and attention_backend, which has no effect) are.")
+                        f"settings {list(RECOMPUTE_KEYS)}, the MoE losses {list(MOE_KEYS)} (and attention_backend, "
+                        f"which has no effect) are.")
+        lb = dict(mcfg.override_transformer_config).get("moe_router_load_balancing_type")
+        if lb is not None and lb not in MOE_BALANCING:
+            errs.append(f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type={lb!r}: "
+                        f"choose one of {list(MOE_BALANCING)}.")
+        ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
+        if ep < 1 or (etp is not None and etp < 1):
+            errs.append(f"{role}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1.")
+        elif ws % ((etp or mcfg.tensor_model_parallel_size) * ep * mcfg.pipeline_model_parallel_size):
+            errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
+                        f"{etp or mcfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
+                        f"{mcfg.pipeline_model_parallel_size} does not divide the world size {ws}.")
         tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
         if min(tp, pp, cp) < 1:
             errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")

@@ -1,7 +1,7 @@
 """`python -m megatron_bridge.logprobs` recomputes a dumped rollout's response log-probs through
 megatron-core at TP=2 with sequence parallelism, uneven PP=2, PP=2 with two virtual stages per rank
-(a 4-layer model: 4 chunks of 1 layer), and TP=2 + SP with context parallelism 2 (4 ranks), launching its
-own gloo ranks; checked against transformers."""
+(a 4-layer model: 4 chunks of 1 layer), TP=2 + SP with context parallelism 2 (4 ranks), and a Qwen3-MoE
+model with its experts split over 2 ranks, launching its own gloo ranks; checked against transformers."""
 
 import json
 import os
@@ -18,11 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("par", [["--tp", "2", "--sp"], ["--pp", "2", "--pp-layers", "2,1"], ["--pp", "2", "--vpp", "2"],
-                                 ["--tp", "2", "--sp", "--cp", "2"]])
+                                 ["--tp", "2", "--sp", "--cp", "2"], ["--ep", "2"]])
 def test_cli_recomputes_response_logprobs(tmp_path, par):
     src = str(tmp_path / "m")
     kind, kw = CASES["qwen3_qknorm_gqa1_untied"]  # 3 layers; 4 for two virtual stages on each of 2 ranks
-    model = make_hf(kind, src, **{**kw, "num_hidden_layers": 4 if "--vpp" in par else kw["num_hidden_layers"]})
+    kw = {**kw, "num_hidden_layers": 4 if "--vpp" in par else kw["num_hidden_layers"]}
+    if "--ep" in par:  # its mixture-of-experts twin, experts split over 2 ranks
+        kind, kw = "qwen3_moe", {**kw, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "norm_topk_prob": True}
+    model = make_hf(kind, src, **kw)
     seqs = random_seqs([7, 12, 4], seed=9)
     prompts = [3, 5, 1]  # the first p tokens are the prompt
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

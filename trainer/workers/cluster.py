@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from trainer.config import recompute_settings
+from trainer.config import moe_settings, recompute_settings
 from trainer.plan import need_critic, need_ref
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
@@ -86,6 +86,8 @@ class Cluster:
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
                         vpp=mcfg.virtual_pipeline_model_parallel_size or 1, cp=mcfg.context_parallel_size,
+                        ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size,
+                        moe=moe_settings(mcfg),
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
                         params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
                         sequence_parallel=bool(mcfg.sequence_parallel),

@@ -75,7 +75,8 @@ def combine_digests(digests: dict[str, bytes]) -> str:
 
 class MegatronWorker:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
-                 model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, pp_layers=None,
+                 model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
+                 etp: int | None = None, moe: dict | None = None, pp_layers=None,
                  params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1,
                  recompute: dict | None = None, sequence_parallel: bool = False):
@@ -86,12 +87,14 @@ class MegatronWorker:
 
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
-        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, seed=seed)
+        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
+                                seed=seed)
         self.mesh = launch.parallel_layout()
         self.hf = read_hf_config(model_path)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
         self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=dtype, value_head=(role == "critic"),
-                                 recompute=recompute, sequence_parallel=sequence_parallel)
+                                 recompute={**(recompute or {}), **(moe or {})} or None,
+                                 sequence_parallel=sequence_parallel)
         load_hf_weights(self.model, model_path)
         self.trainer = None
         if optim is not None:
