@@ -1,7 +1,8 @@
-"""The shipped recipes: the 32B DAPO script's CPU twin sets the same keys (values scaled to the tiny
-model; the differences are listed) and runs 2 steps through the whole loop on CPU: dynamic sampling,
-overlong shaping, rollout IS, packed token-budget micro-batches, recompute and TP=2 with sequence
-parallelism, MLflow, and a checkpoint in verl's layout."""
+"""The shipped recipes: each large-scale DAPO script (Qwen2.5-32B dense; Qwen3-30B-A3B mixture of
+experts) resolves, and its CPU twin sets the same keys (values scaled to a tiny model; the differences
+are listed) and runs 2 steps through the whole loop on CPU: dynamic sampling, overlong shaping, rollout
+IS, packed token-budget micro-batches, recompute, TP=2 with sequence parallelism (dense) or experts
+over 2 ranks (MoE), MLflow, and a checkpoint in verl's layout."""
 
 import json
 import os
@@ -12,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG, TWIN = ROOT / "recipes" / "run_dapo_qwen2.5_32b.sh", ROOT / "recipes" / "cpu" / "run_dapo_tiny.sh"
+MOE_BIG, MOE_TWIN = ROOT / "recipes" / "run_dapo_qwen3_30b_a3b.sh", ROOT / "recipes" / "cpu" / "run_dapo_moe_tiny.sh"
+PAIRS = {"dense": (BIG, TWIN), "moe": (MOE_BIG, MOE_TWIN)}
 # lines of the 32B script the twin leaves out (GPU engine settings; data files: the shipped task) and
 # the twin's own (the CPU engine's precision, float32 weights, the CPU device is in both)
 ONLY_BIG = {"data.train_files", "data.val_files", "actor_rollout_ref.rollout.gpu_memory_utilization",
@@ -30,10 +33,19 @@ def _argv(script: Path, tmp_path: Path) -> list[str]:
     return argv[2:]
 
 
-def test_twin_sets_the_32b_scripts_keys(tmp_path):
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_twin_sets_the_big_scripts_keys_and_the_big_script_resolves(tmp_path, kind):
+    from trainer.config import load_config
+
+    big_script, twin_script = PAIRS[kind]
     keys = lambda argv: {a.split("=", 1)[0].lstrip("+~") for a in argv}  # noqa: E731
-    big, twin = keys(_argv(BIG, tmp_path)), keys(_argv(TWIN, tmp_path))
+    big_argv = _argv(big_script, tmp_path)
+    big, twin = keys(big_argv), keys(_argv(twin_script, tmp_path))
     assert big - ONLY_BIG == twin - ONLY_TWIN, (sorted((big - ONLY_BIG) ^ (twin - ONLY_TWIN)))
+    cfg = load_config(big_argv)  # the GPU recipe resolves here (only a run checks the hardware)
+    if kind == "moe":
+        assert cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size == 8
+        assert cfg.reward_model.reward_kwargs.overlong_buffer_cfg.len == 4096
 
 
 @pytest.mark.slow
@@ -57,3 +69,26 @@ def test_twin_runs_two_steps(tmp_path):
     assert m["filter/gen_batches"] >= 1 and 0 < m["filter/kept_group_fraction"] <= 1
     assert "mismatch/mismatch_kl" in m and "actor/pg_clipfrac" in m and m["actor/grad_norm"] > 0
     assert [x.step for x in c.get_metric_history(r.info.run_id, "actor/pg_loss")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_moe_twin_runs_two_steps(tmp_path):
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", CKPTS_DIR=str(tmp_path / "run"))
+    p = subprocess.run(["bash", str(MOE_TWIN), "trainer.total_training_steps=2"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    run = tmp_path / "run"
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    r = c.search_runs([c.get_experiment_by_name("DAPO-MoE").experiment_id])[0]
+    assert r.data.params["actor_rollout_ref.actor.megatron.expert_model_parallel_size"] == "2"
+    m = r.data.metrics
+    assert m["actor/grad_norm"] > 0 and m["sync/verified"] == 1.0
+    assert [x.step for x in c.get_metric_history(r.info.run_id, "actor/pg_loss")] == [1, 2]
+    # the trained MoE exports as a HF Qwen3-MoE checkpoint that transformers loads
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(run / "hf_export")
+    assert hf.config.model_type == "qwen3_moe"
