@@ -94,3 +94,27 @@ def test_save_and_load_contents_refused_with_the_reason():
     msg = str(e.value)
     assert "save_contents=['model', 'hf_model'] leaves out ['optimizer', 'extra']" in msg
     assert "load_contents has ['weights']" in msg and "has no 'model'" in msg
+
+
+class _Payload:
+    """A pickle that would run code when loaded (writes a file)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_a_handed_over_driver_state_cannot_run_code(tmp_path):
+    """A checkpoint is data: a driver_state.pt whose pickle calls a function is refused as unreadable,
+    and the call never happens; a real driver state (numpy RNG key included) still loads."""
+    m = CheckpointManager(str(tmp_path / "run"))
+    good = m.save(3, {"rng": capture_rng(), "history": [{"step": 1, "x": 0.5}]})
+    state = load_driver_state(good)
+    assert state["step"] == 3 and isinstance(state["rng"]["numpy"][1], np.ndarray)
+    target = tmp_path / "pwned"
+    torch.save({"step": 4, "evil": _Payload(str(target))}, os.path.join(good, "driver_state.pt"))
+    with pytest.raises(CheckpointError, match="cannot read driver_state.pt"):
+        load_driver_state(good)
+    assert not target.exists()

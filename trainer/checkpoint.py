@@ -186,6 +186,18 @@ class CheckpointManager:
         return self.step_dir(steps[-1]) if steps else None
 
 
+def _numpy_array_globals() -> list:
+    """What unpickling a numpy array (``np.random.get_state()``'s key) needs: its reconstructor,
+    ``ndarray`` and ``dtype`` with the dtype's class, and the byte codec; no callable that runs code."""
+    import codecs
+
+    import numpy as np
+
+    from numpy._core.multiarray import _reconstruct
+
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), codecs.encode]
+
+
 def load_driver_state(path: str) -> dict[str, Any]:
     """Load and check a checkpoint's driver state; a bad checkpoint is a clear error."""
     import torch
@@ -198,7 +210,10 @@ def load_driver_state(path: str) -> dict[str, Any]:
             f"Delete it, or set trainer.resume_from_path to an earlier global_step_* directory.")
     f = os.path.join(path, DRIVER_STATE)
     try:
-        state = torch.load(f, map_location="cpu", weights_only=False)
+        # data only: a checkpoint someone hands over must not run code when it is read. Beyond torch's
+        # tensors and plain containers, the one type the driver state holds is numpy's RNG key array.
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or foreign file
         raise CheckpointError(f"checkpoint '{path}': cannot read {DRIVER_STATE} ({type(e).__name__}: {e}). "
                               f"The file is corrupt; resume from an earlier checkpoint.") from e
