@@ -133,6 +133,9 @@ def transformer_config_kwargs(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         context_parallel_size=cp,
+        # interleaving at pp=2: the previous and the next stage are the same rank, and batched exchanges
+        # would pair a gradient send with an activation receive (Megatron-LM allows it only overlapped)
+        **(dict(overlap_p2p_comm=True, batch_p2p_comm=False) if vpp > 1 and pp == 2 else {}),
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -146,7 +149,9 @@ def transformer_config_kwargs(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
-        variable_seq_lengths=True,  # micro-batches may differ in length; p2p exchanges shapes
+        # micro-batches may differ in length, p2p exchanges shapes; under virtual stages every
+        # micro-batch is one THD row of a fixed size instead (logprobs.schedule_args)
+        variable_seq_lengths=vpp <= 1,
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
     )
     if cfg.is_moe:

@@ -163,8 +163,8 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
     sequence, cropped on the last stage) to the longest one's token count, so every exchange has one
     fixed shape and no shape messages: with variable shapes at pp=2 the batched exchanges paired a
     stage's activation with another micro-batch's (seen here on gloo as a shape error; with equal
-    shapes it would be silent), which the overlapped p2p mode below also avoids. The schedule needs
-    at least ``pp`` micro-batches."""
+    shapes it would be silent), which the overlapped p2p mode the config sets at pp=2 also avoids
+    (``hf_config.transformer_config_kwargs``). The schedule needs at least ``pp`` micro-batches."""
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.model import chunks, unwrap
@@ -172,7 +172,6 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
     cs = chunks(model)
     cfg = cs[0].config
     if len(cs) == 1:
-        cfg.variable_seq_lengths = True
         return {"model": cs, "data_iterator": iter(inputs), "seq_length": seq_length, "micro_batch_size": micro_batch_size}
     if not getattr(unwrap(cs[0]), "supports_thd", False):
         raise ValueError("virtual pipeline stages run every micro-batch as a padded THD row: build the model with "
@@ -188,11 +187,6 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
         tokens += (-tokens) % tp
     for i in prepared:
         i.pad_to = tokens
-    cfg.variable_seq_lengths = False
-    if pp == 2:
-        # the previous and the next stage are the same rank: batched exchanges would pair a gradient
-        # send with an activation receive (Megatron-LM allows pp=2 interleaving only with overlapped p2p)
-        cfg.overlap_p2p_comm, cfg.batch_p2p_comm = True, False
     # micro-batches run through a virtual stage in groups of g (megatron's default g = pp); the
     # schedule needs n % g == 0 or n % g >= pp: the smallest such g >= pp (the numbers do not depend on it)
     cfg.microbatch_group_size_per_vp_stage = next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)

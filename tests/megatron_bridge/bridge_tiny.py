@@ -86,3 +86,39 @@ def gather_hf(model) -> dict:
         for k, t in bucket:
             out[k] = t.clone()
     return out
+
+
+def loss_micro_batches(seqs, seed: int = 7) -> list[dict]:
+    """Three train micro-batches of ``seqs``: the first two left-padded, the next two right-padded,
+    the rest packed into one THD row; each with ``loss_mask``, random ``adv`` / ``returns`` and the
+    mini-batch's token count ``n_total`` (the bridge sums micro-batch losses)."""
+    from megatron_bridge.logprobs import model_inputs, pack_sequences, pad_sequences
+
+    g = torch.Generator().manual_seed(seed)
+    mbs = [pad_sequences(seqs[:2], side="left"), pad_sequences(seqs[2:4], side="right")]
+    pk = pack_sequences(seqs[4:], max_tokens=64)[0]
+    mbs.append({"input_ids": pk["input_ids"], "cu_seqlens": pk["cu_seqlens"]})
+    total = 0
+    for mb in mbs:
+        inp = model_inputs(mb)
+        mb["loss_mask"] = inp.token_valid
+        mb["adv"] = torch.randn(inp.input_ids.shape, generator=g)
+        mb["returns"] = torch.randn(inp.input_ids.shape, generator=g)
+        total += int(inp.token_valid.sum())
+    for mb in mbs:
+        mb["n_total"] = float(total)
+    return mbs
+
+
+def policy_loss(outs, mb):
+    """A PPO-shaped objective without RL specifics: -sum(adv * logp) - 0.01 * sum(entropy), token-sum
+    normalised by the mini-batch's total token count."""
+    m = mb["loss_mask"].float()
+    loss = (-(mb["adv"] * outs["logprobs"]) * m).sum() / mb["n_total"] \
+        - 0.01 * (outs["entropy"] * m).sum() / mb["n_total"]
+    return loss, {"mean_logp": (outs["logprobs"] * m).sum() / m.sum().clamp_min(1)}
+
+
+def value_loss(outs, mb):
+    m = mb["loss_mask"].float()
+    return ((outs["values"] - mb["returns"]) ** 2 * m).sum() / mb["n_total"], {}

@@ -6,42 +6,9 @@ import math
 import pytest
 import torch
 
-from bridge_tiny import make_case, random_seqs
+from bridge_tiny import loss_micro_batches, make_case, policy_loss, random_seqs, value_loss
 
 STEPS = 2
-
-
-def policy_loss(outs, mb):
-    """A PPO-shaped objective without RL specifics: -sum(adv * logp) - 0.01 * sum(entropy), token-sum
-    normalised by the mini-batch's total token count (micro-batch losses are summed by the bridge)."""
-    m = mb["loss_mask"].float()
-    loss = (-(mb["adv"] * outs["logprobs"]) * m).sum() / mb["n_total"] \
-        - 0.01 * (outs["entropy"] * m).sum() / mb["n_total"]
-    return loss, {"mean_logp": (outs["logprobs"] * m).sum() / m.sum().clamp_min(1)}
-
-
-def value_loss(outs, mb):
-    m = mb["loss_mask"].float()
-    return ((outs["values"] - mb["returns"]) ** 2 * m).sum() / mb["n_total"], {}
-
-
-def _micro_batches(seqs):
-    from megatron_bridge.logprobs import model_inputs, pack_sequences, pad_sequences
-
-    g = torch.Generator().manual_seed(7)
-    mbs = [pad_sequences(seqs[:2], side="left"), pad_sequences(seqs[2:4], side="right")]
-    pk = pack_sequences(seqs[4:], max_tokens=64)[0]
-    mbs.append({"input_ids": pk["input_ids"], "cu_seqlens": pk["cu_seqlens"]})
-    total = 0
-    for mb in mbs:
-        inp = model_inputs(mb)
-        mb["loss_mask"] = inp.token_valid
-        mb["adv"] = torch.randn(inp.input_ids.shape, generator=g)
-        mb["returns"] = torch.randn(inp.input_ids.shape, generator=g)
-        total += int(inp.token_valid.sum())
-    for mb in mbs:
-        mb["n_total"] = float(total)
-    return mbs
 
 
 def train_job(src: str, seqs):
@@ -55,7 +22,7 @@ def train_job(src: str, seqs):
     from megatron_bridge.train import OptimConfig, make_trainer, train_step
 
     hf = read_hf_config(src)
-    mbs = _micro_batches(seqs)
+    mbs = loss_micro_batches(seqs, seed=7)
     out = {}
     for lname, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)):
         for role in ("policy", "critic"):

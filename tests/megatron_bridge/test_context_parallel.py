@@ -7,37 +7,7 @@ written at CP=2 and resumed at CP=1."""
 import pytest
 import torch
 
-from bridge_tiny import make_case, random_seqs
-
-
-def _micro_batches(seqs):
-    from megatron_bridge.logprobs import model_inputs, pack_sequences, pad_sequences
-
-    g = torch.Generator().manual_seed(11)
-    mbs = [pad_sequences(seqs[:2], side="left"), pad_sequences(seqs[2:4], side="right")]
-    pk = pack_sequences(seqs[4:], max_tokens=64)[0]
-    mbs.append({"input_ids": pk["input_ids"], "cu_seqlens": pk["cu_seqlens"]})
-    total = 0
-    for mb in mbs:
-        inp = model_inputs(mb)
-        mb["loss_mask"] = inp.token_valid
-        mb["adv"] = torch.randn(inp.input_ids.shape, generator=g)
-        mb["returns"] = torch.randn(inp.input_ids.shape, generator=g)
-        total += int(inp.token_valid.sum())
-    for mb in mbs:
-        mb["n_total"] = float(total)
-    return mbs
-
-
-def policy_loss(outs, mb):
-    m = mb["loss_mask"].float()
-    return (-(mb["adv"] * outs["logprobs"]) * m).sum() / mb["n_total"] \
-        - 0.01 * (outs["entropy"] * m).sum() / mb["n_total"], {}
-
-
-def value_loss(outs, mb):
-    m = mb["loss_mask"].float()
-    return ((outs["values"] - mb["returns"]) ** 2 * m).sum() / mb["n_total"], {}
+from bridge_tiny import loss_micro_batches, make_case, policy_loss, random_seqs, value_loss
 
 
 def cp_job(src: str, seqs, ckpt: str):
@@ -59,7 +29,7 @@ def cp_job(src: str, seqs, ckpt: str):
     cpm.attention = lambda q, k, v, plan, scale: calls.append((q.shape[0], int(plan.padded_cu[-1]))) or \
         real_attention(q, k, v, plan, scale)
     hf = read_hf_config(src)
-    mbs = _micro_batches(seqs)
+    mbs = loss_micro_batches(seqs, seed=11)
     fwd = [{k: mb[k] for k in ("input_ids", "attention_mask", "cu_seqlens") if k in mb} for mb in mbs]
     out = {}
     for lname, cp in (("cp1", 1), ("cp2", 2)):

@@ -7,40 +7,9 @@ optimizer state (the next step equals the one PP2 x VPP2 takes itself)."""
 import pytest
 import torch
 
-from bridge_tiny import make_hf, random_seqs
+from bridge_tiny import loss_micro_batches, make_hf, policy_loss, random_seqs, value_loss
 
 LAYOUTS = (("pp1", 1, 1), ("pp2", 2, 1), ("pp2vpp2", 2, 2))
-
-
-def _micro_batches(seqs):
-    """Three micro-batches (more than pp, not a multiple of it: the schedule's remainder group)."""
-    from megatron_bridge.logprobs import model_inputs, pack_sequences, pad_sequences
-
-    g = torch.Generator().manual_seed(3)
-    mbs = [pad_sequences(seqs[:2], side="left"), pad_sequences(seqs[2:4], side="right")]
-    pk = pack_sequences(seqs[4:], max_tokens=64)[0]
-    mbs.append({"input_ids": pk["input_ids"], "cu_seqlens": pk["cu_seqlens"]})
-    total = 0
-    for mb in mbs:
-        inp = model_inputs(mb)
-        mb["loss_mask"] = inp.token_valid
-        mb["adv"] = torch.randn(inp.input_ids.shape, generator=g)
-        mb["returns"] = torch.randn(inp.input_ids.shape, generator=g)
-        total += int(inp.token_valid.sum())
-    for mb in mbs:
-        mb["n_total"] = float(total)
-    return mbs
-
-
-def policy_loss(outs, mb):
-    m = mb["loss_mask"].float()
-    return (-(mb["adv"] * outs["logprobs"]) * m).sum() / mb["n_total"] \
-        - 0.01 * (outs["entropy"] * m).sum() / mb["n_total"], {}
-
-
-def value_loss(outs, mb):
-    m = mb["loss_mask"].float()
-    return ((outs["values"] - mb["returns"]) ** 2 * m).sum() / mb["n_total"], {}
 
 
 def vpp_job(src: str, seqs, ckpt: str):
@@ -56,7 +25,7 @@ def vpp_job(src: str, seqs, ckpt: str):
     from megatron_bridge.train import OptimConfig, make_trainer, train_step
 
     hf = read_hf_config(src)
-    mbs = _micro_batches(seqs)
+    mbs = loss_micro_batches(seqs, seed=3)
     fwd = [{k: mb[k] for k in ("input_ids", "attention_mask", "cu_seqlens") if k in mb} for mb in mbs]
     out = {}
     for lname, pp, vpp in LAYOUTS:
