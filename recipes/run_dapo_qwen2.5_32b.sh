@@ -4,6 +4,8 @@
 # The override lines are verl's DAPO recipe keys (FSDP/Ulysses keys replaced by their megatron ones).
 # Launch from a Ray head node (RAY_ADDRESS) or through launch/slurm/ or launch/k8s/.
 set -euo pipefail
+# Sizes can be set from the environment (MAX_PROMPT_LENGTH, ..., N_RESP_PER_PROMPT): the CPU twin in recipes/cpu/ runs
+# this very script at a tiny model's size.
 
 MODEL_PATH=${MODEL_PATH:-"${HOME}/models/Qwen2.5-32B"}
 TRAIN_FILE=${TRAIN_FILE:-"${HOME}/data/dapo-math-17k.parquet"}
@@ -11,12 +13,12 @@ TEST_FILE=${TEST_FILE:-"${HOME}/data/aime-2024.parquet"}
 CKPTS_DIR=${CKPTS_DIR:-"${HOME}/ckpts/DAPO-Qwen2.5-32B"}
 NNODES=${NNODES:-16}
 
-max_prompt_length=$((1024 * 2))
-max_response_length=$((1024 * 20))
-train_prompt_bsz=512
+max_prompt_length=${MAX_PROMPT_LENGTH:-$((1024 * 2))}
+max_response_length=${MAX_RESPONSE_LENGTH:-$((1024 * 20))}
+train_prompt_bsz=${TRAIN_PROMPT_BSZ:-512}
 gen_prompt_bsz=$((train_prompt_bsz * 3))
-n_resp_per_prompt=16
-train_prompt_mini_bsz=32
+n_resp_per_prompt=${N_RESP_PER_PROMPT:-16}
+train_prompt_mini_bsz=${TRAIN_PROMPT_MINI_BSZ:-32}
 actor_ppo_max_token_len=$((max_prompt_length + max_response_length))
 infer_ppo_max_token_len=$((max_prompt_length + max_response_length))
 

@@ -7,6 +7,8 @@
 # is not built yet (issue #16) and the fusions are TE's own on GPU. The router runs in fp32.
 # Launch from a Ray head node (RAY_ADDRESS) or through launch/slurm/ or launch/k8s/.
 set -euo pipefail
+# Sizes can be set from the environment (MAX_PROMPT_LENGTH, ..., N_RESP_PER_PROMPT): the CPU twin in recipes/cpu/ runs
+# this very script at a tiny model's size.
 
 MODEL_PATH=${MODEL_PATH:-"${HOME}/models/Qwen3-30B-A3B-Base"}
 TRAIN_FILE=${TRAIN_FILE:-"${HOME}/data/dapo-math-17k.parquet"}
@@ -14,11 +16,11 @@ TEST_FILE=${TEST_FILE:-"${HOME}/data/aime-2024.parquet"}
 CKPTS_DIR=${CKPTS_DIR:-"${HOME}/ckpts/DAPO-Qwen3-30B-A3B"}
 NNODES=${NNODES:-1}
 
-max_prompt_length=$((1024 * 2))
-max_response_length=$((1024 * 8))
-train_prompt_bsz=512
-n_resp_per_prompt=16
-train_prompt_mini_bsz=128
+max_prompt_length=${MAX_PROMPT_LENGTH:-$((1024 * 2))}
+max_response_length=${MAX_RESPONSE_LENGTH:-$((1024 * 8))}
+train_prompt_bsz=${TRAIN_PROMPT_BSZ:-512}
+n_resp_per_prompt=${N_RESP_PER_PROMPT:-16}
+train_prompt_mini_bsz=${TRAIN_PROMPT_MINI_BSZ:-128}
 ppo_max_token_len=$((max_prompt_length + max_response_length))
 
 python3 -m trainer.main \

@@ -4,7 +4,6 @@
 import math
 
 import pytest
-import torch
 
 from bridge_tiny import loss_micro_batches, make_case, policy_loss, random_seqs, value_loss
 
