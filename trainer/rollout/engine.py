@@ -55,6 +55,8 @@ class SamplingParams:
     max_new_tokens: int = 128  # response length cap (finish_reason "length")
     stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the response (finish_reason "stop")
     seed: int | None = None  # None = nondeterministic
+    # MoE routing replay (R3): return each input token's top-k experts per MoE layer with the output
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.n < 1:
@@ -91,6 +93,10 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    # with ``SamplingParams.return_routed_experts`` (MoE): ``[len(prompt) + len(token_ids) - 1, R, k]``
+    # int16, the experts each INPUT token (every prompt token, every sampled token but the last) was
+    # routed to in each of the R MoE layers, as the engine computed them while sampling
+    routed_experts: "torch.Tensor | None" = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):

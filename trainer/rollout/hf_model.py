@@ -115,9 +115,12 @@ class MoEWeights:
     gate|up ``[E, 2I, h]`` and down ``[E, h, I]`` projections, and qwen2_moe's shared expert
     (gate|up ``[2Is, h]``, down ``[h, Is]``) with its sigmoid gate ``[1, h]``. Math: :func:`moe_residual`."""
 
-    __slots__ = ("router", "w_gu", "w_down", "shared_gu", "shared_down", "shared_gate")
+    __slots__ = ("router", "w_gu", "w_down", "shared_gu", "shared_down", "shared_gate", "record", "routes", "forced")
 
     def __init__(self, cfg: ModelConfig, **kw):
+        # routing replay (trainer.rollout.native, R3): ``record`` keeps the last call's top-k expert ids in
+        # ``routes`` ``[..., k]``; ``forced`` ``[..., k]`` (-1 rows: the router's own choice) replaces them
+        self.record, self.routes, self.forced = False, None, None
         E, h, inter, sh = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         self.router = torch.zeros(E, h, **kw)
         self.w_gu = torch.zeros(E, 2 * inter, h, **kw)
@@ -152,6 +155,12 @@ def moe_residual(cfg: ModelConfig, h: torch.Tensor, ln2: torch.Tensor, moe: MoEW
     x2 = x.reshape(-1, hd)  # [N, h]
     probs = torch.softmax(F.linear(x2, moe.router), dim=-1, dtype=torch.float)  # [N, E]
     top_w, top_i = torch.topk(probs, cfg.experts_per_token, dim=-1)  # [N, k]
+    if moe.forced is not None:  # replayed routing: the given experts, weighted by this router's probabilities
+        f = moe.forced.reshape(-1, top_i.shape[1]).to(top_i.device, torch.long)
+        top_i = torch.where((f >= 0).all(-1, keepdim=True), f, top_i)
+        top_w = probs.gather(1, top_i)
+    if moe.record:
+        moe.routes = top_i.view(*lead, top_i.shape[1])
     if cfg.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     top_w = top_w.to(x2.dtype)
@@ -424,9 +433,33 @@ class CausalLM:
         return linear(hidden, self.lm_head, None, self.packed_head).float()  # [..., V] fp32 for log-softmax
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Full forward without a cache: logits ``[n, T, V]`` (fp32) of right-padded ``tokens [n, T]``."""
-        return self.logits(self._prefill_layers(tokens, lengths))
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                routing: torch.Tensor | None = None) -> torch.Tensor:
+        """Full forward without a cache: logits ``[n, T, V]`` (fp32) of right-padded ``tokens [n, T]``.
+        ``routing`` ``[n, T, R, k]`` (MoE): each token's experts per layer, replayed instead of the
+        router's top-k (a row of -1: the router's own choice); the gate weights stay the router's."""
+        moes = self.moe_layers()
+        if routing is not None:
+            if routing.shape[2] != len(moes):
+                raise ValueError(f"routing has {routing.shape[2]} layers, the model {len(moes)} MoE layers")
+            for r, m in enumerate(moes):
+                m.forced = routing[:, :, r]
+        try:
+            return self.logits(self._prefill_layers(tokens, lengths))
+        finally:
+            for m in moes:
+                m.forced = None
+
+    def moe_layers(self) -> list[MoEWeights]:
+        """The MoE blocks, in layer order (routing tensors index them by this order)."""
+        return [L.w_gu for L in self.layers if isinstance(L.w_gu, MoEWeights)]
+
+    def record_routing(self, on: bool) -> list[MoEWeights]:
+        """Switch recording of every MoE block's top-k on or off; returns the blocks."""
+        moes = self.moe_layers()
+        for m in moes:
+            m.record, m.routes = on, None
+        return moes
 
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Prefill prompts into the cache; returns last-token logits ``[n, V]`` (fp32).

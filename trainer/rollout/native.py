@@ -220,6 +220,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
     slot: int = -1
+    routes: list | None = None  # routing replay: [n, R, k] chunks of its input tokens' experts
 
     @property
     def cached(self) -> int:
@@ -286,6 +287,7 @@ class NativeEngine(RolloutEngine):
         # bf16/fp16 CPU weights only; a no-op for fp32. The compiled step reads the plain weights.
         self.model.set_prepack(prepack and not compile_decode)
         self._decode_fn = None
+        self._recording = False  # routing replay: this generate call records every MoE layer's top-k
         if decode_gemm not in ("aten", "cpp"):
             raise ValueError(f"decode_gemm={decode_gemm!r}: expected 'aten' or 'cpp'")
         if (compile_options or decode_gemm != "aten") and not compile_decode:
@@ -438,9 +440,18 @@ class NativeEngine(RolloutEngine):
             rows = torch.tensor([g_i for g_i, g in enumerate(chunk) for _ in g])
             slots = torch.tensor([r.slot for r in reqs])
             logits = self.model.prefill(cache, tokens.to(dev), lengths.to(dev), slots.to(dev), rows.to(dev))  # [n_u, V]
+            if self._recording:
+                routes = self._routes()  # [n_u, T, R, k]
+                for g_i, g in enumerate(chunk):
+                    for r in g:
+                        r.routes = [routes[g_i, : len(r.prompt)]]
             self.stats["prefill_forwards"] += 1
             self.stats["prefill_tokens"] += int(lengths.sum())
             self._sample(logits.index_select(0, rows.to(dev)), reqs)
+
+    def _routes(self) -> torch.Tensor:
+        """The last forward's top-k experts of every MoE layer, ``[..., R, k]`` int16 on the host."""
+        return torch.stack([m.routes for m in self.model.moe_layers()], dim=-2).to("cpu", torch.int16)
 
     def _compiled_decode(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Pad the batch to its bucket (the next power of two, at most the cache's slots): one graph per
@@ -463,6 +474,10 @@ class NativeEngine(RolloutEngine):
         self._abort.clear()
         t0 = time.perf_counter()
         reqs = self._make_requests(prompt_token_ids, params)
+        self._recording = any(r.params.return_routed_experts for r in reqs)
+        if self._recording and not self.model.moe_layers():
+            raise ValueError("return_routed_experts asks for MoE routing, but this model has no MoE layers")
+        self.model.record_routing(self._recording)
         cache = self._ensure_cache(rows=len(reqs), length=max((len(r.prompt) + r.params.max_new_tokens for r in reqs),
                                                               default=1))
         self.stats = dict(decode_steps=0, prefill_forwards=0, prefill_tokens=0, max_active=0, row_moves=0)
@@ -511,15 +526,22 @@ class NativeEngine(RolloutEngine):
             else:
                 logits = self.model.decode(cache, tokens, positions, max_position=max(pos_list), min_position=min(pos_list))  # [B, V]
             self.stats["decode_steps"] += 1
+            if self._recording:
+                routes = self._routes()  # [B, R, k]: the experts of each row's input token
+                for i, r in enumerate(active):
+                    r.routes.append(routes[i:i + 1])
             self._sample(logits, active)
 
         for r in reqs:
             if r.finish is None:
                 r.finish = "abort"
         self._abort.clear()
+        self.model.record_routing(False)
         out: list[list[GenerationOutput]] = [[] for _ in prompt_token_ids]
         for r in reqs:  # reqs are in (prompt, sample) order
-            out[r.prompt_idx].append(GenerationOutput(r.tokens, r.logprobs, r.finish))
+            routed = torch.cat(r.routes)[: len(r.prompt) + len(r.tokens) - 1] \
+                if r.params.return_routed_experts and r.routes else None
+            out[r.prompt_idx].append(GenerationOutput(r.tokens, r.logprobs, r.finish, routed))
         self.stats["generated_tokens"] = sum(len(r.tokens) for r in reqs)
         self.stats["seconds"] = time.perf_counter() - t0
         return out
