@@ -49,6 +49,7 @@ class CPPlan:
     out_index: torch.Tensor  # [Tp] for each padded-row token, its flat index in the caller's grid, -1 for padding
     grid_shape: tuple  # the caller's per-token layout (input_ids' shape)
     group: object = None  # the CP process group
+    local_index: torch.Tensor | None = None  # [Tl] each local token's flat index in the caller's grid, -1 for padding
 
     @property
     def tokens(self) -> int:
@@ -109,7 +110,7 @@ def build_plan(inp, cp: int, rank: int, group, multiple: int = 1) -> CPPlan:
     ok = src >= 0
     out_index[ok] = grid[src[ok]]
     return CPPlan(cp, rank, ids[None], pos[mine].to(dev)[None], lab, cu_local, padded_cu, kv_order.to(dev),
-                  out_index.to(dev), tuple(inp.input_ids.shape), group)
+                  out_index.to(dev), tuple(inp.input_ids.shape), group, local_index=out_index[mine])
 
 
 class _GatherOwnGrad(torch.autograd.Function):

@@ -43,7 +43,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -138,13 +138,14 @@ class ModelInputs:
     real: torch.Tensor | None = None  # [B, S] bool attention mask of a padded batch
     pad_to: int = 0  # > 0: run as one THD row of exactly this many tokens (virtual pipeline stages)
     cp: object = None  # context parallelism: this rank's share (megatron_bridge.context_parallel.CPPlan)
+    routing: torch.Tensor | None = None  # [B*S, R, k] replayed experts of each input token (routing_replay)
 
     def to(self, device) -> "ModelInputs":
         mv = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return ModelInputs(*(mv(getattr(self, f)) for f in ("input_ids", "position_ids", "attention_mask", "labels",
                                                               "next_valid", "token_valid")),
                            packed=self.packed, cu_seqlens=self.cu_seqlens, real=mv(self.real), pad_to=self.pad_to,
-                           cp=self.cp)
+                           cp=self.cp, routing=self.routing)
 
 
 def model_device(model) -> torch.device:
@@ -250,13 +251,23 @@ def packed_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, dense_mask:
 
 
 def model_inputs(mb: dict) -> ModelInputs:
-    """Dispatch on the micro-batch format: ``cu_seqlens`` present = packed, else padded."""
+    """Dispatch on the micro-batch format: ``cu_seqlens`` present = packed, else padded.
+    ``routed_experts`` (``[*input_ids.shape, R, k]``, or ``[N, R, k]`` for a packed row): the experts to
+    replay for each token (:mod:`megatron_bridge.routing_replay`)."""
     if "cu_seqlens" in mb:
-        return packed_inputs(mb["input_ids"], mb["cu_seqlens"])
-    mask = mb.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(mb["input_ids"], dtype=torch.bool)
-    return padded_inputs(mb["input_ids"], mask)
+        inp = packed_inputs(mb["input_ids"], mb["cu_seqlens"])
+    else:
+        mask = mb.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(mb["input_ids"], dtype=torch.bool)
+        inp = padded_inputs(mb["input_ids"], mask)
+    route = mb.get("routed_experts")
+    if route is not None:
+        n = inp.input_ids.numel()
+        if route.numel() // (route.shape[-1] * route.shape[-2]) != n:
+            raise ValueError(f"routed_experts {list(route.shape)} does not match input_ids {list(inp.input_ids.shape)}")
+        inp.routing = route.reshape(n, *route.shape[-2:])
+    return inp
 
 
 def align_to_tokens(next_vals: torch.Tensor, inp: ModelInputs) -> torch.Tensor:
@@ -350,15 +361,31 @@ def _sp_pad(n: int, model) -> int:
     return (-n) % tp if getattr(model, "sequence_parallel", False) and tp > 1 else 0
 
 
-def _run_packed(model, m, ids: torch.Tensor, cu: torch.Tensor, pad_to: int = 0):
+def _replay(model, inp: ModelInputs, rows: torch.Tensor) -> None:
+    """Routing replay: the routers of ``model`` replay ``inp.routing`` for the tokens at ``rows`` (each
+    model input position's row of the table, -1 for the bridge's padding); without a table they route
+    freely (a model with replay installed must be told either way)."""
+    from megatron_bridge import routing_replay
+
+    routing_replay.set_targets(model, inp.routing, rows)
+
+
+def _run_packed(model, m, ids: torch.Tensor, cu: torch.Tensor, pad_to: int = 0, inp: ModelInputs | None = None,
+                rows: torch.Tensor | None = None):
     """A THD row through the model; under sequence parallelism the row is padded with one dummy
     sequence to a multiple of TP (megatron splits the sequence dim evenly), under virtual pipeline
-    stages to ``pad_to`` tokens, and the logits cropped back."""
+    stages to ``pad_to`` tokens, and the logits cropped back. ``rows`` ``[1, T]``: each token's row in
+    ``inp.routing`` (routing replay)."""
     T = ids.shape[1]
     pad = pad_to - T if pad_to else _sp_pad(T, m)
+    if rows is None:
+        rows = torch.arange(T)[None]
     if pad:
         ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
         cu = torch.cat([cu.to(torch.long), torch.tensor([T + pad])])
+        rows = torch.cat([rows.cpu(), torch.full((1, pad), -1, dtype=torch.long)], 1)
+    if inp is not None:
+        _replay(model, inp, rows)
     row = ModelInputs(ids, None, None, None, None, None, packed=True, cu_seqlens=cu)
     out = model(ids, None, None, packed_seq_params=_thd_params(row))
     return out[:, :T] if pad and m.post_process else out
@@ -368,9 +395,13 @@ def _run_dense(model, m, inp: ModelInputs):
     """A padded batch with its dense mask; under sequence parallelism the sequence dim is padded to a
     multiple of TP with keys no real query can see (they come after it, and are masked besides)."""
     S, pad = inp.input_ids.shape[1], _sp_pad(inp.input_ids.shape[1], m)
+    B = inp.input_ids.shape[0]
+    rows = torch.arange(B * S).view(B, S)
     if not pad:
+        _replay(model, inp, rows)
         return model(inp.input_ids, inp.position_ids, inp.attention_mask)
-    B, Sp = inp.input_ids.shape[0], S + pad
+    _replay(model, inp, torch.cat([rows, torch.full((B, pad), -1, dtype=torch.long)], 1))
+    Sp = S + pad
     ids = torch.cat([inp.input_ids, inp.input_ids.new_zeros(B, pad)], 1)
     pos = torch.cat([inp.position_ids, inp.position_ids.new_zeros(B, pad)], 1)
     mask = torch.ones(inp.attention_mask.shape[0], 1, Sp, Sp, dtype=torch.bool, device=ids.device)  # True = masked
@@ -399,6 +430,7 @@ def _run_context_parallel(model, m, inp: ModelInputs, cp: int):
     mx = int((cu[1:] - cu[:-1]).max())
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx)
     psp._coxswain_cp = plan
+    _replay(model, inp, plan.local_index[None].cpu())
     return model(plan.ids, plan.positions, None, packed_seq_params=psp)
 
 
@@ -420,16 +452,18 @@ def run_model(model, inp: ModelInputs):
         return _run_context_parallel(model, m, inp, cp)
     if inp.packed and getattr(m, "supports_thd", False):
         # THD: [1, T] tokens, positions restart from cu_seqlens inside megatron's RoPE.
-        return _run_packed(model, m, inp.input_ids, inp.cu_seqlens, inp.pad_to)
+        return _run_packed(model, m, inp.input_ids, inp.cu_seqlens, inp.pad_to, inp=inp)
     if not getattr(m, "uses_te", False) and not inp.pad_to:
         if inp.packed:  # attention without THD: dense block-diagonal causal mask
-            inp = packed_inputs(inp.input_ids, inp.cu_seqlens, dense_mask=True)
+            inp = replace(packed_inputs(inp.input_ids, inp.cu_seqlens, dense_mask=True), routing=inp.routing)
         return _run_dense(model, m, inp)
     real = inp.real  # [B, S]
     lens = real.sum(1)  # [B]
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     cu[1:] = lens.cpu().cumsum(0)
-    out = _run_packed(model, m, inp.input_ids[real][None], cu, inp.pad_to)  # [1, T] real tokens
+    grid = torch.arange(real.numel()).view(real.shape)
+    out = _run_packed(model, m, inp.input_ids[real][None], cu, inp.pad_to, inp=inp,
+                      rows=grid[real.cpu()][None])  # [1, T] real tokens
     if not m.post_process:
         return out  # hidden [T, 1, H] for the next stage
     full = out.new_zeros(*real.shape, out.shape[-1])  # [B, S, V_local]

@@ -71,6 +71,7 @@ from trainer.algos.utils import load_fn
 INT64 = "int64"
 MASK = "bool or integer"
 FLOAT = "floating point"
+INDEX = "integer"
 
 # field -> (symbolic shape, dtype class). "L" is P + T.
 FIELD_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -81,6 +82,7 @@ FIELD_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
     "input_ids": (("B", "L"), INT64),
     "position_ids": (("B", "L"), INT64),
     "rollout_log_probs": (("B", "T"), FLOAT),
+    "routed_experts": (("B", "L", "R", "K"), INDEX),
     "old_log_probs": (("B", "T"), FLOAT),
     "ref_log_probs": (("B", "T"), FLOAT),
     "values": (("B", "T"), FLOAT),
@@ -101,6 +103,8 @@ def _dtype_ok(dtype: torch.dtype, kind: str) -> bool:
         return dtype == torch.int64
     if kind == MASK:
         return dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
+    if kind == INDEX:
+        return dtype != torch.bool and not (dtype.is_floating_point or dtype.is_complex)
     return dtype.is_floating_point
 
 
@@ -124,6 +128,9 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
     position_ids: Optional[torch.Tensor] = None  # [B, P+T] int64, cumsum(attention_mask) - 1, clamped at 0
     # ---- log-probs ----
     rollout_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, the sampler's log-probs of the responses
+    # [B, P+T, R, k] int16, MoE routing replay (R3): the experts the rollout engine routed each input token
+    # to in each of the R MoE layers; -1 where it did not route it (pads, each response's last token)
+    routed_experts: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, trainer's log-probs at the start of the step
     ref_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, reference model's log-probs
     # ---- critic / rewards / advantages ----
@@ -303,13 +310,13 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
         for name, (dims, _) in FIELD_SPECS.items():
             t = getattr(self, name)
             if t is not None:
-                fields[name] = t[:, cols[dims[1]]] if len(dims) == 2 else t
+                fields[name] = t[:, cols[dims[1]]] if len(dims) >= 2 else t
         return type(self)(**fields, meta=self.meta, batch_size=self.batch_size), lead, tail
 
     def widen(self, P: int, T: int) -> "RolloutBatch":
         """The batch padded to prompt width ``P >= prompt_width`` (on the left) and response width
         ``T >= response_width`` (on the right): the inverse of ``trim_padding``. Pads are 0 (ids,
-        masks, floats) and -1 for ``step_ids`` (no turn). ``cat`` widens its parts to their widest."""
+        masks, floats), -1 for ``step_ids`` (no turn) and ``routed_experts`` (not routed). ``cat`` widens its parts to their widest."""
         p0, t0 = self.prompt_width, self.response_width
         if P < p0 or T < t0:
             raise ValueError(f"widen: ({P}, {T}) is narrower than the batch's ({p0}, {t0})")
@@ -322,8 +329,9 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
             if t is None or len(dims) == 1:
                 fields[name] = t
                 continue
-            fill = -1 if name == "step_ids" else 0
+            fill = -1 if name in ("step_ids", "routed_experts") else 0
             pad = {"P": (left, 0), "T": (0, right), "L": (left, right)}[dims[1]]
+            pad = (0, 0) * (len(dims) - 2) + pad  # F.pad lists the last dim first: dim 1 after the trailing ones
             fields[name] = torch.nn.functional.pad(t, pad, value=fill) if t.dtype != torch.bool else \
                 torch.nn.functional.pad(t.to(torch.uint8), pad, value=fill).bool()
         return type(self)(**fields, meta=self.meta, batch_size=self.batch_size)

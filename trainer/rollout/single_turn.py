@@ -69,6 +69,23 @@ def outputs_to_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequenc
     r_ids, r_mask = pad_right(flat_resp, T, pad_id, torch.long)
     lps, _ = pad_right(flat_lp, T, 0.0, torch.float32)
     rows_meta["finish_reason"] = finish
+    routed = [o.routed_experts for outs in outputs for o in outs]
+    extra = {"routed_experts": routes_grid(routed, [len(p) for p in flat_prompts], P, T)} \
+        if any(r is not None for r in routed) else {}
     return RolloutBatch.from_tokens(
         p_ids, r_ids, p_mask, r_mask, meta=rows_meta,
-        rollout_log_probs=lps, group_ids=torch.as_tensor(flat_gid, dtype=torch.long))
+        rollout_log_probs=lps, group_ids=torch.as_tensor(flat_gid, dtype=torch.long), **extra)
+
+
+def routes_grid(routes: Sequence[torch.Tensor | None], prompt_lens: Sequence[int], P: int, T: int) -> torch.Tensor:
+    """Each row's engine routing ``[n_in, R, k]`` (its prompt, then its response's input tokens) placed on
+    the batch's ``[B, P+T, R, k]`` grid: prompt tokens end at column P (left padding), response tokens
+    start there; -1 wherever the engine routed nothing (pads, the last response token)."""
+    shape = next(r for r in routes if r is not None).shape[1:]
+    out = torch.full((len(routes), P + T, *shape), -1, dtype=torch.int16)
+    for i, (r, n) in enumerate(zip(routes, prompt_lens)):
+        if r is None:
+            raise ValueError(f"row {i} came back without routed experts while others have them")
+        m = min(r.shape[0], n + T)
+        out[i, P - n: P - n + m] = r[:m]
+    return out

@@ -140,9 +140,14 @@ class Sharded:
 class StepData:
     """One step's batch, sharded once per DP size and put once; see the module docstring."""
 
-    def __init__(self, batch: RolloutBatch, transport: Transport, *, with_rollout_log_probs: bool = False):
+    def __init__(self, batch: RolloutBatch, transport: Transport, *, with_rollout_log_probs: bool = False,
+                 with_routed_experts: bool = False):
         self.batch, self.transport = batch, transport
-        self.fields = MODEL_FIELDS + (("rollout_log_probs",) if with_rollout_log_probs else ())
+        self.fields = MODEL_FIELDS + (("rollout_log_probs",) if with_rollout_log_probs else ()) \
+            + (("routed_experts",) if with_routed_experts else ())
+        if with_routed_experts and batch.routed_experts is None:
+            raise ValueError("routing replay is on but the rollout returned no routed experts (MoE model? the "
+                             "engine must record them: actor_rollout_ref.rollout.enable_rollout_routing_replay)")
         self._parts: dict[int, Partition] = {}
         self._refs: dict[int, list] = {}
 
@@ -165,7 +170,8 @@ class StepData:
                     if f == "attention_mask":
                         continue
                     t = getattr(self.batch, f)
-                    t = (t[:, lead:] if f == "prompts" else t[:, :w]).index_select(0, r)
+                    cols = {"prompts": slice(lead, None), "routed_experts": slice(lead, P + w)}.get(f, slice(0, w))
+                    t = t[:, cols].index_select(0, r)
                     if t.dtype == torch.int64 and f in ("prompts", "responses"):
                         t = t.to(torch.int32)  # token ids fit in 31 bits: half the bytes; int64 again on the rank
                     shard[f] = _np(t)
@@ -188,7 +194,8 @@ def shard_batch(shard: dict, *extras: Optional[dict]) -> RolloutBatch:
     P = t["prompts"].shape[1]
     am = t["attention_mask"].bool()
     batch = RolloutBatch.from_tokens(t["prompts"], t["responses"], am[:, :P], am[:, P:], t["response_mask"].bool(),
-                                     rollout_log_probs=t.get("rollout_log_probs"))
+                                     rollout_log_probs=t.get("rollout_log_probs"),
+                                     routed_experts=t.get("routed_experts"))
     for ex in extras:
         for k, v in (ex or {}).items():
             setattr(batch, k, torch.from_numpy(np.array(v)))
