@@ -59,6 +59,9 @@ def make_batch(b=6, p=5, t=7, seed=0, full=True, meta=True) -> RolloutBatch:
         for n in FLOAT_BT:
             fields[n] = torch.randn(b, t, generator=g)
         fields["step_ids"] = torch.where(resp_attn, torch.randint(0, 3, (b, t), generator=g), -1)
+        real = torch.cat([prompt_mask, resp_attn], 1)  # [B, P+T]
+        fields["routed_experts"] = torch.where(real[..., None, None], torch.randint(0, 8, (b, p + t, 2, 2), generator=g),
+                                               -1).to(torch.int16)
         fields["group_ids"] = torch.arange(b) // 2
         fields["acc"] = torch.randint(0, 2, (b,), generator=g).float()
         fields["scores"] = torch.randn(b, generator=g)
@@ -175,9 +178,9 @@ def test_wrong_shape_names_the_field(name):
     b = make_batch(full=False, meta=False)
     B, P, T = 6, 5, 7
     dims, kind = FIELD_SPECS[name]
-    size = {"B": B, "P": P, "T": T, "L": P + T}
+    size = {"B": B, "P": P, "T": T, "L": P + T, "R": 2, "K": 3}
     shape = [size[d] for d in dims]
-    dtype = {tb.INT64: torch.int64, tb.MASK: torch.bool, tb.FLOAT: torch.float32}[kind]
+    dtype = {tb.INT64: torch.int64, tb.MASK: torch.bool, tb.FLOAT: torch.float32, tb.INDEX: torch.int16}[kind]
     # 1) one dim too many
     with pytest.raises(ValueError, match=rf"RolloutBatch\.{name} must have shape"):
         setattr(b, name, torch.zeros(*shape, 2, dtype=dtype))
@@ -594,3 +597,27 @@ def test_micro_batch_groups_fixed_budget_and_minimum():
     assert micro_batch_groups([7], size=4, min_groups=2) == [[0]]  # no more groups than rows
     with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu=8"):
         micro_batch_groups(toks, size=1, max_tokens=8)
+
+
+def test_routed_experts_follow_trim_widen_and_cat():
+    """The [B, P+T, R, K] routing table moves with its tokens: trim_padding drops the same columns as
+    input_ids, widen pads them with -1 (not routed), cat lines up batches of different widths."""
+    from trainer.rollout.single_turn import routes_grid
+
+    prompts, resp = [[5, 6], [7]], [[1, 2, 3], [4]]
+    routes = [torch.arange(n).repeat_interleave(4).view(-1, 2, 2).to(torch.int16) + 10 * i
+              for i, n in enumerate((2 + 3 - 1, 1 + 1 - 1))]  # [n_in, R=2, K=2], distinct per token
+    grid = routes_grid(routes, [2, 1], P=4, T=5)  # 2 all-pad prompt columns, 1 all-pad response column
+    assert grid.shape == (2, 9, 2, 2)
+    assert torch.equal(grid[0, 2:6], routes[0]) and bool((grid[0, :2] == -1).all()) and bool((grid[0, 6:] == -1).all())
+    assert torch.equal(grid[1, 3:4], routes[1]) and bool((grid[1, 4:] == -1).all())
+    p_ids = torch.tensor([[0, 0, 5, 6], [0, 0, 0, 7]])
+    r_ids = torch.tensor([[1, 2, 3, 0, 0], [4, 0, 0, 0, 0]])
+    b = RolloutBatch.from_tokens(p_ids, r_ids, p_ids > 0, r_ids > 0, routed_experts=grid)
+    t, lead, tail = b.trim_padding()
+    assert (lead, tail) == (2, 2)
+    assert torch.equal(t.routed_experts, grid[:, 2:7])
+    w = t.widen(4, 5)
+    assert torch.equal(w.routed_experts, grid)  # the trimmed columns come back as -1
+    c = RolloutBatch.cat([t, b])
+    assert c.routed_experts.shape == (4, 9, 2, 2) and torch.equal(c.routed_experts[:2], grid)

@@ -117,6 +117,36 @@ def test_cross_field_errors_name_every_key():
     assert "32 responses" in str(e.value) and "ppo_micro_batch_size_per_gpu=5" in str(e.value)
 
 
+def test_routing_replay_keys():
+    """verl's R3 keys: the replaying role and the recording engines need each other; R2, the file
+    dumps, SGLang, the HTTP fleet and multi-turn are refused with the reason; the good pair resolves."""
+    R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    cfg = tiny_config(R3 + ["actor_rollout_ref.ref.router_replay.mode=R3"])
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3" and cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay
+    cases = {
+        (R3[0],): "enable_rollout_routing_replay=true: add that line",
+        (R3[1],): "no role replays them",
+        ("actor_rollout_ref.actor.router_replay.mode=R2",): "R2 routing replay",
+        ("actor_rollout_ref.actor.router_replay.mode=R4",): "'R4' is not one of",
+        (*R3, "actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"): "dumping routes to a file is not built",
+        (*R3, "actor_rollout_ref.rollout.name=sglang"): "the SGLang adapter does not return routed experts",
+        (*R3, "actor_rollout_ref.rollout.mode=async"): "the servers do not return routed experts",
+        (*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"): "multi-turn rollouts is not built yet",
+    }
+    for overrides, want in cases.items():
+        with pytest.raises(ConfigError) as e:
+            tiny_config(list(overrides))
+        assert want in str(e.value), (overrides, str(e.value))
+    # the tiny model is dense: refused before any worker starts; the shipped tiny MoE model is taken
+    from trainer.main import check_model, resolve_model_paths
+
+    with pytest.raises(ConfigError, match="is a dense model"):
+        check_model(cfg)
+    moe = tiny_config(R3 + [f"actor_rollout_ref.model.path={Path(TINY_YAML).parent / 'tiny_moe_model'}"])
+    resolve_model_paths(moe)
+    check_model(moe)
+
+
 def test_all_errors_reported_together():
     with pytest.raises(ConfigError) as e:
         tiny_config(["data.train_batch_size=10", "algorithm.rollout_is_threshold=1", "algorithm.rollout_is_threshold_lower=2",

@@ -65,7 +65,7 @@ def test_cp2_actor_and_reference_match_cp1_in_the_loop(tmp_path, monkeypatch):
         assert abs(got[k] - ref[k]) < 1e-4 * max(1.0, abs(ref[k])), (k, got[k], ref[k])
 
 
-def _tiny_moe(path: Path) -> str:
+def _tiny_moe(path: Path, router_std: float = 1.0, experts: int = 4, expert_std: float | None = None) -> str:
     """A random Qwen3-MoE twin of the tiny model (same tokenizer): 4 experts, top-2, 2 layers."""
     import shutil
 
@@ -73,7 +73,7 @@ def _tiny_moe(path: Path) -> str:
 
     base = json.loads((Path(TINY) / "config.json").read_text())
     cfg = Qwen3MoeConfig(vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
-                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                         num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=base["max_position_embeddings"], tie_word_embeddings=True,
                          eos_token_id=base.get("eos_token_id"), bos_token_id=base.get("bos_token_id"))
@@ -82,7 +82,9 @@ def _tiny_moe(path: Path) -> str:
     with torch.no_grad():
         for n, p in m.named_parameters():
             if n.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.0)  # a router far from uniform
+                p.normal_(0, router_std)  # 1.0: a router far from uniform; small: near-ties everywhere
+            elif expert_std is not None and ".experts." in n:
+                p.normal_(0, expert_std)  # experts that differ enough for the choice to matter
     m.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         shutil.copy(Path(TINY) / f, path / f)
@@ -108,3 +110,28 @@ def test_moe_actor_ep2_matches_ep1_in_the_loop(tmp_path, monkeypatch):
     no_aux = run(tmp_path, *common[:-1], name="noaux")["history"][-1]
     assert no_aux["actor/pg_loss"] == pytest.approx(ref["actor/pg_loss"], abs=1e-6)
     assert abs(no_aux["actor/grad_norm"] - ref["actor/grad_norm"]) > 1e-4, (no_aux["actor/grad_norm"], ref["actor/grad_norm"])
+
+
+def test_routing_replay_cuts_the_moe_mismatch_in_the_loop(tmp_path, monkeypatch):
+    """R3 routing replay through the loop: a bf16 engine samples from a MoE policy whose router nearly ties
+    (32 experts, small scores), the fp32 actor (EP=2, packed rows, token-budget micro-batches) recomputes the
+    log-probs. Without replay the two often route a token to different experts; with it the actor uses
+    the engine's experts, and the rollout-vs-trainer KL falls. The samples are the same in both runs."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    moe = _tiny_moe(tmp_path / "moe", router_std=0.01, experts=32, expert_std=0.5)
+    common = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
+              f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.dtype=bfloat16",
+              "data.max_response_length=12", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+              "actor_rollout_ref.actor.megatron.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256"]
+    free = run(tmp_path, *common, name="free")["history"]
+    r3 = run(tmp_path, *common, "actor_rollout_ref.actor.router_replay.mode=R3",
+             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", name="r3")["history"]
+    for a, b in zip(free, r3):
+        assert a["critic/score/mean"] == b["critic/score/mean"]  # the same samples
+        assert b["sync/verified"] == 1.0
+    # k3 = E[ratio - 1 - log ratio] >= 0 per token, ~ E[d^2] / 2: the flipped tokens' large d dominate it
+    kl_free = sum(h["mismatch/mismatch_k3_kl"] for h in free)
+    kl_r3 = sum(h["mismatch/mismatch_k3_kl"] for h in r3)
+    print("mismatch_k3_kl", kl_free, kl_r3, [h["mismatch/mismatch_kl"] for h in free], [h["mismatch/mismatch_kl"] for h in r3])
+    assert kl_r3 < 0.5 * kl_free, (kl_free, kl_r3)

@@ -128,9 +128,7 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
     position_ids: Optional[torch.Tensor] = None  # [B, P+T] int64, cumsum(attention_mask) - 1, clamped at 0
     # ---- log-probs ----
     rollout_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, the sampler's log-probs of the responses
-    # [B, P+T, R, k] int16, MoE routing replay (R3): the experts the rollout engine routed each input token
-    # to in each of the R MoE layers; -1 where it did not route it (pads, each response's last token)
-    routed_experts: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None  # [B, P+T, R, K] int16, R3 routing replay: each input token's K experts in each of the R MoE layers, as the engine routed it; -1 where it did not (pads, each response's last token)
     old_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, trainer's log-probs at the start of the step
     ref_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, reference model's log-probs
     # ---- critic / rewards / advantages ----

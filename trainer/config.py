@@ -144,6 +144,13 @@ class CheckpointContents:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"  # MoE routing replay: disabled | R3 (every forward of this role routes each token to the experts the rollout engine used; needs rollout.enable_rollout_routing_replay) | R2 (refused: not built)
+    record_file: Optional[str] = None  # verl's dump of recorded routes (debugging): not built, refused when set
+    replay_file: Optional[str] = None  # verl's replay from such a dump: not built, refused when set
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "megatron"  # megatron | deepspeed
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
@@ -167,6 +174,7 @@ class ActorConfig:
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # policy-loss variant
     optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor parallelism
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay (R3)
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # checkpoint contents
 
 
@@ -177,6 +185,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack reference micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per reference micro-batch
     megatron: MegatronConfig = field(default_factory=lambda: RefMegatronConfig())  # reference parallelism (follows the actor's, as in verl)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay in the reference forward (R3)
 
 
 @dataclass
@@ -212,6 +221,7 @@ class RolloutConfig:
     response_length: int = "${oc.select:data.max_response_length,512}"  # response budget of the engines
     dtype: str = "bfloat16"  # rollout compute dtype
     calculate_log_probs: bool = False  # return the sampler's per-token log-probs (needed for rollout IS)
+    enable_rollout_routing_replay: bool = False  # MoE: the engines return each token's experts per layer, for router_replay.mode=R3
     tensor_model_parallel_size: int = 2  # rollout engine TP (SGLang)
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     free_cache_engine: bool = True  # release engine memory while training (colocated)
@@ -538,6 +548,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
         ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"), True),
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
+    "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
+    "actor_rollout_ref.ref.router_replay.mode": (("disabled", "R2", "R3"), False),
     "reward_model.reward_manager": (("naive", "prime", "dapo", "batch"), False),
     "actor_rollout_ref.rollout.mode": (("sync", "async", "server"), False),
     "actor_rollout_ref.actor.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
@@ -900,6 +912,30 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+def _routing_replay_errors(cfg: DictConfig) -> list[str]:
+    """R3 routing replay: the engines record, the replaying roles read; each half needs the other."""
+    arr, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+    replaying = [f"actor_rollout_ref.{role}.router_replay.mode=R3" for role in ("actor", "ref")
+                 if arr[role].router_replay.mode == "R3"]
+    errs = []
+    if replaying and not r.enable_rollout_routing_replay:
+        errs.append(f"{' and '.join(replaying)} replays the rollout engine's expert choices, which the engines only "
+                    f"return with actor_rollout_ref.rollout.enable_rollout_routing_replay=true: add that line.")
+    if r.enable_rollout_routing_replay and not replaying:
+        errs.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true records every token's experts but no "
+                    "role replays them: add actor_rollout_ref.actor.router_replay.mode=R3, or remove the line.")
+    if replaying and r.name == "sglang":
+        errs.append("R3 routing replay with actor_rollout_ref.rollout.name=sglang is not built yet (the SGLang adapter "
+                    "does not return routed experts); it runs with the native engine.")
+    if replaying and r.mode != "sync":
+        errs.append(f"R3 routing replay with actor_rollout_ref.rollout.mode={r.mode} (the HTTP fleet) is not built yet: "
+                    f"the servers do not return routed experts; use rollout.mode=sync.")
+    if replaying and r.multi_turn.enable:
+        errs.append("R3 routing replay with multi-turn rollouts is not built yet: each turn re-prefills the context, "
+                    "so a trajectory has no single recorded routing; remove router_replay or multi_turn.enable.")
+    return errs
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise one ``ConfigError`` listing every cross-field problem of ``cfg``."""
     errs = validation_errors(cfg)
@@ -1029,6 +1065,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     if r.prompt_length < d.max_prompt_length:
         errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
+    errs += _routing_replay_errors(cfg)
     model = cfg.actor_rollout_ref.model
     if model.use_remove_padding and not a.megatron.use_remove_padding:
         errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="

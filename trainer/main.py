@@ -87,6 +87,17 @@ def check_supported(cfg) -> None:
         raise NotSupportedYet("this machine cannot run the requested configuration:\n  - " + "\n  - ".join(gaps))
 
 
+def check_model(cfg) -> None:
+    """Refuse settings the model cannot take, before any worker starts."""
+    from megatron_bridge.hf_config import read_hf_config
+
+    arr = cfg.actor_rollout_ref
+    replay = [f"actor_rollout_ref.{r}.router_replay.mode=R3" for r in ("actor", "ref") if arr[r].router_replay.mode == "R3"]
+    if replay and not read_hf_config(arr.model.path).is_moe:
+        raise ConfigError(f"{' and '.join(replay)} replays mixture-of-experts routing, but {arr.model.path} is a dense "
+                          f"model: remove the router_replay and enable_rollout_routing_replay lines.")
+
+
 def train(cfg) -> dict:
     from transformers import AutoTokenizer
 
@@ -103,6 +114,7 @@ def train(cfg) -> dict:
     t_start = time.time()
     resolve_model_paths(cfg)
     check_supported(cfg)
+    check_model(cfg)
     run_dir, dbg, model_path = cfg.trainer.default_local_dir, cfg.trainer.debug, cfg.actor_rollout_ref.model.path
     save_resolved(cfg, run_dir)
     torch.manual_seed(cfg.trainer.seed)
@@ -176,7 +188,8 @@ def train(cfg) -> dict:
             on_policy = plan.on_policy(batch.num_samples, step)
             bypass = plan.bypass is not None  # verl's bypass mode: the sampler's log-probs are the old ones
             data = StepData(batch, cluster.transport,
-                            with_rollout_log_probs=(on_policy and plan.rollout_is is not None) or bypass)
+                            with_rollout_log_probs=(on_policy and plan.rollout_is is not None) or bypass,
+                            with_routed_experts=plan.sampling.return_routed_experts)
             old = ref_lp = values = None
             ent = {}
             if bypass:

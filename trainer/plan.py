@@ -114,11 +114,13 @@ class Sampling:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
     seed: int
+    return_routed_experts: bool = False  # R3 routing replay: the engines return each token's experts
 
     def params(self, step: int, gen_batch: int) -> dict:
         return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     max_new_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
-                    seed=self.seed * 1_000_003 + step * 1009 + gen_batch)
+                    seed=self.seed * 1_000_003 + step * 1009 + gen_batch,
+                    **({"return_routed_experts": True} if self.return_routed_experts else {}))
 
 
 @dataclass(frozen=True)
@@ -176,11 +178,11 @@ class Plan:
                       concurrency=r.multi_turn.concurrency, max_response_length=width)
         turn_tokens = int((mt is not None and r.multi_turn.max_tokens_per_turn) or width)
 
-        def sampling(src, n: int) -> Sampling:
+        def sampling(src, n: int, routes: bool = False) -> Sampling:
             greedy = (not src.do_sample) or src.temperature == 0
             return Sampling(n=int(n), temperature=0.0 if greedy else float(src.temperature), top_p=float(src.top_p),
                             top_k=src.top_k if src.top_k and src.top_k > 0 else None, max_new_tokens=turn_tokens,
-                            stop_token_ids=stops, seed=int(r.seed))
+                            stop_token_ids=stops, seed=int(r.seed), return_routed_experts=routes)
 
         pl = a.policy_loss
         policy = PolicyLoss(
@@ -231,7 +233,7 @@ class Plan:
             total_steps=int(total_steps), train_batch_size=cfg.data.train_batch_size,
             gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size, n=r.n,
             max_prompt_length=cfg.data.max_prompt_length, response_width=width, val_batch_size=cfg.data.val_batch_size,
-            sampling=sampling(r, r.n), val_sampling=sampling(r.val_kwargs, r.val_kwargs.n), multi_turn=mt,
+            sampling=sampling(r, r.n, routes=bool(r.enable_rollout_routing_replay)), val_sampling=sampling(r.val_kwargs, r.val_kwargs.n), multi_turn=mt,
             filter_groups=OmegaConf.to_container(al.filter_groups), overlong=overlong_shaping(cfg),
             actor_update=actor_update, critic_update=critic_update, actor_log_prob=actor_log_prob,
             ref_log_prob=ref_log_prob, critic_values=critic_values,

@@ -80,7 +80,7 @@ class Cluster:
         self.transport = Transport(self.in_process)
 
         def mgroup(kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None,
-                   checkpointing: bool = False):
+                   checkpointing: bool = False, routing_replay: bool = False):
             port = find_free_port()
             rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
@@ -90,7 +90,7 @@ class Cluster:
                         moe=moe_settings(mcfg),
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
                         params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
-                        sequence_parallel=bool(mcfg.sequence_parallel),
+                        sequence_parallel=bool(mcfg.sequence_parallel), routing_replay=routing_replay,
                         num_threads=share(world), **(extra or {}))
                    for i in range(world)]
             return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
@@ -114,10 +114,12 @@ class Cluster:
             ActorGroup, "actor", a.megatron, "actor",
             bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps, use_dist=a.megatron.use_distributed_optimizer),
             model_path, *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()),
-            checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing)
+            checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+            routing_replay=a.router_replay.mode == "R3")
         self.ref = None
         if need_ref(cfg):
-            self.ref = mgroup(RefGroup, "ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path)
+            self.ref = mgroup(RefGroup, "ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path,
+                              routing_replay=cfg.actor_rollout_ref.ref.router_replay.mode == "R3")
         self.critic = None
         if need_critic(cfg):
             c = cfg.critic

@@ -79,7 +79,7 @@ class MegatronWorker:
                  etp: int | None = None, moe: dict | None = None, pp_layers=None,
                  params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1,
-                 recompute: dict | None = None, sequence_parallel: bool = False):
+                 recompute: dict | None = None, sequence_parallel: bool = False, routing_replay: bool = False):
         from megatron_bridge import launch
         from megatron_bridge.convert import load_hf_weights
         from megatron_bridge.hf_config import read_hf_config
@@ -96,6 +96,15 @@ class MegatronWorker:
                                  recompute={**(recompute or {}), **(moe or {})} or None,
                                  sequence_parallel=sequence_parallel)
         load_hf_weights(self.model, model_path)
+        # R3 routing replay: every forward routes each token to the experts the rollout engine used
+        self.routing_replay = routing_replay
+        if routing_replay:
+            from megatron_bridge import routing_replay as rr
+
+            if not self.hf.is_moe:
+                raise ValueError(f"{role}: router_replay.mode=R3 replays mixture-of-experts routing, but {model_path} "
+                                 f"is a dense model; remove the router_replay line")
+            rr.install(self.model)
         self.trainer = None
         if optim is not None:
             from megatron_bridge.train import OptimConfig, make_trainer
@@ -131,6 +140,11 @@ class MegatronWorker:
             ids, am = batch.input_ids[idx], batch.attention_mask[idx]
             d = pack_padded(ids, am) if settings.packed else {"input_ids": ids, "attention_mask": am}
             d["rows"] = idx
+            if self.routing_replay:  # the recorded experts of each token, in the micro-batch's own layout
+                if batch.routed_experts is None:
+                    raise ValueError("routing replay is on but the batch carries no routed_experts")
+                re = batch.routed_experts[idx]  # [b, P+T, R, k]
+                d["routed_experts"] = re.reshape(-1, *re.shape[2:])[d["pack_index"]] if settings.packed else re
             for f in fields:
                 v = getattr(batch, f)
                 if v is not None:
