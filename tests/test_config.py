@@ -243,11 +243,15 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     msg = str(e.value)
     for want in ("ref.megatron.virtual_pipeline_model_parallel_size=2 interleaves pipeline stages: it needs "
                  "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size >= 2",
-                 "critic.megatron.param_offload=True: parameter offload",
-                 "optimizer_offload=True: optimizer offload", "['moe_expert_capacity_factor'] not supported",
+                 "critic.megatron.param_offload=True: offload frees accelerator memory",
+                 "optimizer_offload=True: offload frees accelerator memory", "['moe_expert_capacity_factor'] not supported",
                  "actor_rollout_ref.actor.strategy=deepspeed: the DeepSpeed strategy", "reward_model.enable=True"):
         assert want in msg, want
     assert msg.startswith("7 problems"), msg  # the reference follows the actor's transformer overrides: both named
+    # offload is a GPU feature: refused on CPU (above), taken on GPU
+    gpu = tiny_config(["trainer.device=cuda", "actor_rollout_ref.rollout.name=sglang", "critic.megatron.param_offload=true",
+                       "actor_rollout_ref.actor.megatron.optimizer_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true"])
+    assert gpu.actor_rollout_ref.actor.megatron.optimizer_offload and gpu.critic.megatron.param_offload
     # expert parallelism and the MoE losses, context parallelism and the interleaved pipeline are built:
     # accepted (CP with VPP not yet)
     tiny_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",

@@ -163,7 +163,7 @@ def test_five_kinds_of_problem_in_one_cli_run(tmp_path):
     assert p.returncode == 2, p.stderr
     err = p.stderr
     assert re.search(r"\b[6-9] problems", err), err
-    for want in ("Did you mean 'algorithm.gamma'", "'many'", "lora_rank': LoRA training is not implemented", "param_offload=True: parameter offload",
+    for want in ("Did you mean 'algorithm.gamma'", "'many'", "lora_rank': LoRA training is not implemented", "param_offload=True: offload frees accelerator memory",
                  "ppo_mini_batch_size=5", "fsdp_config.param_offload"):
         assert want in err, want
     assert "Traceback" not in err

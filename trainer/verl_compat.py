@@ -142,14 +142,18 @@ def _override_config_set(v, c) -> bool:
     return bool(v) or bool(model) or bool(moe.pop("freeze_moe_router", False)) or bool(moe)
 
 
+_OFFLOAD_CPU = ("offload frees accelerator memory between phases; with trainer.device=cpu the parameters, gradients "
+                "and optimizer state already live in host memory, so it would only copy them back and forth: "
+                "remove the line (or train on GPUs: trainer.device=cuda)")
+
 REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("actor_rollout_ref.actor.ppo_micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("actor_rollout_ref.model.override_config", _override_config_set,
      "overriding the HF config is not implemented; edit the model's config.json instead"),
-    ("*.param_offload", lambda v, c: bool(v), "parameter offload is not built yet (issue #16)"),
-    ("*.grad_offload", lambda v, c: bool(v), "gradient offload is not built yet (issue #16)"),
-    ("*.optimizer_offload", lambda v, c: bool(v), "optimizer offload is not built yet (issue #16)"),
+    ("*.param_offload", lambda v, c: bool(v) and c.trainer.device == "cpu", _OFFLOAD_CPU),
+    ("*.grad_offload", lambda v, c: bool(v) and c.trainer.device == "cpu", _OFFLOAD_CPU),
+    ("*.optimizer_offload", lambda v, c: bool(v) and c.trainer.device == "cpu", _OFFLOAD_CPU),
     ("actor_rollout_ref.actor.router_replay.mode", lambda v, c: v == "R2",
      "R2 routing replay (record in the old-log-prob forward, replay in the update) is not built; R3 (the rollout "
      "engine's routing, replayed in every forward) is: router_replay.mode=R3 with "

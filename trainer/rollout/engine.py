@@ -28,6 +28,7 @@ HF-named stream it sends; a mismatch (or a failed push) is a :class:`WeightSyncE
 from __future__ import annotations
 
 import abc
+import ctypes
 import hashlib
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -151,11 +152,14 @@ class RolloutEngine(abc.ABC):
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    # Raw bytes of a contiguous CPU tensor, for any dtype (numpy has no bfloat16, so go via uint8).
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
+    # Raw bytes of a contiguous CPU tensor, for any dtype, read in place through its address: a numpy
+    # view (t.numpy()) would do the same but mark the storage non-resizable for good, and offload
+    # (megatron_bridge.offload) frees a parameter's memory by resizing its storage (the caller keeps
+    # ``t`` alive while the view is read).
+    n = t.numel() * t.element_size()
+    if n == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:

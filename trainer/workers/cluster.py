@@ -91,6 +91,8 @@ class Cluster:
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
                         params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
                         sequence_parallel=bool(mcfg.sequence_parallel), routing_replay=routing_replay,
+                        offload=dict(params=bool(mcfg.param_offload), grads=bool(mcfg.grad_offload),
+                                     optimizer=bool(mcfg.optimizer_offload)),
                         num_threads=share(world), **(extra or {}))
                    for i in range(world)]
             return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),

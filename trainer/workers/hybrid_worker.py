@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from trainer.workers.megatron_worker import MegatronWorker, combine_digests
+from trainer.workers.megatron_worker import MegatronWorker, combine_digests, resident
 from trainer.workers.rollout_worker import RolloutWorker
 
 
@@ -44,6 +44,7 @@ class HybridWorker(MegatronWorker):
         with cpu_shims.suspended():
             return getattr(self.engine_worker, method)(*args, **kwargs)
 
+    @resident("params")
     def sync_engine(self, bucket_bytes: int, digest_dtype: str | None) -> dict:
         """Load this rank's engine from the HF-name weight stream (collective over the model-parallel
         group). With ``digest_dtype`` (``"none"`` = as is) also hash the stream and the engine's
@@ -83,6 +84,7 @@ class HybridWorker(MegatronWorker):
             raise RuntimeError("stream_checksum: no finished sync_engine stream with digests")
         return combine_digests(self._stream_digests) if self._stream_digests else None
 
+    @resident("params")
     def verify_engine(self, dtype: str | None) -> tuple[str, str]:
         """(this rank's checksum of the actor's weights cast to ``dtype``, its engine's checksum);
         collective: every rank gathers the full tensors."""

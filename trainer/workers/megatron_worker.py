@@ -12,7 +12,9 @@ come back at that width, for the response part only (``[b, T_d]``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import os
 import threading
 from typing import Any, Iterator
@@ -64,6 +66,32 @@ def _step_partials(acc, prefix: str, m: dict) -> None:
     _memory_partials(acc)
 
 
+def resident(*parts: str):
+    """Decorator: the method runs with ``parts`` of the role's state ("params", "grads", "optimizer")
+    in device memory; whatever the role offloads (``offload``) goes back to host memory afterwards.
+    A generator method keeps them resident until it is drained or closed."""
+    def deco(fn):
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def gen(self, *a, **kw):
+                self._load_state(parts)
+                try:
+                    yield from fn(self, *a, **kw)
+                finally:
+                    self._offload_state()
+            return gen
+
+        @functools.wraps(fn)
+        def wrapped(self, *a, **kw):
+            self._load_state(parts)
+            try:
+                return fn(self, *a, **kw)
+            finally:
+                self._offload_state()
+        return wrapped
+    return deco
+
+
 def combine_digests(digests: dict[str, bytes]) -> str:
     """``trainer.rollout.engine.checksum_named_tensors`` from per-tensor ``tensor_digest``s: sha256
     over the digests in sorted name order (tests check the two agree)."""
@@ -79,7 +107,8 @@ class MegatronWorker:
                  etp: int | None = None, moe: dict | None = None, pp_layers=None,
                  params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, num_threads: int = 1,
-                 recompute: dict | None = None, sequence_parallel: bool = False, routing_replay: bool = False):
+                 recompute: dict | None = None, sequence_parallel: bool = False, routing_replay: bool = False,
+                 offload: dict | None = None):
         from megatron_bridge import launch
         from megatron_bridge.convert import load_hf_weights
         from megatron_bridge.hf_config import read_hf_config
@@ -110,10 +139,51 @@ class MegatronWorker:
             from megatron_bridge.train import OptimConfig, make_trainer
 
             self.trainer = make_trainer(self.model, OptimConfig(**optim))
+        self._setup_offload(offload or {})
         if compile:
             from megatron_bridge.model import compile_model
 
             compile_model(self.model)
+
+    # ------------------------------------------------------------------ offload (megatron_bridge.offload)
+    def _setup_offload(self, offload: dict) -> None:
+        """verl's ``param_offload`` / ``grad_offload`` / ``optimizer_offload``: each named part lives in
+        host memory except while a method that needs it runs (:func:`resident`)."""
+        from megatron_bridge import offload as off
+
+        bad = set(offload) - {"params", "grads", "optimizer"}
+        if bad:
+            raise ValueError(f"offload: unknown parts {sorted(bad)}")
+        t = self.trainer
+        self._offloaders = {}
+        if offload.get("optimizer") and t is not None:  # first: it tells its own tensors from the model's
+            self._offloaders["optimizer"] = off.StorageOffload(off.optimizer_state(t.optimizer, t.model), name="optimizer")
+        if offload.get("grads") and t is not None:
+            self._offloaders["grads"] = off.StorageOffload(off.grad_buffers(t.model), keep=False, name="grads")
+        if offload.get("params"):
+            self._offloaders["params"] = off.StorageOffload(off.model_params(self._module()), name="params")
+        self.offloaded_bytes = {}
+        self._offload_state()
+
+    def _load_state(self, parts) -> None:
+        for name in ("params", "grads", "optimizer"):  # the reverse of _offload_state's order
+            o = self._offloaders.get(name)
+            if o is not None and name in parts:
+                o.load()
+
+    def _offload_state(self) -> None:
+        for name, o in self._offloaders.items():
+            n = o.offload()
+            if n:
+                self.offloaded_bytes[name] = n
+
+    def offload_status(self) -> dict:
+        """Per offloaded part: whether it is in host memory now, the bytes it freed the last time, and the
+        bytes its storages hold in place right now (0 while offloaded)."""
+        from megatron_bridge.offload import resident_bytes
+
+        return {"offloaded": {k: o.offloaded for k, o in self._offloaders.items()}, "bytes": dict(self.offloaded_bytes),
+                "resident": {k: resident_bytes(o.tensors()) for k, o in self._offloaders.items()}}
 
     # ------------------------------------------------------------------ layout
     def layout(self) -> dict:
@@ -179,6 +249,7 @@ class MegatronWorker:
         return full
 
     # ------------------------------------------------------------------ forward passes
+    @resident("params")
     def log_probs(self, shard: dict, *, settings: ForwardSettings, entropy: bool = False,
                   key: str = "log_probs") -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Per-token log-probs of the shard's responses under the current weights, ``{key: [b, T_d]}``
@@ -190,11 +261,13 @@ class MegatronWorker:
         summary = _entropy_summary(full["entropy"], batch.response_mask) if entropy else {}
         return {key: full["logprobs"].numpy()}, summary
 
+    @resident("params")
     def values(self, shard: dict, *, settings: ForwardSettings) -> dict[str, np.ndarray]:
         batch = shard_batch(shard)
         return {"values": self._forward(batch, settings)["values"].numpy()}
 
     # ------------------------------------------------------------------ updates
+    @resident("params", "grads", "optimizer")
     def update_actor(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
                      counts: list, on_policy: bool = False, rollout_is: RolloutIS | None = None,
                      return_log_probs: bool = False, bypass: dict | None = None) -> dict:
@@ -295,6 +368,7 @@ class MegatronWorker:
                 res["entropy"] = _entropy_summary(torch.cat([c[1] for c in captured]), torch.cat([c[2] for c in captured]))
         return res
 
+    @resident("params", "grads", "optimizer")
     def update_critic(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
                       counts: list) -> dict:
         from megatron_bridge.train import train_step
@@ -330,6 +404,7 @@ class MegatronWorker:
         return {"metrics": out}
 
     # ------------------------------------------------------------------ weights, checkpoints
+    @resident("params")
     def weight_buckets(self, bucket_bytes: int, digest_dtype: str | None = None) -> Iterator[Any]:
         """Collective generator over HF-named weight buckets. Every rank must drain it; only global
         rank 0 yields the tensors (others yield None, so nothing is shipped twice).
@@ -371,6 +446,7 @@ class MegatronWorker:
             raise RuntimeError("stream_checksum: no finished weight_buckets stream with digests")
         return combine_digests(self._stream_digests)
 
+    @resident("params")
     def weights_checksum(self, dtype: str | None = None) -> str | None:
         from megatron_bridge.export import iter_hf_param
 
@@ -384,21 +460,29 @@ class MegatronWorker:
             pass
         return None
 
+    @resident("params", "optimizer")
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
         from megatron_bridge.checkpoint import save_checkpoint
 
         t = self.trainer
         return save_checkpoint(ckpt_dir, self._module(), t.optimizer if t else None, t.scheduler if t else None, extra=extra)
 
+    @resident("params", "optimizer")
     def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
         """``contents``: verl's load_contents (the model always; the optimizer and the LR scheduler
         ('extra') only when named, otherwise they keep their fresh state)."""
         from megatron_bridge.checkpoint import load_checkpoint
 
         t = self.trainer
-        return load_checkpoint(ckpt_dir, self._module(), t.optimizer if t and "optimizer" in contents else None,
-                               t.scheduler if t and "extra" in contents else None)
+        out = load_checkpoint(ckpt_dir, self._module(), t.optimizer if t and "optimizer" in contents else None,
+                              t.scheduler if t and "extra" in contents else None)
+        if self._offloaders:
+            from megatron_bridge.offload import own_storages
 
+            own_storages(self._module(), t.optimizer if t else None)  # loaded tensors may sit in a mapped file
+        return out
+
+    @resident("params")
     def export_hf(self, out_dir: str, source_dir: str | None = None) -> str:
         from megatron_bridge.export import export_hf
 
