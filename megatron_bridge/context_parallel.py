@@ -56,9 +56,25 @@ class CPPlan:
         return int(self.ids.shape[1])
 
 
-def build_plan(inp, cp: int, rank: int, group, multiple: int = 1) -> CPPlan:
+def sequence_lengths(inp) -> list[int]:
+    """The real token count of each sequence of prepared inputs (packed or padded)."""
+    if inp.packed:
+        cu = inp.cu_seqlens.to(torch.long).cpu()
+        return (cu[1:] - cu[:-1]).tolist()
+    return inp.real.sum(1).cpu().tolist()
+
+
+def local_tokens(inp, cp: int, multiple: int = 1) -> int:
+    """Tokens each CP rank holds of ``inp``: every sequence padded to ``2 * cp * multiple``, over ``cp``."""
+    step = 2 * cp * multiple
+    return sum(-(-n // step) * step for n in sequence_lengths(inp)) // cp
+
+
+def build_plan(inp, cp: int, rank: int, group, multiple: int = 1, pad_local_to: int = 0) -> CPPlan:
     """The split of prepared model inputs (``logprobs.ModelInputs``, packed or padded). ``multiple``:
-    pad each sequence to a multiple of ``2 * cp * multiple`` (``multiple`` = TP under sequence parallelism)."""
+    pad each sequence to a multiple of ``2 * cp * multiple`` (``multiple`` = TP under sequence parallelism).
+    ``pad_local_to``: one dummy sequence (no real token) brings every rank to that many tokens, so every
+    micro-batch exchanges one shape between virtual pipeline stages."""
     dev = inp.input_ids.device
     if inp.packed:
         toks = inp.input_ids.reshape(-1)  # [T]
@@ -76,6 +92,13 @@ def build_plan(inp, cp: int, rank: int, group, multiple: int = 1) -> CPPlan:
     step = 2 * cp * multiple
     lens = (cu[1:] - cu[:-1]).tolist()
     plens = [-(-n // step) * step if n else 0 for n in lens]
+    extra = pad_local_to * cp - sum(plens) if pad_local_to else 0
+    if extra < 0 or extra % step:
+        raise ValueError(f"pad_local_to={pad_local_to}: below this micro-batch's {sum(plens) // cp} tokens per "
+                         f"rank or not a multiple of {step // cp}")
+    if extra:  # the dummy: padded length only, so it occupies both chunks of every rank and nothing reads it
+        lens, plens = lens + [0], plens + [extra]
+        cu = torch.cat([cu, cu[-1:]])
     padded_cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     padded_cu[1:] = torch.tensor(plens, dtype=torch.long).cumsum(0)
     tp_total = int(padded_cu[-1])

@@ -136,7 +136,7 @@ class ModelInputs:
     packed: bool = False
     cu_seqlens: torch.Tensor | None = None  # [N+1] for packed rows
     real: torch.Tensor | None = None  # [B, S] bool attention mask of a padded batch
-    pad_to: int = 0  # > 0: run as one THD row of exactly this many tokens (virtual pipeline stages)
+    pad_to: int = 0  # > 0: run as one THD row of exactly this many tokens (virtual pipeline stages; per CP rank under CP)
     cp: object = None  # context parallelism: this rank's share (megatron_bridge.context_parallel.CPPlan)
     routing: torch.Tensor | None = None  # [B*S, R, k] replayed experts of each input token (routing_replay)
 
@@ -177,12 +177,19 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
     if not getattr(unwrap(cs[0]), "supports_thd", False):
         raise ValueError("virtual pipeline stages run every micro-batch as a padded THD row: build the model with "
                          "attention='sdpa' (or Transformer Engine)")
-    if ps.get_context_parallel_world_size() > 1:
-        raise ValueError("virtual pipeline stages with context parallelism are not built yet (issue #16): use one of them")
     pp, tp, n = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(), len(inputs)
+    cp = ps.get_context_parallel_world_size()
     if n < pp:
         raise ValueError(f"the interleaved pipeline (vpp={len(cs)}) needs at least pp={pp} micro-batches, got "
                          f"{n}: use smaller micro-batches (or more rows)")
+    if cp > 1:  # every rank's share padded to the largest share (a dummy sequence): one shape, seq_length / cp each
+        from megatron_bridge.context_parallel import local_tokens
+
+        local = max(local_tokens(i, cp, tp if cfg.sequence_parallel else 1) for i in prepared)
+        for i in prepared:
+            i.pad_to = local
+        cfg.microbatch_group_size_per_vp_stage = next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)
+        return {"model": cs, "data_iterator": [iter(inputs) for _ in cs], "seq_length": local * cp, "micro_batch_size": 1}
     tokens = max(int(i.input_ids.shape[1]) if i.packed else int(i.real.sum()) for i in prepared)
     if cfg.sequence_parallel:
         tokens += (-tokens) % tp
@@ -424,7 +431,7 @@ def _run_context_parallel(model, m, inp: ModelInputs, cp: int):
     if inp.cp is None:
         tp = ps.get_tensor_model_parallel_world_size()
         inp.cp = build_plan(inp, cp, ps.get_context_parallel_rank(), ps.get_context_parallel_group(),
-                            multiple=tp if getattr(m, "sequence_parallel", False) else 1)
+                            multiple=tp if getattr(m, "sequence_parallel", False) else 1, pad_local_to=inp.pad_to)
     plan = inp.cp
     cu = plan.cu_local.to(device=plan.ids.device, dtype=torch.int32)
     mx = int((cu[1:] - cu[:-1]).max())

@@ -253,16 +253,15 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
                        "actor_rollout_ref.actor.megatron.optimizer_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true"])
     assert gpu.actor_rollout_ref.actor.megatron.optimizer_offload and gpu.critic.megatron.param_offload
     # expert parallelism and the MoE losses, context parallelism and the interleaved pipeline are built:
-    # accepted (CP with VPP not yet)
+    # accepted, CP inside the interleaved pipeline too
     tiny_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
                  "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01"])
     tiny_config(["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
     tiny_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                  "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="not built yet"):
-        tiny_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                     "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
-                     "actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=4"])
+    tiny_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=4"])
     # sequence parallelism is built: accepted at any TP
     tiny_config(["actor_rollout_ref.actor.megatron.sequence_parallel=true",
                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])

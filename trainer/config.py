@@ -1036,9 +1036,6 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         elif vpp is not None and vpp > 1 and pp < 2:
             errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} interleaves pipeline stages: it needs "
                         f"{role}.megatron.pipeline_model_parallel_size >= 2 (got {pp}).")
-        elif vpp is not None and vpp > 1 and cp > 1:
-            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} with context_parallel_size={cp}: "
-                        f"the two together are not built yet (issue #16); use one of them.")
         elif vpp is not None and vpp > 1 and mcfg.pipeline_layer_split is not None:
             errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} needs an even split: remove "
                         f"{role}.megatron.pipeline_layer_split.")
