@@ -440,6 +440,15 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    mode: str = "sync"  # sync | one_step_off (step t+1's batch is generated while step t trains, one policy version stale; needs trainer.placement=split) | fully_async (refused: not built yet)
+    staleness_threshold: float = 0.0  # verl's fully-async recipe: refused until fully_async is built
+    trigger_parameter_sync_step: int = 1  # verl's fully-async recipe: refused until fully_async is built
+    partial_rollout: bool = False  # verl's fully-async recipe: refused until fully_async is built
+    require_batches: int = 1  # verl's fully-async recipe: refused until fully_async is built
+
+
+@dataclass
 class CoxswainConfig:
     data: DataConfig = field(default_factory=DataConfig)  # datasets and batch sizes
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)  # policy side
@@ -449,6 +458,7 @@ class CoxswainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # RL math
     attribution_driven_credit_assignment: AdcaConfig = field(default_factory=AdcaConfig)  # ADCA-GRPO
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # loop, logging, checkpoints
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)  # rollout / training overlap
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,6 +559,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
+    "async_training.mode": (("sync", "one_step_off", "fully_async"), False),
     "actor_rollout_ref.ref.router_replay.mode": (("disabled", "R2", "R3"), False),
     "reward_model.reward_manager": (("naive", "prime", "dapo", "batch"), False),
     "actor_rollout_ref.rollout.mode": (("sync", "async", "server"), False),
@@ -912,6 +923,19 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+def _async_errors(cfg: DictConfig) -> list[str]:
+    """one_step_off overlaps generation with training: the engines need their own resources."""
+    at, errs = cfg.async_training, []
+    if at.mode == "one_step_off":
+        if cfg.trainer.placement != "split":
+            errs.append("async_training.mode=one_step_off generates the next batch while this one trains, on the "
+                        "engines' own resources: set trainer.placement=split (colocated engines share the trainer's).")
+        if cfg.trainer.debug.train_only:
+            errs.append("async_training.mode=one_step_off with trainer.debug.train_only=true: replayed batches are not "
+                        "generated; remove one of the two.")
+    return errs
+
+
 def _routing_replay_errors(cfg: DictConfig) -> list[str]:
     """R3 routing replay: the engines record, the replaying roles read; each half needs the other."""
     arr, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
@@ -1063,6 +1087,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
     errs += _routing_replay_errors(cfg)
+    errs += _async_errors(cfg)
     model = cfg.actor_rollout_ref.model
     if model.use_remove_padding and not a.megatron.use_remove_padding:
         errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="

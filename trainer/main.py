@@ -31,6 +31,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
+from trainer.batch_source import BatchSource
 from trainer.config import ConfigError, all_keys, load_config, save_resolved, to_yaml
 from trainer.debug import dump_batch, replay_batch
 from trainer.phases import (Generation, apply_rollout_is, batch_metrics, check_update, driver_math, loss_fields,
@@ -133,7 +134,7 @@ def train(cfg) -> dict:
                                                  horizon=al.kl_ctrl.horizon))
     reward_mgr = RewardManager.from_config(cfg, tok)
     cluster = Cluster(cfg, plan.total_steps)  # Ray (or in-process) role groups, placement, rollout
-    judge_server = None
+    judge_server = batches = None
     try:
         # ADCA-GRPO: the LLM judge of step-level credit (a local trainer.serve subprocess or an API)
         judge, judge_server = make_judge(cfg, run_dir) if adca_active(cfg) else (None, None)
@@ -158,6 +159,9 @@ def train(cfg) -> dict:
         state.run_id = tracker.run_id
         actor, ref, critic, rollout = cluster.actor, cluster.ref, cluster.critic, cluster.rollout
         gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds)
+        batches = BatchSource(gen, state, one_step_off=plan.one_step_off, total_steps=plan.total_steps)
+        if resume_from and batches.load(resume_from):  # one-step-off: the batch generated during the saved step
+            print(f"resumed with the prefetched batch of step {state.step + 1}", flush=True)
         first = rollout.sync_from(actor)
 
         def evaluate(step: int) -> dict:  # trainer.log_val_generations: N samples to the trackers
@@ -177,9 +181,12 @@ def train(cfg) -> dict:
 
         for step in range(state.step + 1, plan.total_steps + 1):
             m, t_step, first = dict(first), time.perf_counter(), {}
-            with timer(m, "gen"):  # 1-3. rollout, reward, overlong shaping, DAPO dynamic sampling
-                batch = replay_batch(dbg.dump_batch_path, step) if dbg.train_only else gen.train_batch(state, step, m)
-            m["timing_s/gen"] -= m.get("timing_s/reward", 0.0)  # verl's gen and reward are sibling phases
+            if dbg.train_only:
+                with timer(m, "gen"):
+                    batch, epoch = replay_batch(dbg.dump_batch_path, step), state.sampler.epoch
+            else:  # 1-3. rollout, reward, overlong shaping, DAPO dynamic sampling (one-step-off: done during the last step)
+                batch, epoch = batches.take(step, m)
+                batches.prefetch(step + 1)  # one-step-off: the next batch, with the engines' weights, while this one trains
             if dbg.dump_batch_path and not dbg.train_only:
                 dump_batch(batch, dbg.dump_batch_path, step)
             if dbg.rollout_only:  # generate and score only: no training, no sync
@@ -206,7 +213,7 @@ def train(cfg) -> dict:
             with timer(m, "adv"):  # 6-7. rollout IS / rejection, KL in reward, advantages: the driver's math
                 m.update(driver_math(plan, batch, old=old, ref=ref_lp, values=values, kl_ctrl=state.kl_ctrl,
                                      adca=(judge, tok, cfg.attribution_driven_credit_assignment) if judge else None, step=step,
-                                     epoch=state.sampler.epoch))
+                                     epoch=epoch))
             if critic is not None:  # 8. critic, then actor
                 with timer(m, "update_critic"):
                     m.update(critic.update(data, plan.critic_update, [values, data.scatter(critic.dp, {"returns": batch.returns})],
@@ -223,9 +230,11 @@ def train(cfg) -> dict:
                         m.update(apply_rollout_is(batch, plan.rollout_is, weights=False) if plan.rollout_is else {})
                     m.update(res)
                 check_update(m, step)
+                m.update(batches.settle())  # one-step-off: the engines finish the next batch with the old weights
                 with timer(m, "update_weights"):  # 9. the actor's weights into the engines, checksum-verified
                     m.update(rollout.sync_from(actor))
             if plan.should_eval(step, state.last_eval):  # 10. eval, checkpoint, log
+                batches.settle()
                 with timer(m, "testing"):
                     m.update(evaluate(step))
                 state.last_eval = step
@@ -237,8 +246,10 @@ def train(cfg) -> dict:
             if plan.should_save(step):
                 with timer(m, "save_checkpoint"):
                     log(m, step)
+                    batches.settle()  # the sampler state below includes the prefetched batch's prompts
                     ckpt.save(step, state.state_dict(worker_rng=cluster.rng_states()),
-                              write_workers=lambda d: save_workers(cluster, d, contents.save_contents, model_path))
+                              write_workers=lambda d: (save_workers(cluster, d, contents.save_contents, model_path),
+                                                       batches.save(d)))
             else:
                 log(m, step)
 
@@ -251,6 +262,8 @@ def train(cfg) -> dict:
         print(f"done: {plan.total_steps} steps in {time.time() - t_start:.0f}s; run dir {run_dir}", flush=True)
         return {"history": state.history, "final": dict(state.history[-1] if state.history else {}), "run_dir": run_dir}
     finally:  # a failed run must not leave workers, placement groups or scorer processes behind
+        if batches is not None:
+            batches.close()
         cluster.shutdown()
         reward_mgr.close()
         if judge_server is not None:

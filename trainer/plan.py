@@ -163,6 +163,7 @@ class Plan:
     test_freq: int
     val_before_train: bool
     save_freq: int
+    one_step_off: bool = False  # async_training.mode=one_step_off (trainer.batch_source)
 
     @classmethod
     def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
@@ -242,7 +243,8 @@ class Plan:
             norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, use_kl_in_reward=bool(al.use_kl_in_reward),
             kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),
             critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
-            val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq)
+            val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
+            one_step_off=cfg.async_training.mode == "one_step_off")
 
     # ------------------------------------------------------------------ rules
     def on_policy(self, num_samples: int, step: int) -> bool:

@@ -1,0 +1,152 @@
+"""One-step-off asynchrony (async_training.mode=one_step_off, trainer/batch_source.py) in the whole loop on a
+real local Ray cluster with split placement: step t+1's batch is sampled by the weights step t trains
+from (checked token by token against transformers on each checkpoint's HF export), the training equals a
+hand-scheduled reference (the same batches replayed into the synchronous loop), and a SIGKILL in step 3
+then a resume gives the uninterrupted run's metrics and weights."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.tiny import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
+pytestmark = pytest.mark.slow
+
+BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
+        f"actor_rollout_ref.model.path={TINY}", "trainer.logger=[mlflow]", "data.val_batch_size=64",
+        "trainer.placement=split", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+OFF = ["async_training.mode=one_step_off"]
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/throughput", "perf/time_per_step", "perf/max_memory",
+            "perf/cpu_memory", "sync/seconds", "sync/gbps", "reward/time_s", "async/")
+
+
+def stable(history):
+    return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in history]
+
+
+def run(tmp_path, *overrides, name="run"):
+    from trainer.main import train
+
+    return train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / name}", *overrides]))
+
+
+@pytest.fixture(autouse=True)
+def _mlflow(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@torch.no_grad()
+def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
+    """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    P = batch.prompt_width
+    out = torch.zeros(batch.responses.shape)
+    for i in range(batch.num_samples):
+        real = batch.attention_mask[i].bool()
+        ids = batch.input_ids[i][real]
+        n_p = int(real[:P].sum())
+        logp = torch.log_softmax(m(ids[None]).logits[0].float(), -1)
+        r = ids[n_p:]
+        out[i, :len(r)] = logp[n_p - 1:-1].gather(-1, r[:, None])[:, 0]
+    return out
+
+
+def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_reference(tmp_path):
+    from trainer.debug import load_batch
+
+    dumps = tmp_path / "dumps"
+    steps = ["trainer.total_training_steps=3", "trainer.save_freq=1",
+             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+    off = run(tmp_path, *OFF, *steps, f"trainer.debug.dump_batch_path={dumps}", name="off")
+    h = off["history"]
+    assert [x["async/staleness"] for x in h] == [0.0, 1.0, 1.0]
+    # batch t was sampled by the weights at the start of step t-1 (step 1's by the initial ones)
+    weights = {0: TINY, 1: str(tmp_path / "off" / "global_step_1" / "actor" / "huggingface"),
+               2: str(tmp_path / "off" / "global_step_2" / "actor" / "huggingface")}
+    for t in (1, 2, 3):
+        b = load_batch(str(dumps / f"step_{t:06d}"))
+        mask = b.response_mask.bool()
+        sampler = rollout_logp_under(weights[max(t - 2, 0)], b)
+        assert (b.rollout_log_probs - sampler)[mask].abs().max() < 1e-4, t
+        if t > 1:  # not the weights the step trains from
+            assert (b.rollout_log_probs - rollout_logp_under(weights[t - 1], b))[mask].abs().max() > 1e-3, t
+    # the hand-scheduled reference: the same batches, replayed into the synchronous loop
+    ref = run(tmp_path, "trainer.total_training_steps=3", "trainer.debug.train_only=true",
+              f"trainer.debug.dump_batch_path={dumps}", name="ref")["history"]
+    for a, b in zip(h, ref):
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "mismatch/mismatch_kl"):
+            assert a[k] == b[k], (a["step"], k, a[k], b[k])
+    wa = load_file(str(tmp_path / "off" / "hf_export" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "ref" / "hf_export" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # and the batches are not the synchronous loop's: from step 2 on, sync samples with newer weights
+    sync = run(tmp_path, "trainer.total_training_steps=2", name="sync")["history"]
+    assert sync[0]["critic/score/mean"] == h[0]["critic/score/mean"]
+    assert sync[1]["actor/pg_loss"] != h[1]["actor/pg_loss"]
+
+
+SCRIPT = """
+import json, sys
+from trainer.config import load_config
+from trainer.main import train
+out = train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *json.loads(sys.argv[1])]))
+"""
+
+
+def _driver(args, env, log):
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, json.dumps(args)], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _history(run_dir):
+    from trainer.checkpoint import CheckpointManager, load_driver_state
+
+    return load_driver_state(CheckpointManager(str(run_dir)).find_latest())["history"]
+
+
+def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
+    """The checkpoint of step 2 holds batch 3 (generated during step 2 with step 2's weights): the resumed
+    run trains on it and matches the uninterrupted run exactly."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    common = BASE + OFF + ["trainer.total_training_steps=4", "trainer.save_freq=1"]
+    ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
+    with open(tmp_path / "ref.log", "w") as log:
+        assert _driver(common + [f"trainer.default_local_dir={ref_dir}"], env, log).wait(600) == 0
+    with open(tmp_path / "cut.log", "w") as log:
+        p = _driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
+        latest = cut_dir / "latest_checkpointed_iteration.txt"
+        t0 = time.time()
+        while not (latest.exists() and latest.read_text().strip() == "2"):
+            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert (cut_dir / "global_step_2" / "prefetched_batch" / "info.json").exists()
+    with open(tmp_path / "resume.log", "w") as log:
+        assert _driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
+    text = (tmp_path / "resume.log").read_text()
+    assert "resumed with the prefetched batch of step 3" in text, text[-2000:]
+    a, b = stable(_history(ref_dir)), stable(_history(cut_dir))
+    assert [x["step"] for x in a] == [1, 2, 3, 4] == [x["step"] for x in b]
+    assert a == b
+    wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))
+    wb = load_file(str(cut_dir / "hf_export" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
