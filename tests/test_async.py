@@ -150,3 +150,24 @@ def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
     wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))
     wb = load_file(str(cut_dir / "hf_export" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_one_step_off_with_dynamic_sampling_on_the_http_fleet_and_with_multi_turn(tmp_path):
+    """One-step-off composes with the rest of the loop: DAPO dynamic sampling (several generation
+    batches per step, all in the background) over the HTTP fleet behind sglang-router, and multi-turn
+    episodes of the agent loop; each trains two steps, the second on a one-step-stale batch."""
+    dapo = run(tmp_path, *OFF, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.mode=server",
+               "actor_rollout_ref.rollout.num_engines=1", "algorithm.filter_groups.enable=true",
+               "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=8",
+               "data.gen_batch_size=8", name="dapo")["history"]
+    assert [h["async/staleness"] for h in dapo] == [0.0, 1.0]
+    assert all(h["sync/verified"] == 1.0 for h in dapo)
+    assert all(h["filter/gen_batches"] >= 1 for h in dapo)  # DAPO's generation rounds ran in the background
+    agent = str(ROOT / "recipes" / "cpu" / "tiny_agent_model")
+    mt = run(tmp_path, *OFF, "trainer.total_training_steps=2", "data.train_batch_size=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"actor_rollout_ref.model.path={agent}",
+             "data.max_prompt_length=384", "data.max_response_length=96",
+             "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=hanoi",
+             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+             "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", name="mt")["history"]
+    assert [h["async/staleness"] for h in mt] == [0.0, 1.0] and all(h["sync/verified"] == 1.0 for h in mt)

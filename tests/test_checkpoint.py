@@ -118,3 +118,54 @@ def test_a_handed_over_driver_state_cannot_run_code(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read driver_state.pt"):
         load_driver_state(good)
     assert not target.exists()
+
+
+def test_manifest_catches_damage_and_resume_takes_the_newest_verified_step(tmp_path):
+    """Every file of a checkpoint is listed with its size and sha256; truncating, deleting, flipping one
+    byte of, or adding a file, or a garbage manifest, is caught before anything is read, and the newest
+    checkpoint that verifies is chosen with one warning per rejected one."""
+    from trainer.checkpoint import MANIFEST, verify
+
+    m = CheckpointManager(str(tmp_path))
+
+    def workers(d):
+        os.makedirs(os.path.join(d, "actor"))
+        with open(os.path.join(d, "actor", "shard.bin"), "wb") as f:
+            f.write(bytes(range(256)) * 64)
+
+    damage = {
+        "truncated": lambda d: open(os.path.join(d, "actor", "shard.bin"), "r+b").truncate(100),
+        "deleted": lambda d: os.remove(os.path.join(d, "actor", "shard.bin")),
+        "flipped": lambda d: _flip(os.path.join(d, "actor", "shard.bin"), 5000),
+        "added": lambda d: open(os.path.join(d, "actor", "extra.py"), "w").write("import os"),
+        "garbage manifest": lambda d: open(os.path.join(d, MANIFEST), "w").write("{not json"),
+        "driver state": lambda d: _flip(os.path.join(d, "driver_state.pt"), 40),
+    }
+    want = {"truncated": "shard.bin does not match", "deleted": "shard.bin is missing", "flipped": "shard.bin does not match",
+            "added": "extra.py is not in the checkpoint's manifest", "garbage manifest": "unreadable",
+            "driver state": "driver_state.pt does not match"}
+    for kind, hurt in damage.items():
+        root = tmp_path / kind.replace(" ", "_")
+        m = CheckpointManager(str(root))
+        for s in (1, 2):
+            m.save(s, {"x": s}, write_workers=workers)
+        verify(m.step_dir(2))  # intact: passes
+        hurt(m.step_dir(2))
+        with pytest.raises(CheckpointError, match=want[kind]):
+            verify(m.step_dir(2))
+        warnings = []
+        assert m.find_verified(warn=warnings.append) == m.step_dir(1), kind
+        assert len(warnings) == 1 and "global_step_2" in warnings[0]
+    # an unreadable tracker file counts as absent: the scan finds the newest complete step
+    (root / "latest_checkpointed_iteration.txt").write_bytes(os.urandom(32) + b"\xff\xfe")
+    assert m.find_latest() == m.step_dir(2)
+    (root / "latest_checkpointed_iteration.txt").write_text("../../etc")
+    assert m.find_latest() == m.step_dir(2)
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))

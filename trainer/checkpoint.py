@@ -8,6 +8,7 @@ Under ``trainer.default_local_dir`` (verl's meaning: the checkpoint root)::
         critic/                the critic's, when there is one
         driver_state.pt        step, dataloader position, RNG states, KL controller, DAPO carry-over
                                (verl's data.pt, plus what exact resume needs)
+        MANIFEST.json          size and sha256 of every other file, written before the marker
         COMPLETE               marker written last inside the temp dir, before the rename
     latest_checkpointed_iteration.txt   verl's tracker file: the newest complete step, e.g. ``12``
     .tmp-global_step_13-<pid>/ a save in progress (removed on the next start)
@@ -16,6 +17,13 @@ A save writes everything into a temporary sibling directory, fsyncs it, renames 
 then rewrites ``latest_checkpointed_iteration.txt`` (temp file + ``os.replace``). A crash at any point
 leaves either the old checkpoint or the new one, never half of one. ``find_latest`` trusts the tracker
 file only after checking the ``COMPLETE`` marker and otherwise scans for the newest complete directory.
+
+Nothing in a checkpoint is read before it is verified: :func:`verify` checks every file against the
+manifest (present, same size, same sha256; no file missing or added) before the driver state or the
+workers' shards are opened. A resume in ``auto`` mode walks back from the newest complete step to the
+newest one that verifies, with one warning per rejected step; an explicit ``resume_from_path`` that does
+not verify stops the run with one line naming the bad file. An unreadable tracker file counts as
+absent (the scan decides), and the tracker can only name a ``global_step_N`` directory of the root.
 
 ``trainer.max_actor_ckpt_to_keep`` (verl: keep the newest N; None or <= 0 keeps all) prunes whole
 ``global_step_*`` directories: a Coxswain checkpoint is one unit (actor, critic and driver state).
@@ -43,6 +51,7 @@ from megatron_bridge.fsutil import replace_dir
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MARKER = "COMPLETE"
 DRIVER_STATE = "driver_state.pt"
+MANIFEST = "MANIFEST.json"
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's name
 HF_DIR = os.path.join("actor", "huggingface")
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -149,6 +158,7 @@ class CheckpointManager:
             if write_workers is not None:
                 write_workers(tmp)
             torch.save({"step": step, **driver_state}, os.path.join(tmp, DRIVER_STATE))
+            write_manifest(tmp)
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write(str(step))
             _fsync_tree(tmp)
@@ -176,14 +186,34 @@ class CheckpointManager:
 
     def find_latest(self) -> Optional[str]:
         pointer = os.path.join(self.root, TRACKER)
-        if os.path.isfile(pointer):
-            text = open(pointer).read().strip()
-            if text.isdigit():
-                path = self.step_dir(int(text))
-                if os.path.isfile(os.path.join(path, MARKER)):
-                    return path
+        try:
+            with open(pointer, "rb") as f:
+                text = f.read(64).decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            text = ""  # missing or garbage: the scan below decides
+        if text.isdigit():
+            path = self.step_dir(int(text))  # only ever global_step_N under the root
+            if os.path.isfile(os.path.join(path, MARKER)):
+                return path
         steps = self._complete_steps()
         return self.step_dir(steps[-1]) if steps else None
+
+    def candidates(self) -> list[str]:
+        """Complete checkpoints, newest first (the tracker's choice first)."""
+        latest = self.find_latest()
+        rest = [self.step_dir(s) for s in reversed(self._complete_steps())]
+        return ([latest] if latest else []) + [d for d in rest if d != latest]
+
+    def find_verified(self, warn: Callable[[str], None] = print) -> Optional[str]:
+        """The newest complete checkpoint whose files match its manifest; each one that does not is
+        reported through ``warn`` (one line) and skipped."""
+        for d in self.candidates():
+            try:
+                verify(d)
+                return d
+            except CheckpointError as e:
+                warn(f"warning: skipping {d}: {e}")
+        return None
 
 
 def _numpy_array_globals() -> list:
@@ -196,6 +226,65 @@ def _numpy_array_globals() -> list:
     from numpy._core.multiarray import _reconstruct
 
     return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), codecs.encode]
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), root)
+            if rel not in (MANIFEST, MARKER):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(ckpt_dir: str) -> None:
+    """``MANIFEST.json``: the size and sha256 of every file of the checkpoint (but itself and the marker)."""
+    import json
+
+    doc = {"version": 1, "files": {rel: {"size": os.path.getsize(os.path.join(ckpt_dir, rel)),
+                                         "sha256": _sha256(os.path.join(ckpt_dir, rel))} for rel in _files(ckpt_dir)}}
+    with open(os.path.join(ckpt_dir, MANIFEST), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def verify(ckpt_dir: str) -> None:
+    """Check a checkpoint against its manifest before anything in it is opened: every listed file present
+    with its size and sha256, and no unlisted file. A checkpoint from before manifests (none written)
+    passes unverified. Raises :class:`CheckpointError` naming the first bad file."""
+    import json
+
+    if not os.path.isfile(os.path.join(ckpt_dir, MARKER)):
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' is incomplete (no {MARKER} marker)")
+    mf = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(mf):
+        return  # written before manifests existed: nothing to check against
+    try:
+        with open(mf) as f:
+            listed = json.load(f)["files"]
+        assert isinstance(listed, dict)
+    except Exception as e:
+        raise CheckpointError(f"{mf} is unreadable ({type(e).__name__}); the checkpoint cannot be verified") from e
+    present = set(_files(ckpt_dir))
+    for rel, want in sorted(listed.items()):
+        path = os.path.join(ckpt_dir, rel)
+        if os.path.isabs(rel) or ".." in rel.split(os.sep) or rel not in present:
+            raise CheckpointError(f"{path} is missing")
+        if os.path.getsize(path) != want.get("size") or _sha256(path) != want.get("sha256"):
+            raise CheckpointError(f"{path} does not match the checkpoint's manifest (corrupt or modified)")
+    extra = sorted(present - set(listed))
+    if extra:
+        raise CheckpointError(f"{os.path.join(ckpt_dir, extra[0])} is not in the checkpoint's manifest (added later)")
 
 
 def load_driver_state(path: str) -> dict[str, Any]:

@@ -1088,6 +1088,14 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
     errs += _routing_replay_errors(cfg)
     errs += _async_errors(cfg)
+    t = cfg.trainer
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        errs.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: "
+                    f"trainer.total_epochs passes over the training data).")
+    if t.total_epochs < 1:
+        errs.append(f"trainer.total_epochs={t.total_epochs} must be >= 1.")
+    if r.max_num_seqs < 1:
+        errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
     model = cfg.actor_rollout_ref.model
     if model.use_remove_padding and not a.megatron.use_remove_padding:
         errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="

@@ -32,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.batch_source import BatchSource
+from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, all_keys, load_config, save_resolved, to_yaml
 from trainer.debug import dump_batch, replay_batch
 from trainer.phases import (Generation, apply_rollout_is, batch_metrics, check_update, driver_math, loss_fields,
@@ -99,11 +100,27 @@ def check_model(cfg) -> None:
                           f"model: remove the router_replay and enable_rollout_routing_replay lines.")
 
 
+def resume(cluster, state, ckpt_dir: str, load_contents) -> None:
+    """Verify ``ckpt_dir`` against its manifest, then restore the workers (what ``load_contents`` names)
+    and the driver state. Any failure is a ``CheckpointError`` naming the checkpoint."""
+    from trainer.checkpoint import load_driver_state, load_workers, verify
+
+    verify(ckpt_dir)  # before anything in it is unpickled
+    driver = load_driver_state(ckpt_dir)
+    try:
+        load_workers(cluster, ckpt_dir, load_contents)
+    except Exception as e:  # a shard the workers cannot read
+        raise CheckpointError(f"the workers could not load {ckpt_dir} ({type(e).__name__}: {str(e)[-300:]})") from e
+    worker_rng = state.load_state_dict(driver)
+    if "extra" in load_contents:  # verl's 'extra': LR scheduler and RNG states
+        cluster.set_rng_states(worker_rng)
+
+
 def train(cfg) -> dict:
     from transformers import AutoTokenizer
 
     from trainer.algos.kl import make_kl_controller
-    from trainer.checkpoint import CheckpointManager, load_driver_state, load_workers, save_workers
+    from trainer.checkpoint import CheckpointManager, save_workers
     from trainer.credit import adca_active, make_judge
     from trainer.data.dataset import PromptSampler, build_dataset
     from trainer.hf_io import stop_token_ids
@@ -125,6 +142,9 @@ def train(cfg) -> dict:
     tasks = env_tasks(cfg) if cfg.actor_rollout_ref.rollout.multi_turn.enable else None  # the environment's own tasks
     train_ds, val_ds = build_dataset(cfg.data, tok, "train", tasks), build_dataset(cfg.data, tok, "val", tasks)
     total_steps = cfg.trainer.total_training_steps or len(train_ds) // cfg.data.train_batch_size * cfg.trainer.total_epochs
+    if total_steps < 1:
+        raise ConfigError(f"the training data has {len(train_ds)} prompts, fewer than data.train_batch_size="
+                          f"{cfg.data.train_batch_size}: not one step to train; use more data or a smaller batch.")
     # the sampler stops at the tokenizer's and the model's EOS ids (the servers use the same rule); the
     # stop token is part of the response, so the trainer learns to end
     plan = Plan.from_config(cfg, total_steps=total_steps, stop_token_ids=stop_token_ids(model_path, tok))
@@ -142,16 +162,27 @@ def train(cfg) -> dict:
         ckpt = CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep)
         contents = cfg.actor_rollout_ref.actor.checkpoint
         resume_from = None
-        if cfg.trainer.resume_mode == "auto":
+        if cfg.trainer.resume_mode == "auto":  # the newest checkpoint that verifies and loads
             ckpt.clean_stale()
-            resume_from = ckpt.find_latest()
+            for cand in ckpt.candidates():
+                try:
+                    resume(cluster, state, cand, contents.load_contents)
+                    resume_from = cand
+                    break
+                except CheckpointError as e:
+                    print(f"warning: not resuming from {cand}: {e}; trying the previous checkpoint", flush=True)
+            else:
+                if ckpt.candidates():
+                    raise CheckpointError(f"no checkpoint under {run_dir} verifies (see the warnings above): move "
+                                          f"them away to start fresh, or set trainer.resume_from_path")
         elif cfg.trainer.resume_mode == "resume_path":
             resume_from = cfg.trainer.resume_from_path
+            try:
+                resume(cluster, state, resume_from, contents.load_contents)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}. Point trainer.resume_from_path at an earlier global_step_* directory, "
+                                      f"or use trainer.resume_mode=auto to take the newest one that verifies") from e
         if resume_from:
-            load_workers(cluster, resume_from, contents.load_contents)  # what load_contents names
-            worker_rng = state.load_state_dict(load_driver_state(resume_from))
-            if "extra" in contents.load_contents:  # verl's 'extra': LR scheduler and RNG states
-                cluster.set_rng_states(worker_rng)
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
         tracker = Tracker(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger,
                           config=OmegaConf.to_container(cfg, resolve=True), total_steps=plan.total_steps, run_id=state.run_id,
@@ -297,7 +328,7 @@ def cli(argv: list[str] | None = None) -> int:
     if not dry:
         try:
             train(cfg)
-        except (ConfigError, FileNotFoundError) as e:
+        except (ConfigError, FileNotFoundError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     return 0

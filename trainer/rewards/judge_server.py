@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from trainer.orphans import supervised
 from trainer.serving.net import OPENAI_READY_PREFIX, ready_url
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,7 +37,8 @@ class LocalJudgeServer:
         cmd = [sys.executable, "-m", "trainer.serve", "--model", model_dir, "--port", "0", "--host", "127.0.0.1",
                "--threads", str(threads), "--max-seq-len", str(max_seq_len), "--served-model-name", "local-judge"]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # supervised: a SIGKILLed driver takes the judge with it (trainer.orphans)
+        self.proc = subprocess.Popen(supervised(cmd), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.base_url = None
         deadline = time.monotonic() + start_timeout

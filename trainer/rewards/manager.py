@@ -157,7 +157,8 @@ class RewardManager:
         ctx = mp.get_context(self.mp_context)
         if self.mp_context == "forkserver":
             # Imported once in the fork server, inherited by every worker (effective before it starts).
-            ctx.set_forkserver_preload(["trainer.rewards.scoring_worker", "trainer.rewards.scorers", "math_verify"])
+            ctx.set_forkserver_preload(["trainer.rewards.orphan_guard", "trainer.rewards.scoring_worker",
+                                        "trainer.rewards.scorers", "math_verify"])
         pool = cf.ProcessPoolExecutor(
             self.num_workers, mp_context=ctx, initializer=_init_worker,
             initargs=(self.custom_path, self.custom_name, self.scorer_kwargs)

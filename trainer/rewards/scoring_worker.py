@@ -63,6 +63,9 @@ def make_scorer(custom_path: str | None, custom_name: str = "compute_score", kwa
 
 def _init_worker(custom_path: str | None, custom_name: str, kwargs: dict | None = None) -> None:
     global _FN
+    from trainer.orphans import watch_parent
+
+    watch_parent()  # a SIGKILLed driver (or fork server) takes its scorer workers with it
     _FN = make_scorer(custom_path, custom_name, kwargs)
 
 

@@ -99,6 +99,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.orphans import supervised
 from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError,
                                     checksum_named_tensors, iter_buckets)
 from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as SERVER_READY_PREFIX
@@ -440,22 +441,8 @@ class FleetClient(RolloutEngine):
 # --------------------------------------------------------------------------------------------------
 # the fleet: processes
 # --------------------------------------------------------------------------------------------------
-# Runs a command as a child and kills it when this wrapper's parent goes away (SIGKILL of the trainer
-# included, where no atexit runs). Plain python, no project imports: starts in milliseconds.
-_SUPERVISOR = r"""
-import os, signal, subprocess, sys, time
-parent = os.getppid()
-child = subprocess.Popen(sys.argv[1:])
-def _stop(*_):
-    child.terminate()
-signal.signal(signal.SIGTERM, _stop)
-while child.poll() is None:
-    if os.getppid() != parent:
-        child.kill()
-        break
-    time.sleep(0.5)
-sys.exit(child.wait())
-"""
+# Every server and the router run under trainer.orphans.SUPERVISOR: killed when the trainer goes away
+# (SIGKILL included, where no atexit runs).
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -580,7 +567,7 @@ class Fleet:
     # ---- servers ----------------------------------------------------------------------------------------
     def _spawn(self, cmd: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, *cmd], stdout=logf, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(supervised(cmd), stdout=logf, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self._pending.append(proc)
         return proc
