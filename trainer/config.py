@@ -1218,8 +1218,48 @@ def _rollout_correction_errors(al) -> list[str]:
     return errs
 
 
+def public_container(cfg: DictConfig) -> dict:
+    """The resolved config as plain data that is safe to print, write or log: a value taken from the
+    environment keeps its interpolation (``${oc.env:NAME}``), not the value (a reloaded config resolves it
+    again); a key named like a secret (``api_key``, ``token``, ...) shows ``***``; and a value from the
+    environment, or of a secret-looking environment variable, is masked wherever else it appears."""
+    from trainer.tracking import _SECRET_KEY, _secret_values
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    res = OmegaConf.to_container(cfg, resolve=True)
+    hidden = set(_secret_values())
+
+    def collect(r, v):  # the resolved values that came from the environment
+        if isinstance(v, dict) and isinstance(r, dict):
+            for k in v:
+                collect(r.get(k), v[k])
+        elif isinstance(v, list) and isinstance(r, list):
+            for a, b in zip(r, v):
+                collect(a, b)
+        elif isinstance(r, str) and "oc.env" in r and v not in (None, "") and len(str(v)) >= 4:
+            hidden.add(str(v))
+
+    def walk(r, v, key):
+        if isinstance(v, dict):
+            return {k: walk(r.get(k) if isinstance(r, dict) else None, x, k) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(r[i] if isinstance(r, list) and i < len(r) else None, x, key) for i, x in enumerate(v)]
+        if isinstance(r, str) and "oc.env" in r:
+            return r
+        if _SECRET_KEY.search(str(key)) and v not in (None, ""):
+            return "***"
+        if isinstance(v, str):
+            for h in hidden:
+                v = v.replace(h, "***")
+        return v
+
+    collect(raw, res)
+    return walk(raw, res, "")
+
+
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    """The config as YAML, resolved, with secrets kept out (:func:`public_container`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(public_container(cfg)))
 
 
 def save_resolved(cfg: DictConfig, run_dir: str) -> str:

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from trainer.batch_source import BatchSource
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, all_keys, load_config, save_resolved, to_yaml
+from trainer.config import ConfigError, all_keys, load_config, public_container, save_resolved, to_yaml
 from trainer.debug import dump_batch, replay_batch
 from trainer.phases import (Generation, apply_rollout_is, batch_metrics, check_update, driver_math, loss_fields,
                             timer, timing_metrics)
@@ -185,7 +185,7 @@ def train(cfg) -> dict:
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
         tracker = Tracker(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger,
-                          config=OmegaConf.to_container(cfg, resolve=True), total_steps=plan.total_steps, run_id=state.run_id,
+                          config=public_container(cfg), total_steps=plan.total_steps, run_id=state.run_id,
                           log_dir=run_dir)
         state.run_id = tracker.run_id
         actor, ref, critic, rollout = cluster.actor, cluster.ref, cluster.critic, cluster.rollout
