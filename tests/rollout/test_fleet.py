@@ -17,7 +17,10 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -44,14 +47,18 @@ def _prompts(k: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(2, 16) for _ in range(rng.randint(1, 8))] for _ in range(k)]
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
+def _auth(key):
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _get(url: str, key: str | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=_auth(key)), timeout=30) as r:
         return json.load(r)
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
+def _post(url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **_auth(key)})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.load(r)
@@ -94,9 +101,13 @@ def engine():
 def fleet(tmp_path_factory):
     # A wide batching window (150 ms) on the servers: the concurrent requests of one generate() share
     # engine calls, and a kill lands while the victim still holds its requests.
-    f = Fleet(str(MODEL), num_servers=2, threads_per_server=1, max_batch_size=32, health_interval_s=0.5,
+    # the servers read checkpoints from disk only below the directory of their model (--weights-root's default)
+    root = tmp_path_factory.mktemp("weights")
+    shutil.copytree(MODEL, root / "base")
+    f = Fleet(str(root / "base"), num_servers=2, threads_per_server=1, max_batch_size=32, health_interval_s=0.5,
               server_args=["--batch-wait-ms", "150", "--batch-max-wait-ms", "600"],
               log_dir=str(tmp_path_factory.mktemp("fleet-logs")))
+    f.weights_root_dir = root
     f.start()
     yield f
     f.close()
@@ -228,8 +239,10 @@ def test_weight_push_reaches_every_server(fleet, engine, tmp_path):
     assert sorted(names) == sorted(new) and fleet.stats.weight_pushes == pushes0 + 1
     expected = checksum_named_tensors(new.items())
     for u in fleet.server_urls:
-        got = _get(u + "/weights_checksum")
+        got = _get(u + "/weights_checksum", fleet.api_key)
         assert got == {"checksum": expected, "weight_version": "step-1"}
+        with pytest.raises(urllib.error.HTTPError, match="401"):  # the fleet's key guards its weights
+            _get(u + "/weights_checksum")
     assert fleet.client.weights_checksum() == expected
     # The fleet now answers as a fresh engine built from those weights (and no longer as the old one).
     fresh = NativeEngine(_checkpoint(tmp_path, new), max_batch_size=32, max_seq_len=SEQ)
@@ -239,11 +252,19 @@ def test_weight_push_reaches_every_server(fleet, engine, tmp_path):
     assert_same(out, fresh.generate(prompts, GREEDY), tol=1e-4)  # larger weights: larger rounding across batch shapes
     assert any(a[0].token_ids != b[0].token_ids for a, b in zip(out, engine.generate(prompts, GREEDY)))
     # /update_weights_from_disk: the old checkpoint on server 0 is caught by the check, the new one passes.
-    status, body = _post(fleet.server_urls[0] + "/update_weights_from_disk", {"model_path": str(MODEL)})
+    url, key = fleet.server_urls[0] + "/update_weights_from_disk", fleet.api_key
+    assert _post(url, {"model_path": fleet.model})[0] == 401  # no key: refused before anything is read
+    status, body = _post(url, {"model_path": fleet.model}, key)
     assert status == 200 and body["success"] is True
     with pytest.raises(WeightSyncError, match=fleet.server_urls[0]):
         fleet.client.verify_weights(expected)
-    status, body = _post(fleet.server_urls[0] + "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    # paths are confined to the allowed root; the answer does not say whether a path outside exists
+    for outside in ("/etc", "/no/such/dir", str(fleet.weights_root_dir / ".." / ".." / "etc")):
+        status, body = _post(url, {"model_path": outside}, key)
+        assert status == 403 and "outside the allowed root" in body["message"], (outside, body)
+    inside = fleet.weights_root_dir / "step-1"
+    inside.mkdir()
+    status, body = _post(url, {"model_path": _checkpoint(inside, new)}, key)
     assert status == 200 and body["success"] is True
     fleet.client.verify_weights(expected)
 
@@ -282,3 +303,48 @@ def test_close_leaves_no_process(fleet):
     t0 = time.monotonic()
     fleet.close()
     assert live_members(pgids) == [] and time.monotonic() - t0 < 15
+
+
+def _hand_started(*args: str):
+    """A native_server started by hand (no fleet, no key unless given), and its URL."""
+    from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX, ready_url
+
+    p = subprocess.Popen([sys.executable, "-m", "trainer.rollout.native_server", "--model", str(MODEL), "--port", "0",
+                          "--skip-tokenizer-init", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        url = ready_url(line, SGLANG_NATIVE_READY_PREFIX)
+        if url:
+            return p, url, lines
+    raise AssertionError("".join(lines))
+
+
+def test_a_server_started_without_a_key_serves_generation_only():
+    """Started by hand without --api-key-env: it says so, generates, and refuses every weight and control
+    endpoint (403) unless the operator opens them with --allow-unauthenticated-control."""
+    p, url, lines = _hand_started()
+    try:
+        assert any("no API key" in line and "generation only" in line for line in lines), lines
+        status, body = _post(url + "/generate", {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2,
+                                                                                             "temperature": 0}})
+        assert status == 200 and len(body["output_ids"]) == 2
+        for path, body in (("/update_weights_from_tensor", {"serialized_named_tensors": []}),
+                           ("/update_weights_from_disk", {"model_path": str(MODEL)}), ("/pause_generation", {}),
+                           ("/abort_request", {"rid": "x"})):
+            status, reply = _post(url + path, body)
+            assert status == 403 and "without an API key" in reply["message"], (path, reply)
+        for path in ("/weights_safetensors", "/weights_checksum"):
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                _get(url + path)
+    finally:
+        p.terminate()
+        p.wait(30)
+    p, url, lines = _hand_started("--allow-unauthenticated-control")
+    try:
+        assert any("OPEN to anyone" in line for line in lines), lines
+        assert "checksum" in _get(url + "/weights_checksum")
+    finally:
+        p.terminate()
+        p.wait(30)

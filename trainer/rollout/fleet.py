@@ -191,7 +191,8 @@ class FleetClient(RolloutEngine):
     def __init__(self, router_url: str, worker_urls: Sequence[str], *, max_concurrency: int = 64,
                  request_timeout_s: float = 600.0, max_retries: int = 4, retry_backoff_s: float = 0.1,
                  bucket_bytes: int = 64 << 20, on_failure: Callable[[str], None] | None = None,
-                 stats: FleetStats | None = None, per_sample_requests: bool = False):
+                 stats: FleetStats | None = None, per_sample_requests: bool = False, api_key: str | None = None):
+        self.api_key = api_key  # the servers' Bearer key (their weight and control endpoints need it)
         self.router_url = router_url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.max_concurrency = max_concurrency
@@ -224,7 +225,8 @@ class FleetClient(RolloutEngine):
     async def _setup(self) -> None:
         import aiohttp
 
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False), headers=headers)
         self._sem = asyncio.Semaphore(self.max_concurrency)
         self._open = asyncio.Event()
         self._open.set()
@@ -441,6 +443,8 @@ class FleetClient(RolloutEngine):
 # --------------------------------------------------------------------------------------------------
 # the fleet: processes
 # --------------------------------------------------------------------------------------------------
+FLEET_KEY_ENV = "COXSWAIN_FLEET_KEY"
+
 # Every server and the router run under trainer.orphans.SUPERVISOR: killed when the trainer goes away
 # (SIGKILL included, where no atexit runs).
 
@@ -503,6 +507,7 @@ class Fleet:
         self.router_url: str | None = None
         self.client: FleetClient | None = None
         self.stats = FleetStats()
+        self.api_key = secrets.token_hex(32)  # this fleet's servers accept weight / control requests with it only
         self._lock = threading.RLock()  # one restart at a time
         self._stop = threading.Event()
         self._poke = threading.Event()
@@ -531,6 +536,7 @@ class Fleet:
             self.servers = [self._await_server(k, p, path, 0) for k, (p, path) in enumerate(procs)]
             self._start_router()
             self.client = FleetClient(self.router_url, self.server_urls, on_failure=self._on_failure, stats=self.stats,
+                                      api_key=self.api_key,
                                       **self.client_kwargs)
             sums = self.client._call(self.client._checksums(self.server_urls))
             if len(set(sums.values())) != 1:
@@ -579,6 +585,10 @@ class Fleet:
         if self.max_seq_len:
             cmd += ["--max-seq-len", str(self.max_seq_len)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_server))
+        # a fresh key per fleet, handed over in the environment (never on a command line other users can read):
+        # only this trainer may push, read out or pause the weights; generation comes through the router
+        env[FLEET_KEY_ENV] = self.api_key
+        cmd += ["--api-key-env", FLEET_KEY_ENV, "--open-generation"]
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         path = os.path.join(self.log_dir, f"server-{k}-{generation}.log")
@@ -708,15 +718,17 @@ class Fleet:
         expected = self.client.expected_checksum
         if expected is None:
             return
-        with urllib.request.urlopen(url + "/weights_checksum", timeout=60) as r:
+        auth = {"Authorization": f"Bearer {self.api_key}"}
+        with urllib.request.urlopen(urllib.request.Request(url + "/weights_checksum", headers=auth), timeout=60) as r:
             if json.load(r)["checksum"] == expected:
                 return  # weights from disk are the fleet's current ones
         for peer in self.client.worker_urls:
             try:
-                with urllib.request.urlopen(peer + "/weights_safetensors", timeout=600) as r:
+                with urllib.request.urlopen(urllib.request.Request(peer + "/weights_safetensors", headers=auth),
+                                            timeout=600) as r:
                     blob = r.read()
                 req = urllib.request.Request(url + "/update_weights_from_tensor", data=blob, method="POST",
-                                             headers={"Content-Type": WEIGHTS_CONTENT_TYPE})
+                                             headers={"Content-Type": WEIGHTS_CONTENT_TYPE, **auth})
                 with urllib.request.urlopen(req, timeout=600) as r:
                     r.read()
                 self.client.verify_weights(expected, [url])

@@ -121,6 +121,9 @@ class EngineServer:
         try:
             if self.api_key is not None and self.needs_auth(request) and not bearer_ok(request, self.api_key):
                 return self.unauthorized()
+            refused = self.refuse(request)
+            if refused is not None:
+                return refused
             return await handler(request)
         except web.HTTPException:
             raise
@@ -130,6 +133,10 @@ class EngineServer:
                 return response
             self.stats.errors += 1
             return self.internal_error(e)
+
+    def refuse(self, request: web.Request) -> web.Response | None:
+        """A server's own policy check after authentication (None: go on); e.g. endpoints off without a key."""
+        return None
 
     def counters(self) -> dict:
         """The batcher's counters and the queue length, for a health / info endpoint (no model output)."""

@@ -388,7 +388,9 @@ class NativeSGLangServer(EngineServer):
 
     def __init__(self, engine, *, model_path: str, served_model_name: str, eos_token_ids: Sequence[int] = (),
                  tokenizer=None, max_batch_samples: int = 32, batch_wait_s: float = 0.005,
-                 batch_max_wait_s: float = 0.05, api_key: str | None = None, server_args: dict | None = None):
+                 batch_max_wait_s: float = 0.05, api_key: str | None = None, server_args: dict | None = None,
+                 allow_unauthenticated_control: bool = False, open_generation: bool = False,
+                 weights_root: str | None = None):
         super().__init__(engine, model_name=served_model_name, api_key=api_key, max_batch_samples=max_batch_samples,
                          batch_wait_s=batch_wait_s, batch_max_wait_s=batch_max_wait_s)
         self.engine = _SerialEngine(engine)  # the batcher's calls and weight reads/writes take turns
@@ -398,6 +400,10 @@ class NativeSGLangServer(EngineServer):
         self.server_args = dict(server_args or {})
         self.weight_version = "default"  # SGLang's ServerArgs.weight_version default
         self.weight_updates = 0
+        self.allow_unauthenticated_control = allow_unauthenticated_control
+        self.open_generation = open_generation  # generation needs no key (a fleet's servers behind its router)
+        # update_weights_from_disk reads only below this directory (default: the one holding --model)
+        self.weights_root = os.path.realpath(weights_root or os.path.dirname(os.path.abspath(model_path)))
         self._resume: asyncio.Event | None = None  # cleared while paused
         self._waiting: dict[str, set[asyncio.Task]] = {}  # rid -> tasks not yet answered
 
@@ -430,7 +436,18 @@ class NativeSGLangServer(EngineServer):
         await super()._on_startup(app)
 
     def needs_auth(self, request: web.Request) -> bool:
-        return request.path != "/health"
+        if request.path in CONTROL_PATHS:
+            return True
+        return request.path != "/health" and not self.open_generation
+
+    def refuse(self, request: web.Request) -> web.Response | None:
+        # without a key, the weight and control endpoints are off unless the operator opened them
+        if self.api_key is None and request.path in CONTROL_PATHS and not self.allow_unauthenticated_control:
+            return web.json_response(
+                {"success": False, "message": "this server was started without an API key: weight and control "
+                 "endpoints are off. Start it with --api-key-env VAR (VAR holding the key), or pass "
+                 "--allow-unauthenticated-control on a host you trust"}, status=403)
+        return None
 
     def error_response(self, exc: Exception) -> web.Response | None:
         return json_error(400, str(exc)) if isinstance(exc, ProtocolError) else None
@@ -565,6 +582,10 @@ class NativeSGLangServer(EngineServer):
 
         body = await self._json(request)
         path = body.get("model_path") if isinstance(body, dict) else None
+        if isinstance(path, str) and os.path.commonpath([os.path.realpath(path), self.weights_root]) != self.weights_root:
+            # said before any look at the path: the answer must not tell whether it exists
+            return web.json_response({"success": False, "message": f"model_path is outside the allowed root "
+                                      f"{self.weights_root} (--weights-root)", "num_paused_requests": 0}, status=403)
         if not isinstance(path, str) or not os.path.isdir(path):
             return web.json_response({"success": False, "message": f"model_path {path!r} is not a directory",
                                       "num_paused_requests": 0}, status=400)
@@ -602,6 +623,13 @@ class NativeSGLangServer(EngineServer):
                             headers={"X-Weight-Version": self.weight_version})
 
 
+# the endpoints that change or read out the weights, or steer the engine: never open without a key
+# unless the operator says so
+CONTROL_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/weights_safetensors",
+                           "/weights_checksum", "/pause_generation", "/continue_generation", "/abort_request",
+                           "/flush_cache"})
+
+
 # --------------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------------
@@ -619,6 +647,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-tokenizer-init", action="store_true",
                     help="as SGLang's: no tokenizer, no 'text' in responses, input_ids only")
     ap.add_argument("--api-key-env", default=None, help="env var holding a Bearer key required on all but /health")
+    ap.add_argument("--allow-unauthenticated-control", action="store_true",
+                    help="without a key, still serve the weight and control endpoints (off by default)")
+    ap.add_argument("--open-generation", action="store_true",
+                    help="with a key, let generation and info requests through without it (the key still guards "
+                         "the weight and control endpoints); the fleet uses it behind its router")
+    ap.add_argument("--weights-root", default=None,
+                    help="update_weights_from_disk reads only below this directory (default: the one holding --model)")
     return ap
 
 
@@ -637,7 +672,9 @@ def build_server(a: argparse.Namespace) -> NativeSGLangServer:
         engine, model_path=a.model, served_model_name=served_model_name(a),
         eos_token_ids=eos_token_ids(a.model, tokenizer), tokenizer=tokenizer, max_batch_samples=a.max_batch_size,
         batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0,
-        api_key=os.environ.get(a.api_key_env) if a.api_key_env else None,
+        api_key=(os.environ.get(a.api_key_env) or None) if a.api_key_env else None,
+        allow_unauthenticated_control=a.allow_unauthenticated_control, open_generation=a.open_generation,
+        weights_root=a.weights_root,
         server_args={"host": a.host, "dtype": a.dtype, "device": a.device, "max_running_requests": a.max_batch_size,
                      "threads": torch.get_num_threads()})
 
@@ -646,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.getLogger("aiohttp.server").addFilter(_DropHTTP2Preface())
     server = build_server(a)
-
+    if server.api_key is None:
+        print("native_server: no API key (--api-key-env): weight and control endpoints are "
+              + ("OPEN to anyone who can reach this port" if a.allow_unauthenticated_control else
+                 "off; generation only"), file=sys.stderr, flush=True)
     serve_until_signal(server, a.host, a.port)
     return 0
 
