@@ -4,11 +4,8 @@ from (checked token by token against transformers on each checkpoint's HF export
 hand-scheduled reference (the same batches replayed into the synchronous loop), and a SIGKILL in step 3
 then a resume gives the uninterrupted run's metrics and weights."""
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny import tiny_config
+from tests.tiny import checkpoint_history, start_driver, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -103,23 +100,6 @@ def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_refe
     assert sync[1]["actor/pg_loss"] != h[1]["actor/pg_loss"]
 
 
-SCRIPT = """
-import json, sys
-from trainer.config import load_config
-from trainer.main import train
-out = train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *json.loads(sys.argv[1])]))
-"""
-
-
-def _driver(args, env, log):
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, json.dumps(args)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _history(run_dir):
-    from trainer.checkpoint import CheckpointManager, load_driver_state
-
-    return load_driver_state(CheckpointManager(str(run_dir)).find_latest())["history"]
 
 
 def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
@@ -129,9 +109,9 @@ def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
     common = BASE + OFF + ["trainer.total_training_steps=4", "trainer.save_freq=1"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
     with open(tmp_path / "ref.log", "w") as log:
-        assert _driver(common + [f"trainer.default_local_dir={ref_dir}"], env, log).wait(600) == 0
+        assert start_driver(common + [f"trainer.default_local_dir={ref_dir}"], env, log).wait(600) == 0
     with open(tmp_path / "cut.log", "w") as log:
-        p = _driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
+        p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
         latest = cut_dir / "latest_checkpointed_iteration.txt"
         t0 = time.time()
         while not (latest.exists() and latest.read_text().strip() == "2"):
@@ -141,10 +121,10 @@ def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
         p.wait()
     assert (cut_dir / "global_step_2" / "prefetched_batch" / "info.json").exists()
     with open(tmp_path / "resume.log", "w") as log:
-        assert _driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
+        assert start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
     text = (tmp_path / "resume.log").read_text()
     assert "resumed with the prefetched batch of step 3" in text, text[-2000:]
-    a, b = stable(_history(ref_dir)), stable(_history(cut_dir))
+    a, b = stable(checkpoint_history(ref_dir)), stable(checkpoint_history(cut_dir))
     assert [x["step"] for x in a] == [1, 2, 3, 4] == [x["step"] for x in b]
     assert a == b
     wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))

@@ -2,10 +2,8 @@
 engine, a real MLflow store: short runs, placement modes, TP=2, exact SIGKILL resume, eval dedup,
 the old-log-prob anchor and the resharding checksum."""
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from tests.tiny import tiny_config
+from tests.tiny import checkpoint_history, start_driver, tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
@@ -120,23 +118,6 @@ def test_should_eval_once_per_boundary():
     assert not should_eval(5, -1, 10, None) and not should_eval(5, 0, 10, None)
 
 
-SCRIPT = """
-import json, sys
-from trainer.config import load_config
-from trainer.main import train
-out = train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *json.loads(sys.argv[1])]))
-"""
-
-
-def _driver(args, env, log):
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, json.dumps(args)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _history(run_dir):
-    from trainer.checkpoint import CheckpointManager, load_driver_state
-
-    return load_driver_state(CheckpointManager(str(run_dir)).find_latest())["history"]
 
 
 def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
@@ -144,10 +125,10 @@ def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
     common = BASE + ["trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=2"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
     with open(tmp_path / "ref.log", "w") as log:
-        assert _driver(common + [f"trainer.default_local_dir={ref_dir}"], env, log).wait(600) == 0
+        assert start_driver(common + [f"trainer.default_local_dir={ref_dir}"], env, log).wait(600) == 0
 
     with open(tmp_path / "cut.log", "w") as log:
-        p = _driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
+        p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
         latest = cut_dir / "latest_checkpointed_iteration.txt"  # verl's tracker file
         t0 = time.time()
         while not (latest.exists() and latest.read_text().strip() == "2"):
@@ -156,10 +137,10 @@ def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 3
         p.wait()
     with open(tmp_path / "resume.log", "w") as log:
-        assert _driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
+        assert start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
     assert "resumed from" in (tmp_path / "resume.log").read_text()
 
-    a, b = stable(_history(ref_dir)), stable(_history(cut_dir))
+    a, b = stable(checkpoint_history(ref_dir)), stable(checkpoint_history(cut_dir))
     assert [h["step"] for h in a] == [0, 1, 2, 3, 4] == [h["step"] for h in b]
     assert a == b
     wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))
