@@ -399,3 +399,33 @@ def test_batcher_drops_cancelled_items(engine, tok):
     a, done = asyncio.run(run())
     assert seen == [[a[0], a[2]]]
     assert [d[0].token_ids for d in done] == [engine.generate([a[i]], greedy)[0][0].token_ids for i in (0, 2)]
+
+
+def raw_post(url, path, data: bytes, key=KEY):
+    async def run():
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + path, data=data, headers=headers) as r:
+                return r.status, await r.json(content_type=None)
+
+    return asyncio.run(run())
+
+
+def test_hostile_requests_get_4xx_and_the_server_keeps_answering(server):
+    """A chat template sent with the request is refused (it would run on the server); NaN, a JSON array
+    body and more samples than the cap get 4xx, never 500; /health answers throughout."""
+    msgs = [{"role": "user", "content": "1+1="}]
+    status, err = post(server, "/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                     "chat_template_kwargs": {"chat_template": "{% for x in range(9) %}{% endfor %}"}})
+    assert status == 403 and "chat template" in err["error"]["message"]
+    status, err = post(server, "/chat/completions", {"messages": msgs, "chat_template": "{{ 1 }}"})
+    assert status == 403
+    status, err = raw_post(server, "/completions", b'{"prompt": "1+1=", "max_tokens": 2, "temperature": NaN}')
+    assert status == 400 and "finite" in err["error"]["message"]
+    status, err = raw_post(server, "/completions", b'[{"prompt": "1+1="}]')
+    assert status == 400 and "JSON object" in err["error"]["message"]
+    status, err = post(server, "/completions", {"prompt": ["1+1="] * 17, "n": 256, "max_tokens": 1})
+    assert status == 413 and "4352 samples" in err["error"]["message"]
+    assert get(server, "/../health", key=None)[0] == 200
+    status, out = post(server, "/completions", {"prompt": "1+1=", "max_tokens": 2, "temperature": 0})
+    assert status == 200

@@ -341,10 +341,22 @@ def test_a_server_started_without_a_key_serves_generation_only():
     finally:
         p.terminate()
         p.wait(30)
-    p, url, lines = _hand_started("--allow-unauthenticated-control")
+    p, url, lines = _hand_started("--allow-unauthenticated-control", "--max-request-mb", "1",
+                                  "--max-samples-per-request", "8")
     try:
         assert any("OPEN to anyone" in line for line in lines), lines
         assert "checksum" in _get(url + "/weights_checksum")
+        # caps, and bad values as 4xx, never 500
+        status, body = _post(url + "/generate", {"input_ids": [3] * 10, "pad": "x" * (2 << 20)})
+        assert status == 413, body
+        status, body = _post(url + "/generate", {"input_ids": [[3, 4]] * 3, "sampling_params": {"n": 3}})
+        assert status == 413 and "9 samples" in body["error"]["message"], body
+        req = urllib.request.Request(url + "/generate", data=b'{"input_ids": [3], "sampling_params": {"temperature": NaN}}',
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(req, timeout=30)
+        status, body = _post(url + "/generate", [{"input_ids": [3]}])
+        assert status == 400, body
     finally:
         p.terminate()
         p.wait(30)

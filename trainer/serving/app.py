@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import os
 import signal
 import threading
@@ -65,10 +66,15 @@ class EngineServer:
 
     ready_prefix: str = ""  # the ready line's prefix (trainer.serving.net)
     url_path: str = ""  # server.url = f"http://{host}:{port}{url_path}"
-    client_max_size: int = 64 * 1024 * 1024  # the largest request body
+    client_max_size: int = 64 * 1024 * 1024  # the largest request body (of any route)
 
     def __init__(self, engine, *, model_name: str, api_key: str | None = None, max_batch_samples: int = 32,
-                 batch_wait_s: float = 0.005, batch_max_wait_s: float = 0.05):
+                 batch_wait_s: float = 0.005, batch_max_wait_s: float = 0.05, max_request_bytes: int = 64 << 20,
+                 max_samples_per_request: int = 4096):
+        if max_batch_samples < 1 or max_request_bytes < 1 or max_samples_per_request < 1:
+            raise ValueError("--max-batch-size, --max-request-mb and --max-samples-per-request must be > 0")
+        self.max_request_bytes = int(max_request_bytes)  # generation / completion bodies (weight pushes have their own)
+        self.max_samples_per_request = int(max_samples_per_request)
         self.engine = engine  # what the batcher calls (an adapter may wrap the engine after __init__)
         self.model_name = model_name
         self.api_key = api_key or None
@@ -208,6 +214,10 @@ def add_engine_args(ap: argparse.ArgumentParser, *, port: int) -> None:
     ap.add_argument("--port", type=int, default=port, help="0 = pick a free port (printed at start)")
     ap.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir's name)")
     ap.add_argument("--max-batch-size", type=int, default=32, help="samples per engine call (KV-cache rows)")
+    ap.add_argument("--max-request-mb", type=float, default=64.0,
+                    help="largest request body a generation / completion request may have (413 beyond)")
+    ap.add_argument("--max-samples-per-request", type=int, default=4096,
+                    help="prompts x n one request may ask for (413 beyond)")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="prompt + response tokens (default: min(max_position_embeddings, 4096))")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0,
@@ -216,6 +226,27 @@ def add_engine_args(ap: argparse.ArgumentParser, *, port: int) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def request_limits(a: argparse.Namespace) -> dict:
+    """The caps of :func:`add_engine_args` as server keywords."""
+    return dict(max_request_bytes=int(a.max_request_mb * (1 << 20)), max_samples_per_request=a.max_samples_per_request)
+
+
+async def read_capped(request: web.Request, cap: int) -> bytes:
+    """The body, refused with 413 once it passes ``cap`` bytes (read no further: a huge body costs nothing)."""
+    def too_large():
+        msg = (f"the request body is larger than this server's limit of {cap} bytes (--max-request-mb); send "
+               f"fewer or shorter prompts per request")
+        return web.HTTPRequestEntityTooLarge(max_size=cap, actual_size=cap + 1, text=json.dumps(error_body(msg)),
+                                             content_type="application/json")
+
+    if request.content_length is not None and request.content_length > cap:
+        raise too_large()
+    raw = await request.content.read(cap + 1)
+    if len(raw) > cap:
+        raise too_large()
+    return raw
 
 
 def served_model_name(a: argparse.Namespace) -> str:

@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -74,7 +75,7 @@ from trainer.rollout.async_engine import EngineStats as ServerStats
 from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.rollout.generate import eos_token_ids
 from trainer.serving.app import (EngineServer, add_engine_args, bearer_ok, json_error, load_engine, run_app,
-                                 run_until_signal, serve, serve_until_signal, served_model_name)
+                                 run_until_signal, serve, serve_until_signal, served_model_name, read_capped, request_limits)
 from trainer.serving.net import OPENAI_READY_PREFIX as READY_PREFIX
 
 __all__ = ["DEFAULT_API_KEY_ENV", "READY_PREFIX", "APIError", "RequestParams", "parse_params", "parse_messages",
@@ -110,6 +111,8 @@ def _number(body: dict, key: str, default, *, kind=float, lo=None, hi=None, lo_o
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float) and not v.is_integer()):
         raise _bad(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", key)
+    if not math.isfinite(v):
+        raise _bad(f"'{key}' must be a finite number, got {v!r}", key)
     v = kind(v)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise _bad(f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {v}", key)
@@ -281,9 +284,13 @@ class ModelServer(EngineServer):
 
     def __init__(self, engine, tokenizer, *, model_name: str, model_dir: str | None = None, eos_ids=(),
                  api_key: str | None = None, max_batch_samples: int = 32, batch_wait_s: float = 0.005,
-                 batch_max_wait_s: float = 0.05):
+                 batch_max_wait_s: float = 0.05, max_request_bytes: int = 64 << 20, max_samples_per_request: int = 4096,
+                 allow_request_chat_template: bool = False, render_timeout_s: float = 10.0):
         super().__init__(engine, model_name=model_name, api_key=api_key, max_batch_samples=max_batch_samples,
-                         batch_wait_s=batch_wait_s, batch_max_wait_s=batch_max_wait_s)
+                         batch_wait_s=batch_wait_s, batch_max_wait_s=batch_max_wait_s, max_request_bytes=max_request_bytes,
+                         max_samples_per_request=max_samples_per_request)
+        self.allow_request_chat_template = allow_request_chat_template
+        self.render_timeout_s = render_timeout_s
         self.tokenizer = tokenizer
         self.model_aliases = {model_name} | ({model_dir, os.path.abspath(model_dir)} if model_dir else set())
         self.eos_ids = tuple(int(e) for e in eos_ids)
@@ -324,7 +331,7 @@ class ModelServer(EngineServer):
     # ---- helpers ----------------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict:
         try:
-            body = await request.json()
+            body = json.loads(await read_capped(request, self.max_request_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _bad(f"the body is not valid JSON: {e}")
         if not isinstance(body, dict):
@@ -334,6 +341,11 @@ class ModelServer(EngineServer):
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            code="model_not_found")
         return body
+
+    def _check_samples(self, n_prompts: int, p) -> None:
+        if n_prompts * p.n > self.max_samples_per_request:
+            raise APIError(413, f"this request asks for {n_prompts * p.n} samples (prompts x n); the server takes at "
+                           f"most {self.max_samples_per_request} per request (--max-samples-per-request)")
 
     def _check_prompt(self, ids: list[int], what: str) -> None:
         if not ids:
@@ -405,12 +417,25 @@ class ModelServer(EngineServer):
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        try:
-            enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        if ("chat_template" in kwargs or "chat_template" in body) and not self.allow_request_chat_template:
+            raise APIError(403, "this server renders only its model's own chat template; a template sent with the "
+                           "request runs code on the server (the operator may allow it: --allow-request-chat-template)",
+                           param="chat_template")
+        if "chat_template" in body:
+            kwargs = {**kwargs, "chat_template": body["chat_template"]}
+
+        def render():
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+
+        try:  # off the event loop, with a time limit: /health keeps answering whatever the template does
+            enc = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, render), self.render_timeout_s)
+        except asyncio.TimeoutError:
+            raise _bad(f"the chat template took more than {self.render_timeout_s:.0f} s on these messages", "messages")
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise _bad(f"the chat template failed on these messages: {e}", "messages")
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         self._check_prompt(ids, "the templated conversation")
+        self._check_samples(1, p)
         sps, outs = await self._generate([ids], p)
         finished = [self._finish(o, p, sps[0]) for o in outs[0]]
         choices = []
@@ -468,7 +493,8 @@ class ModelServer(EngineServer):
         p = parse_params(body, chat=False)
         if p.stream:
             raise _bad("'stream' is supported on /v1/chat/completions only", "stream")
-        prompts = self._completion_prompts(body)
+        prompts = await asyncio.get_running_loop().run_in_executor(None, self._completion_prompts, body)  # tokenizing: off the loop
+        self._check_samples(len(prompts), p)
         sps, outs = await self._generate(prompts, p)
         choices, finished_all = [], []
         for i, outs_i in enumerate(outs):
@@ -497,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m trainer.serve", description=__doc__.split("\n")[0])
     add_engine_args(ap, port=8000)
     ap.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV, help="env var holding the API key; unset = no auth")
+    ap.add_argument("--allow-request-chat-template", action="store_true",
+                    help="render chat templates sent with a request (they run on the server; off by default)")
     return ap
 
 
@@ -508,7 +536,8 @@ def build_server(a: argparse.Namespace) -> ModelServer:
     return ModelServer(engine, tokenizer, model_name=served_model_name(a), model_dir=a.model,
                        eos_ids=eos_token_ids(a.model, tokenizer), api_key=os.environ.get(a.api_key_env) or None,
                        max_batch_samples=a.max_batch_size, batch_wait_s=a.batch_wait_ms / 1000.0,
-                       batch_max_wait_s=a.batch_max_wait_ms / 1000.0)
+                       batch_max_wait_s=a.batch_max_wait_ms / 1000.0, **request_limits(a),
+                       allow_request_chat_template=a.allow_request_chat_template)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import logging
 import os
 import sys
@@ -112,8 +113,8 @@ from typing import Any
 from aiohttp import web
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.serving.app import (EngineServer, add_engine_args, error_body, json_error, load_engine, serve,
-                                 serve_until_signal, served_model_name)
+from trainer.serving.app import (EngineServer, add_engine_args, error_body, json_error, load_engine, read_capped,
+                                 request_limits, serve, serve_until_signal, served_model_name)
 from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
 from trainer.serving.wire import (WEIGHTS_CONTENT_TYPE, ProtocolError, parse_update_weights_from_tensor,
                                   safetensors_to_tensors, tensors_to_safetensors)
@@ -156,8 +157,8 @@ def _int(v: Any, what: str, lo: int | None = None) -> int:
 
 
 def _float(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(f"{what} must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ProtocolError(f"{what} must be a finite number, got {v!r}")
     return float(v)
 
 
@@ -390,9 +391,10 @@ class NativeSGLangServer(EngineServer):
                  tokenizer=None, max_batch_samples: int = 32, batch_wait_s: float = 0.005,
                  batch_max_wait_s: float = 0.05, api_key: str | None = None, server_args: dict | None = None,
                  allow_unauthenticated_control: bool = False, open_generation: bool = False,
-                 weights_root: str | None = None):
+                 weights_root: str | None = None, max_request_bytes: int = 64 << 20, max_samples_per_request: int = 4096):
         super().__init__(engine, model_name=served_model_name, api_key=api_key, max_batch_samples=max_batch_samples,
-                         batch_wait_s=batch_wait_s, batch_max_wait_s=batch_max_wait_s)
+                         batch_wait_s=batch_wait_s, batch_max_wait_s=batch_max_wait_s, max_request_bytes=max_request_bytes,
+                         max_samples_per_request=max_samples_per_request)
         self.engine = _SerialEngine(engine)  # the batcher's calls and weight reads/writes take turns
         self.model_path = model_path
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
@@ -453,13 +455,18 @@ class NativeSGLangServer(EngineServer):
         return json_error(400, str(exc)) if isinstance(exc, ProtocolError) else None
 
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()
+        # weight pushes may be large (authenticated, a bucket); everything else is capped
+        cap = self.client_max_size if request.path in CONTROL_PATHS else self.max_request_bytes
+        raw = await read_capped(request, cap)
         if not raw:
             return {}
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ProtocolError(f"the body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise ProtocolError("the body must be a JSON object")
+        return body
 
     async def _in_engine_thread(self, fn, *args):
         # Weight reads/writes run between engine calls (the lock), off the event loop.
@@ -527,6 +534,10 @@ class NativeSGLangServer(EngineServer):
         req = parse_generate_request(body, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                                      eos_token_ids=self.eos_token_ids,
                                      encode=self._encode if self.tokenizer is not None else None)
+        samples = sum(p.n for p in req.params)
+        if samples > self.max_samples_per_request:
+            return json_error(413, f"this request asks for {samples} samples (prompts x n); the server takes at most "
+                                   f"{self.max_samples_per_request} per request (--max-samples-per-request)")
         self.stats.requests += 1
         self.stats.prompts += len(req.prompts)
         try:
@@ -671,7 +682,7 @@ def build_server(a: argparse.Namespace) -> NativeSGLangServer:
     return NativeSGLangServer(
         engine, model_path=a.model, served_model_name=served_model_name(a),
         eos_token_ids=eos_token_ids(a.model, tokenizer), tokenizer=tokenizer, max_batch_samples=a.max_batch_size,
-        batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0,
+        batch_wait_s=a.batch_wait_ms / 1000.0, batch_max_wait_s=a.batch_max_wait_ms / 1000.0, **request_limits(a),
         api_key=(os.environ.get(a.api_key_env) or None) if a.api_key_env else None,
         allow_unauthenticated_control=a.allow_unauthenticated_control, open_generation=a.open_generation,
         weights_root=a.weights_root,
