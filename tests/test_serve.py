@@ -429,3 +429,18 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_answering(server):
     assert get(server, "/../health", key=None)[0] == 200
     status, out = post(server, "/completions", {"prompt": "1+1=", "max_tokens": 2, "temperature": 0})
     assert status == 200
+
+
+def test_free_ports_lie_outside_the_ephemeral_range():
+    """Ports picked for a later bind (worker rendezvous) come from below the kernel's ephemeral range, where
+    no bind(port 0) by another process can take them in between, and they are free."""
+    import socket
+
+    from trainer.serving.net import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
