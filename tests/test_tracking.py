@@ -37,3 +37,26 @@ def test_mlflow_run_gets_params_metrics_artifacts_and_no_secrets(tmp_path, monke
 def test_redact_masks_env_secret_values_anywhere(monkeypatch):
     monkeypatch.setenv("MY_TOKEN", "abcdef123")
     assert redact({"x.url": "http://a/abcdef123/b", "x.n": 3}) == {"x.url": "http://a/***/b", "x.n": "3"}
+
+
+def test_resume_logs_each_step_once_and_survives_a_missing_run(tmp_path, monkeypatch, capsys):
+    """A resumed run continues its MLflow run without logging again the steps it already holds (trained a
+    second time after a crash); resumed with another store, where that run is missing, it logs to a new run
+    linked to the old one instead of failing."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = tmp_path / "mlruns"
+    t = Tracker("proj", "exp", ["mlflow"], total_steps=4, mlruns_root=str(root))
+    for s in (1, 2, 3):  # step 3 logged, then the driver dies before checkpointing it
+        t.log_metrics({"timing_s/step": 1.0, "reward/mean": s / 10}, step=s)
+    again = Tracker("proj", "exp", ["mlflow"], total_steps=4, mlruns_root=str(root), run_id=t.run_id)
+    assert again.run_id == t.run_id
+    for s in (3, 4):  # resumed from the step-2 checkpoint: step 3 again, then 4
+        again.log_metrics({"timing_s/step": 1.0, "reward/mean": s / 10}, step=s)
+    c = MlflowClient(tracking_uri=default_tracking_uri(str(root)))
+    assert [m.step for m in c.get_metric_history(t.run_id, "reward/mean")] == [1, 2, 3, 4]
+    other = Tracker("proj", "exp", ["mlflow"], total_steps=4, mlruns_root=str(tmp_path / "elsewhere"), run_id=t.run_id)
+    assert other.run_id != t.run_id
+    other.log_metrics({"timing_s/step": 1.0}, step=3)
+    c2 = MlflowClient(tracking_uri=default_tracking_uri(str(tmp_path / "elsewhere")))
+    assert c2.get_run(other.run_id).data.tags["coxswain.resumed_from_run_id"] == t.run_id
+    assert "is not in" in capsys.readouterr().out

@@ -114,6 +114,7 @@ class Tracker:
         self.t0 = time.time()
         self.client = None
         self.run_id = None
+        self.logged_through: int | None = None  # MLflow already holds every step up to this one
         self.wandb = self.tb = None
         self._val_rows: list = []
         flat = redact(flatten(config)) if config is not None else {}
@@ -144,16 +145,37 @@ class Tracker:
                 exp_id = self.client.create_experiment(project, artifact_location=art)
             else:
                 exp_id = exp.experiment_id
-            if run_id is not None:  # resume into the same MLflow run
+            if run_id is not None and self._run_exists(run_id):  # resume into the same MLflow run
                 self.run_id = run_id
+                # the steps it already has (logged before a crash, then trained again after the resume, with the
+                # same values under exact resume) are not logged a second time
+                self.logged_through = self._last_logged_step(run_id)
             else:
                 tags = {"mlflow.source.name": os.path.basename(sys.argv[0]) or "python", "mlflow.source.type": "LOCAL"}
+                if run_id is not None:  # resumed with another (or a fresh) MLflow store: a new run, linked to the old
+                    tags["coxswain.resumed_from_run_id"] = run_id
+                    print(f"note: MLflow run {run_id} (from the checkpoint) is not in {uri}; logging to a new run "
+                          f"tagged coxswain.resumed_from_run_id={run_id}", flush=True)
                 git = git_info()
                 if git:
                     tags.update({"mlflow.source.git.commit": git["commit"], "coxswain.git.dirty": git["dirty"]})
                 self.run_id = self.client.create_run(exp_id, run_name=experiment, tags=tags).info.run_id
                 if config is not None:
                     self.log_params(flatten(config))
+
+    def _run_exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+            return True
+        except MlflowException:
+            return False
+
+    def _last_logged_step(self, run_id: str) -> int | None:
+        """The last step of the run's step-time metric (logged once per step, with the step's other metrics)."""
+        hist = self.client.get_metric_history(run_id, "timing_s/step")
+        return max((m.step for m in hist), default=None)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if self.client is None:
@@ -166,7 +188,7 @@ class Tracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        if self.client is not None:
+        if self.client is not None and (self.logged_through is None or step > self.logged_through):
             from mlflow.entities import Metric
 
             ts = int(time.time() * 1000)
