@@ -122,8 +122,8 @@ def test_a_handed_over_driver_state_cannot_run_code(tmp_path):
 
 def test_manifest_catches_damage_and_resume_takes_the_newest_verified_step(tmp_path):
     """Every file of a checkpoint is listed with its size and sha256; truncating, deleting, flipping one
-    byte of, or adding a file, or a garbage manifest, is caught before anything is read, and the newest
-    checkpoint that verifies is chosen with one warning per rejected one."""
+    byte of, or adding a file, or a garbage manifest, is caught before anything is read; a resume tries the
+    checkpoints newest first (the loop's walk back to the intact one: tests/test_resume_verify.py)."""
     from trainer.checkpoint import MANIFEST, verify
 
     m = CheckpointManager(str(tmp_path))
@@ -153,9 +153,9 @@ def test_manifest_catches_damage_and_resume_takes_the_newest_verified_step(tmp_p
         hurt(m.step_dir(2))
         with pytest.raises(CheckpointError, match=want[kind]):
             verify(m.step_dir(2))
-        warnings = []
-        assert m.find_verified(warn=warnings.append) == m.step_dir(1), kind
-        assert len(warnings) == 1 and "global_step_2" in warnings[0]
+        # the order a resume tries them in (trainer.main.train): the damaged newest, then the intact one
+        assert m.candidates() == [m.step_dir(2), m.step_dir(1)], kind
+        verify(m.step_dir(1))
     # an unreadable tracker file counts as absent: the scan finds the newest complete step
     (root / "latest_checkpointed_iteration.txt").write_bytes(os.urandom(32) + b"\xff\xfe")
     assert m.find_latest() == m.step_dir(2)

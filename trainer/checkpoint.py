@@ -204,17 +204,6 @@ class CheckpointManager:
         rest = [self.step_dir(s) for s in reversed(self._complete_steps())]
         return ([latest] if latest else []) + [d for d in rest if d != latest]
 
-    def find_verified(self, warn: Callable[[str], None] = print) -> Optional[str]:
-        """The newest complete checkpoint whose files match its manifest; each one that does not is
-        reported through ``warn`` (one line) and skipped."""
-        for d in self.candidates():
-            try:
-                verify(d)
-                return d
-            except CheckpointError as e:
-                warn(f"warning: skipping {d}: {e}")
-        return None
-
 
 def _numpy_array_globals() -> list:
     """What unpickling a numpy array (``np.random.get_state()``'s key) needs: its reconstructor,
