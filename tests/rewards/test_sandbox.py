@@ -67,10 +67,49 @@ def test_io_and_call_modes():
     assert (r.status, r.passed) == ("passed", 2)
 
 
-def test_writing_inside_the_temp_dir_is_allowed():
-    code = "import os\nopen('data.txt', 'w').write('hi')\nos.mkdir('sub')\nopen('sub/x', 'w').write('1')\n"
-    r = run_code(code, tests=["assert open('data.txt').read() == 'hi'", "import os; assert os.getcwd() == os.environ['HOME']"], limits=FAST)
+def test_writing_inside_the_work_dir_is_allowed():
+    code = (
+        "import os\nopen('data.txt', 'w').write('hi')\nos.mkdir('sub')\nopen('sub/x', 'w').write('1')\n"
+        "def read(p):\n    return open(p).read()\n"
+        "def where():\n    return os.getcwd(), os.environ['HOME']\n"
+    )
+    tests = ["assert read('data.txt') == 'hi' and read('sub/x') == '1'", "cwd, home = where(); assert cwd == home"]
+    r = run_code(code, tests=tests, limits=FAST)
     assert r.status == "passed", r.reason
+
+
+def test_the_tests_run_in_the_referee_against_remote_values():
+    """Candidate objects reach the tests as handles (classes, methods, generators) or as copied data;
+    in-place changes to list / dict / set arguments are copied back after the call."""
+    code = (
+        "class Node:\n    def __init__(self, v, nxt=None):\n        self.val, self.next = v, nxt\n"
+        "def build(xs):\n    head = None\n    for x in reversed(xs):\n        head = Node(x, head)\n    return head\n"
+        "def sort_in_place(a):\n    a.sort()\n"
+        "def add_key(d):\n    d['k'] = 1\n"
+        "def gen(n):\n    yield from range(n)\n"
+        "LIMIT = 10 ** 30\n"
+        "def pair():\n    return (1, [2.5, {'a': b'x'}], frozenset({3}))\n"
+    )
+    tests = [
+        "h = build([1, 2]); assert h.val == 1 and h.next.val == 2 and h.next.next is None",
+        "a = [3, 1, 2]; sort_in_place(a); assert a == [1, 2, 3]",
+        "d = {}; add_key(d); assert d == {'k': 1}",
+        "assert list(gen(4)) == [0, 1, 2, 3] and LIMIT == 10 ** 30",
+        "assert pair() == (1, [2.5, {'a': b'x'}], frozenset({3})) and type(pair()[0]) is int",
+        "assert build([5]) == 5",  # comparing a candidate object is refused: this test fails
+    ]
+    r = run_code(code, tests=tests, limits=FAST)
+    assert (r.status, r.passed, r.total) == ("failed", 5, 6), r.reason
+    assert "test 5" in r.reason and "not plain data" in r.reason
+
+
+def test_humaneval_style_check_function_and_setup():
+    code = "def add(a, b):\n    return a + b\n"
+    test = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert math.isclose(candidate(0.1, 0.2), 0.3)\ncheck(add)\n"
+    r = run_code(code, tests=[test], setup="import math", limits=FAST)
+    assert r.status == "passed", r.reason
+    r = run_code("def add(a, b):\n    return a - b\n", tests=[test], setup="import math", limits=FAST)
+    assert r.status == "failed" and "AssertionError" in r.reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,9 +217,9 @@ def test_no_network(guard):
     if guard:
         assert r.status == "blocked" and "network" in r.reason
     else:
-        # the namespace has only a down loopback: "Network is unreachable" (or refused)
+        # seccomp refuses inet sockets (EPERM); behind it the namespace has only a down loopback
         assert "net_namespace" in r.enforced
-        assert "unreachable" in r.reason or "refused" in r.reason, r.reason
+        assert "unreachable" in r.reason or "refused" in r.reason or "not permitted" in r.reason, r.reason
     with pytest.raises(socket.timeout):
         srv.accept()  # nothing reached the listener
     srv.close()
@@ -219,16 +258,28 @@ def test_common_libraries_still_work_under_the_guard():
 
 
 def test_containment_on_a_machine_without_namespaces_setpriv_or_cgroups(monkeypatch, tmp_path):
-    """Simulate a minimal container (no unshare, no setpriv, no writable cgroup): the wall clock, the
-    rlimits, the audit hook, the proxy variables and the self-set parent-death signal remain."""
+    """Simulate a minimal container (no unshare, no setpriv, no writable cgroup, no seccomp): code is
+    not scored unless the user opts in, and then the wall clock, the rlimits, the audit hook, the
+    proxy variables and the self-set parent-death signal remain, and the result names what is missing."""
     import trainer.rewards.sandbox as sb
 
-    minimal = {"prefix": [], "layers": [], "root": os.geteuid() == 0, "user_ns": False, "cgroup": None}
+    why = {layer: f"{layer} is not available here" for layer in sb.REQUIRED}
+    minimal = {"prefix": [], "layers": [], "root": os.geteuid() == 0, "user_ns": False, "cgroup": None,
+               "why": why, "binds": [], "links": []}
     monkeypatch.setattr(sb, "probe", lambda: minimal)
+    monkeypatch.delenv(sb.ALLOW_WEAK_ENV, raising=False)
+    with pytest.raises(sb.SandboxUnavailable) as e:
+        sb.run_code("def f():\n    return 1\n", tests=OK_TEST, limits=FAST)
+    assert "mount_namespace: mount_namespace is not available here" in str(e.value)
+    assert "allow_weak_containment=true" in str(e.value) and "sandbox_fusion.url" in str(e.value)
+    with pytest.raises(sb.SandboxUnavailable):  # the reward manager counts and logs it; main refuses to start
+        code_score("```python\ndef f():\n    return 1\n```", {"test_list": OK_TEST})
+    monkeypatch.setenv(sb.ALLOW_WEAK_ENV, "1")
     r = sb.run_code("import os\nprint(os.environ['https_proxy'])\n", tests=OK_TEST, limits=FAST)
     assert r.status == "passed" and r.stdout.strip() == "http://127.0.0.1:9"
     assert {"proxy_env", "parent_death_signal", "audit_hook", "rlimit_cpu", "rlimit_as"} <= set(r.enforced)
     assert "net_namespace" not in r.enforced and "pids_cgroup" not in r.enforced
+    assert {"mount_namespace", "net_namespace", "pid_namespace", "seccomp"} <= set(r.missing)
     assert sb.run_code("import time\ntime.sleep(100)\n", tests=OK_TEST, limits=SandboxLimits(cpu_s=1, wall_s=1.0)).status == "timeout"
     assert sb.run_code("import os\nos.fork()\n", tests=OK_TEST, limits=FAST).status == "blocked"
     r = sb.run_code("import socket\nsocket.socket()\n", tests=OK_TEST, limits=FAST)

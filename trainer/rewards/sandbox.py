@@ -1,47 +1,46 @@
 """Run untrusted Python (a policy's code answer) against tests, contained.
 
-``run_code(code, mode, ...)`` starts ``python -I -B _sandbox_harness.py`` in a fresh temporary working
-directory and returns a :class:`SandboxResult` (status, passed / total, the reason, the layers that
-were actually enforced). The candidate is never imported or executed in the calling process.
+``run_code(code, mode, ...)`` returns a :class:`SandboxResult` (status, passed / total, the reason,
+the layers that were actually enforced). Two processes do the work, and the calling process runs
+neither the candidate nor the tests:
 
-What is enforced, layer by layer (``SandboxResult.enforced`` lists what this run actually got):
+* the **candidate** (``_sandbox_harness.py``) runs the policy's code in a jail and answers requests;
+* the **referee** (``_sandbox_referee.py``) holds the tests and the expected values, runs the tests
+  with the candidate's functions as remote handles, compares *serialised values* it decoded itself,
+  and writes the results on a private fd that the candidate never holds.
 
-* ``tempdir``: a fresh ``mkdtemp`` working directory, also ``HOME`` and ``TMPDIR``; removed after.
-* ``wall_clock``: the parent kills the whole session (``killpg``) after ``wall_s``. Always.
-* ``rlimit_cpu``: RLIMIT_CPU soft = hard = ``cpu_s``; the kernel SIGKILLs the process. Always.
-* ``rlimit_as``: RLIMIT_AS = ``mem_mb``; a huge allocation raises MemoryError. Always.
-* ``rlimit_nproc``: RLIMIT_NPROC caps processes + threads. Listed only when it has an effect: the
-  kernel ignores it for uid 0 (root).
-* ``rlimit_fsize``: RLIMIT_FSIZE = ``fsize_mb`` per file (disk filling); also RLIMIT_CORE = 0.
-* ``net_namespace``: ``unshare --net``; the candidate sees only a down loopback and no route. Needs
-  root (CAP_SYS_ADMIN) or unprivileged user namespaces (``unshare --map-root-user``).
-* ``pid_namespace``: ``unshare --pid --fork --kill-child``; when the run ends, every process it started
-  dies with its namespace's init. Same availability as above.
-* ``parent_death_signal``: ``setpriv --pdeathsig KILL``; if the process that started the run dies (a
-  reward worker killed on timeout), the kernel kills the sandbox too. Where setpriv is missing and
-  no namespace wraps the harness, the harness sets PR_SET_PDEATHSIG on itself (Linux).
-* ``caps_dropped``: as root, ``setpriv`` empties the capability bounding set and sets no_new_privs, so
-  the candidate cannot raise its rlimits, mount, load modules, etc.
-* ``pids_cgroup``: a per-run pids cgroup (v1 ``/sys/fs/cgroup/pids``) with ``pids.max = nproc``, a
-  kernel fork limit that also holds for root. Where the cgroup tree is writable.
-* ``audit_hook``: a PEP 578 audit hook in the harness refuses fork / exec / spawn / subprocess,
-  signals to other processes, loading libraries or resolving symbols with ctypes (dlopen / dlsym,
-  ``from_address``), cffi, raising rlimits, socket creation and name lookups, and
-  any write, create, delete, rename, chmod or link whose real path (symlinks resolved) is outside the
-  working directory. Always.
-* ``proxy_env``: without a network namespace, ``http(s)_proxy`` point at a closed local port, on top
-  of the audit hook's socket refusal.
+A candidate that takes over its own process (frames, ``gc``, patching the harness) can answer
+requests with arbitrary values, but it cannot see what is expected, cannot report a test as passed,
+and cannot hand over an object whose ``__eq__`` lies: only data crosses (``_sandbox_wire``).
 
-Limits of the design (stated, not hidden): there is no chroot or read-only mount, so reads anywhere
-the uid can read are allowed, and the write guard is the Python-level audit hook (a C extension that
-is already loaded could bypass it; e.g. ``ctypes.memmove`` on raw addresses is not audited by
-CPython 3.11, and ctypes itself must stay importable because numpy imports it). The kernel layers
-above bound the damage of anything that slips past it: time, memory, processes and network. Any
-refused action is recorded and makes the run score 0, even if the candidate catches the exception.
-Results travel on a private fd, one JSON line per event, each with a random nonce held in a closure,
-so printing "PASSED" or exiting early cannot forge a pass. This is containment against accidents and
-runaway code from a policy in training, not a boundary against a determined attacker; for that, run
-code in a remote sandbox service.
+The jail, layer by layer (``SandboxResult.enforced`` lists what this run actually got):
+
+* ``mount_namespace``: a private root (``unshare --mount`` + ``pivot_root``): a tmpfs with read-only
+  binds of the system and Python directories, a fresh ``/proc``, five device nodes and a size-capped
+  tmpfs ``/sandbox``, the only writable place. The host's datasets, checkpoints and ``/tmp`` are absent.
+* ``net_namespace`` / ``pid_namespace``: no network but a down loopback; every process the candidate
+  starts dies with the namespace's init when the run ends.
+* ``unprivileged_uid`` / ``caps_dropped``: as host root, the candidate becomes ``nobody`` with an
+  empty capability bounding set; without root, an unprivileged user namespace.
+* ``seccomp``: ``no_new_privs`` and a syscall filter (mount, namespaces, ptrace, cross-process memory,
+  modules, bpf, perf, keyrings, io_uring, mknod, non-unix sockets, ... answer EPERM).
+* ``pids_cgroup`` (a per-run ``pids.max``) and/or ``rlimit_nproc`` (non-root uid): fork bombs stop.
+* ``rlimit_cpu``, ``rlimit_as``, ``rlimit_fsize``, ``wall_clock`` (the parent kills both processes),
+  ``parent_death_signal`` (a killed reward worker takes the sandbox with it), ``tempdir``.
+* ``audit_hook``: a PEP 578 hook that refuses process creation, signals, ctypes loading, sockets and
+  writes outside the work directory, and names the refused action in the result. It runs in the
+  candidate's process, so it is defence in depth only; the layers above are the boundary.
+* ``proxy_env``: without a network namespace, the proxy variables point at a closed port.
+
+**Refusal.** Code is scored only when the required layers (``REQUIRED``) are all in place. Where the
+host cannot give one (no root and no user namespaces, no seccomp on this architecture, ...), the
+run raises :class:`SandboxUnavailable` naming what is missing, unless the user opts in to weaker
+containment (``reward_model.sandbox.allow_weak_containment=true`` or ``COXSWAIN_SANDBOX_ALLOW_WEAK=1``);
+a run that loses a layer at start-up is reported as ``error``, never scored. Remote execution
+through a SandboxFusion service (``reward_model.sandbox_fusion.url``) is in ``sandbox_fusion.py``.
+
+Design after bubblewrap and nsjail (mount, pid and network namespaces, seccomp, rlimits, cgroups),
+built from ``unshare`` / ``setpriv`` and a few syscalls so that it needs no package beyond util-linux.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -58,17 +56,28 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_harness.py")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_HARNESS = os.path.join(_DIR, "_sandbox_harness.py")
+_REFEREE = os.path.join(_DIR, "_sandbox_referee.py")
 _CLOSED_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens there
+NOBODY = 65534
+
+# What a run needs before its score is trusted ("process_limit": a pids cgroup or RLIMIT_NPROC).
+REQUIRED = ("mount_namespace", "pid_namespace", "net_namespace", "unprivileged_uid", "seccomp", "process_limit")
+ALLOW_WEAK_ENV = "COXSWAIN_SANDBOX_ALLOW_WEAK"
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot contain candidate code with every required layer, and the user did not opt in."""
 
 
 @dataclass
 class SandboxLimits:
     cpu_s: int = 5  # CPU seconds (RLIMIT_CPU, whole seconds)
-    wall_s: float = 10.0  # wall-clock seconds before the parent kills the session
+    wall_s: float = 10.0  # wall-clock seconds before the parent kills the run
     mem_mb: int = 1024  # address-space limit (RLIMIT_AS)
     nproc: int = 32  # processes + threads (pids cgroup / RLIMIT_NPROC)
-    fsize_mb: int = 64  # largest file the candidate may write (RLIMIT_FSIZE)
+    fsize_mb: int = 64  # largest file, and the size of the /sandbox tmpfs
     max_output_chars: int = 4000  # stdout / stderr tail kept in the result
 
 
@@ -79,12 +88,13 @@ class SandboxResult:
     total: int  # tests run or expected
     reason: str  # why it did not pass ("" when passed)
     wall_s: float  # wall-clock seconds of the whole run
-    cpu_s: float  # user + system CPU seconds of the sandbox
+    cpu_s: float  # user + system CPU seconds of the candidate
     enforced: list = field(default_factory=list)  # layers that were active (see the module docstring)
     violations: list = field(default_factory=list)  # refused actions
     stdout: str = ""  # tail of the candidate's stdout
     stderr: str = ""  # tail of the candidate's stderr
     peak_pids: int | None = None  # most tasks alive at once in the run's pids cgroup (None: no cgroup)
+    missing: list = field(default_factory=list)  # required layers this run did not get
 
     @property
     def pass_rate(self) -> float:
@@ -101,36 +111,96 @@ def _ok(cmd: list[str]) -> bool:
         return False
 
 
+def _binds() -> tuple[list[str], list[list[str]]]:
+    """Read-only directories the jail needs (system and Python), and the top-level symlinks
+    (merged-/usr systems have /bin -> usr/bin) to recreate inside it."""
+    import site
+    import sysconfig
+
+    want = ["/usr", "/etc", "/opt/conda"] + [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    want += [os.path.dirname(os.path.realpath(sys.executable))]
+    want += list(site.getsitepackages()) + [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]]
+    links = []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            links.append([top, os.readlink(top)])
+        elif os.path.isdir(top):
+            want.append(top)
+    real = sorted({os.path.realpath(p) for p in want if os.path.isdir(p)})
+    keep: list[str] = []
+    for p in real:  # drop directories inside one already bound
+        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep):
+            keep.append(p)
+    devs = [d for d in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom") if os.path.exists(d)]
+    return keep + devs, links
+
+
 @functools.lru_cache(maxsize=None)
 def probe() -> dict:
-    """The wrapper command and layers available here: ``{"prefix": [...], "layers": [...], ...}``."""
+    """The wrapper command and the layers this host can give: ``{"prefix", "layers", "why", ...}``.
+    ``why`` says, for each required layer the host cannot give, what is missing."""
     prefix: list[str] = []
     layers: list[str] = []
+    why: dict[str, str] = {}
     user_ns = False
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    if unshare:
-        ns = [unshare, "--net", "--pid", "--fork", "--kill-child"]
-        if _ok(ns + ["--", "true"]):
-            prefix, layers = ns + ["--"], ["net_namespace", "pid_namespace"]
-        elif not root and _ok([unshare, "--map-root-user"] + ns[1:] + ["--", "true"]):
-            prefix = [unshare, "--map-root-user"] + ns[1:] + ["--"]
-            layers, user_ns = ["net_namespace", "pid_namespace"], True
+    ns = [unshare or "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child"]
+    if unshare and root and _ok(ns + ["--", "true"]):
+        prefix, layers = ns + ["--"], ["mount_namespace", "net_namespace", "pid_namespace", "unprivileged_uid"]
+    elif unshare and not root and _ok([unshare, "--map-root-user"] + ns[1:] + ["--", "true"]):
+        prefix = [unshare, "--map-root-user"] + ns[1:] + ["--"]
+        layers, user_ns = ["mount_namespace", "net_namespace", "pid_namespace", "unprivileged_uid"], True
+    else:
+        msg = ("util-linux `unshare` is missing" if not unshare else
+               "`unshare --mount --net --pid` failed: run as root, or enable unprivileged user namespaces "
+               "(sysctl kernel.unprivileged_userns_clone=1), or give the container CAP_SYS_ADMIN")
+        for layer in ("mount_namespace", "net_namespace", "pid_namespace"):
+            why[layer] = msg
+        if root:
+            why["unprivileged_uid"] = "without namespaces the candidate would run as root"
+        else:
+            layers.append("unprivileged_uid")
     setpriv = shutil.which("setpriv")
     if setpriv and _ok([setpriv, "--pdeathsig", "KILL", "--", "true"]):
         # If the process that started the sandbox dies (a reward worker killed on timeout), the
         # kernel SIGKILLs the wrapper, and --kill-child takes the namespace down with it.
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] + prefix
         layers.append("parent_death_signal")
-    if root and setpriv:
-        sp = [setpriv, "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--"]
-        if _ok(sp + ["true"]):
-            prefix += sp
-            layers.append("caps_dropped")
+    if sys.platform == "linux" and os.uname().machine == "x86_64":
+        layers.append("seccomp")
+    else:
+        why["seccomp"] = f"no seccomp filter is built for {sys.platform}/{os.uname().machine} (x86_64 Linux only)"
     cg = _pids_cgroup_root()
     if cg:
         _sweep_stale_cgroups(cg)
-    return {"prefix": prefix, "layers": layers, "root": root, "user_ns": user_ns, "cgroup": cg}
+    if cg or "unprivileged_uid" in layers:
+        layers.append("process_limit")
+    else:
+        why["process_limit"] = "no writable pids cgroup, and RLIMIT_NPROC does not bind uid 0"
+    binds, links = _binds()
+    return {"prefix": prefix, "layers": layers, "root": root, "user_ns": user_ns, "cgroup": cg,
+            "why": why, "binds": binds, "links": links}
+
+
+def allow_weak_default() -> bool:
+    return os.environ.get(ALLOW_WEAK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_host(allow_weak: bool | None = None) -> list[str]:
+    """The required layers this host lacks ([] = full containment). Raises SandboxUnavailable when
+    some are missing and weak containment is not allowed."""
+    info = probe()
+    missing = [layer for layer in REQUIRED if layer not in info["layers"]]
+    allow = allow_weak_default() if allow_weak is None else bool(allow_weak)
+    if missing and not allow:
+        detail = "; ".join(f"{layer}: {info['why'].get(layer, 'unavailable')}" for layer in missing)
+        raise SandboxUnavailable(
+            f"the code sandbox cannot contain untrusted code on this host ({detail}). Fix the host, score code "
+            "remotely (reward_model.sandbox_fusion.url=http://...), or accept weaker containment with "
+            f"reward_model.sandbox.allow_weak_containment=true ({ALLOW_WEAK_ENV}=1)."
+        )
+    return missing
 
 
 def _sweep_stale_cgroups(root: str) -> None:
@@ -169,9 +239,9 @@ def _pids_cgroup_root() -> str | None:
         return None
 
 
-def _user_task_count() -> int:
-    """Tasks (processes + threads) owned by our real uid: RLIMIT_NPROC counts all of them."""
-    uid, n = os.getuid(), 0
+def _task_count(uid: int) -> int:
+    """Tasks (processes + threads) owned by ``uid``: RLIMIT_NPROC counts all of them."""
+    n = 0
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
@@ -195,126 +265,165 @@ def run_code(
     outputs: list | None = None,
     fn_name: str | None = None,
     limits: SandboxLimits | None = None,
+    allow_weak: bool | None = None,
     disable_guard: bool = False,
 ) -> SandboxResult:
     """Run ``code`` against tests in a fresh sandbox.
 
-    Modes: ``assert`` (``tests``: snippets such as ``assert f(2) == 4``, run after the code in its
-    namespace, with optional ``setup``), ``io`` (``inputs`` / ``outputs``: stdin text -> expected stdout,
-    whitespace-insensitive, the program re-run per case), ``call`` (``fn_name``; ``inputs``: argument
-    lists; ``outputs``: return values). ``disable_guard`` turns the audit hook off; it exists only so
-    the tests can show the kernel layers contain a fork bomb on their own.
+    Modes: ``assert`` (``tests``: snippets such as ``assert f(2) == 4``, run by the referee with the
+    candidate's names as remote handles, after the trusted ``setup``), ``io`` (``inputs`` / ``outputs``:
+    stdin text -> expected stdout, whitespace-insensitive, the program re-run per case), ``call``
+    (``fn_name``; ``inputs``: argument lists; ``outputs``: return values). ``allow_weak`` (default: the
+    ``COXSWAIN_SANDBOX_ALLOW_WEAK`` variable) lets a host without every ``REQUIRED`` layer score code
+    anyway; otherwise such a host raises :class:`SandboxUnavailable`. ``disable_guard`` turns the
+    audit hook off; the tests use it to show the kernel layers hold on their own.
     """
     if mode not in ("assert", "io", "call"):
         raise ValueError(f"unknown sandbox mode {mode!r}; use assert | io | call")
     lim = limits or SandboxLimits()
     info = probe()
+    allow = allow_weak_default() if allow_weak is None else bool(allow_weak)
+    check_host(allow)
     t0 = time.monotonic()
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="coxswain-sbx-"))
-    iodir = tempfile.mkdtemp(prefix="coxswain-sbxio-")  # parent-only: spec, result, stdout, stderr
-    nonce = secrets.token_hex(16)
-    enforced = ["tempdir", "wall_clock", "rlimit_fsize"] + list(info["layers"])
+    host_dir = os.path.realpath(tempfile.mkdtemp(prefix="coxswain-sbx-"))  # jail root, or the workdir
+    iodir = tempfile.mkdtemp(prefix="coxswain-sbxio-")  # parent-only (0700): spec, results, output
+    private_root = "mount_namespace" in info["layers"]
+    drop = private_root and info["root"] and not info["user_ns"]
+    enforced = ["tempdir", "wall_clock"]
     cgroup_dir = None
     total = len(tests or []) if mode == "assert" else len(inputs or [])
+    fds: list[int] = []
+    procs: list[subprocess.Popen] = []
     try:
         if info["cgroup"]:
             cgroup_dir = _make_cgroup(info["cgroup"], lim.nproc)
-        nproc = lim.nproc if (info["user_ns"] or info["root"]) else _user_task_count() + lim.nproc
-        spec = {
-            "nonce": nonce,
-            "result_fd": -1,
-            "workdir": workdir,
+        uid = NOBODY if drop else os.getuid()
+        # RLIMIT_NPROC counts every task of the uid on the host; the pids cgroup is the per-run limit
+        nproc = lim.nproc + (_task_count(uid) if not info["user_ns"] else 0)
+        if cgroup_dir:
+            nproc = max(nproc, 16 * lim.nproc)
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        fds += [req_r, req_w, resp_r, resp_w]
+        jail = {
+            "req_fd": req_r, "resp_fd": resp_w,
+            "workdir": host_dir, "root": host_dir, "private_root": private_root,
+            "binds": info["binds"], "links": info["links"],
+            "drop_privileges": private_root, "seccomp": "seccomp" in info["layers"],
             "cgroup_procs": os.path.join(cgroup_dir, "cgroup.procs") if cgroup_dir else None,
             "limits": {"cpu_s": max(1, int(lim.cpu_s)), "mem_mb": lim.mem_mb, "nproc": nproc, "fsize_mb": lim.fsize_mb},
-            "mode": mode,
-            "code": code,
-            "tests": list(tests or []),
-            "setup": setup or "",
-            "inputs": list(inputs or []),
-            "outputs": list(outputs or []),
-            "fn_name": fn_name,
             "disable_guard": bool(disable_guard),
             # without the setpriv wrapper the harness sets its own parent-death signal
             "parent_pid": None if "parent_death_signal" in info["layers"] else os.getpid(),
         }
-        res_path = os.path.join(iodir, "result.jsonl")
-        res_fd = os.open(res_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        spec["result_fd"] = res_fd
-        spec_path = os.path.join(iodir, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
         env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
+            "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": host_dir, "TMPDIR": host_dir, "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
         }
+        if info["user_ns"]:
+            env["COXSWAIN_SBX_USERNS"] = "1"
         if "net_namespace" not in info["layers"]:
             for k in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
                 env[k] = _CLOSED_PROXY
             enforced.append("proxy_env")
-        cmd = info["prefix"] + [sys.executable, "-I", "-B", _HARNESS]
-        with open(spec_path, "rb") as fin, open(os.path.join(iodir, "stdout"), "wb") as fout, open(
-            os.path.join(iodir, "stderr"), "wb"
-        ) as ferr:
-            try:
-                proc = subprocess.Popen(
-                    cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=workdir, env=env,
-                    pass_fds=(res_fd,), start_new_session=True, close_fds=True,
-                )
-            finally:
-                os.close(res_fd)
-            status_code, cpu, timed_out = _wait(proc, lim.wall_s)
+        os.chmod(host_dir, 0o755 if private_root else 0o700)
+        fout = open(os.path.join(iodir, "stdout"), "wb")
+        ferr = open(os.path.join(iodir, "stderr"), "wb")
+        with fout, ferr:
+            procs.append(subprocess.Popen(
+                info["prefix"] + [sys.executable, "-I", "-B", _HARNESS, json.dumps(jail)],
+                stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr, cwd=host_dir, env=env,
+                pass_fds=(req_r, resp_w), start_new_session=True, close_fds=True,
+            ))
+        _close(req_r, resp_w)
+        res_path = os.path.join(iodir, "result.jsonl")
+        res_fd = os.open(res_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fds.append(res_fd)
+        spec = {"result_fd": res_fd, "req_fd": req_w, "resp_fd": resp_r, "mode": mode, "code": code,
+                "tests": list(tests or []), "setup": setup or "", "inputs": list(inputs or []),
+                "outputs": list(outputs or []), "fn_name": fn_name,
+                "limits": {"cpu_s": max(1, int(lim.cpu_s)), "mem_mb": lim.mem_mb}}
+        spec_path = os.path.join(iodir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        with open(spec_path, "rb") as fin, open(os.path.join(iodir, "referee.err"), "wb") as rerr:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-I", "-B", _REFEREE], stdin=fin, stdout=subprocess.DEVNULL, stderr=rerr,
+                env={"PATH": env["PATH"], "LANG": "C.UTF-8"}, pass_fds=(req_w, resp_r, res_fd),
+                start_new_session=True, close_fds=True,
+            ))
+        _close(req_w, resp_r, res_fd)
+        cand, ref = procs
+        deadline = t0 + lim.wall_s
+        ref_code, _, timed_out = _wait(ref, deadline)
+        # The referee is done (or out of time): end the candidate's session, then read its CPU time.
+        _killpg(cand.pid)
+        cand_code, cpu, _ = _wait(cand, time.monotonic() + 5.0)
         peak = None
         if cgroup_dir:
             peak = _read_int(os.path.join(cgroup_dir, "pids.peak"))
             _kill_cgroup(cgroup_dir)
-        events = _read_events(res_path, nonce)
+        events = _read_events(res_path)
         out_tail = _tail(os.path.join(iodir, "stdout"), lim.max_output_chars)
         err_tail = _tail(os.path.join(iodir, "stderr"), lim.max_output_chars)
+        ref_err = _tail(os.path.join(iodir, "referee.err"), 1000)
     finally:
+        _close(*fds)
+        for p in procs:
+            if p.returncode is None:
+                _killpg(p.pid)
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
         if cgroup_dir:
             _remove_cgroup(cgroup_dir)
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(host_dir, ignore_errors=True)
         shutil.rmtree(iodir, ignore_errors=True)
 
-    for e in events:
-        if e["kind"] == "enforced" and e.get("layer") not in enforced:
-            layer = e.get("layer")
-            if layer == "rlimit_nproc" and info["root"] and not info["user_ns"]:
-                continue  # the kernel exempts uid 0 from RLIMIT_NPROC: do not claim it
+    hello = next((e for e in events if e["kind"] == "hello"), {})
+    for layer in hello.get("enforced", []):
+        if layer not in enforced:
             enforced.append(layer)
+    if hello:  # the wrapper ran the harness: its namespaces and death signal are in place
+        enforced += [x for x in ("net_namespace", "pid_namespace", "parent_death_signal") if x in info["layers"]]
+    if "pids_cgroup" in enforced or "rlimit_nproc" in enforced:
+        enforced.append("process_limit")
+    missing = [layer for layer in REQUIRED if layer not in enforced]
     violations = [e["msg"] for e in events if e["kind"] == "violation"]
-    test_events = {e["i"]: e for e in events if e["kind"] == "test"}
+    test_events = {e["i"]: e for e in events if e["kind"] == "test" and isinstance(e.get("i"), int)}
     passed = sum(1 for e in test_events.values() if e.get("ok"))
     done = any(e["kind"] == "done" for e in events)
+    died = next((e for e in events if e["kind"] in ("candidate_died", "setup_failed")), None)
     setup_err = next((e for e in events if e["kind"] == "compile_or_run_error"), None)
     failures = [e for _, e in sorted(test_events.items()) if not e.get("ok")]
     wall = time.monotonic() - t0
 
     def result(status, reason):
-        return SandboxResult(status, passed, total, reason, wall, cpu, enforced, violations, out_tail, err_tail, peak)
+        p = passed if status == "passed" or status == "failed" else 0
+        return SandboxResult(status, p, total, reason, wall, cpu, enforced, violations, out_tail, err_tail, peak, missing)
 
-    if violations:
-        return result("blocked", violations[0])
     if timed_out:
         return result("timeout", f"wall-clock limit of {lim.wall_s:g} s exceeded")
+    if missing and not allow:
+        notes = "; ".join(hello.get("notes", [])) or (died or {}).get("msg", "") or err_tail[-300:]
+        return result("error", f"containment incomplete (missing: {', '.join(missing)}): not scored. {notes}"[:600])
+    if violations:
+        return result("blocked", violations[0])
     # The kernel's SIGKILL at RLIMIT_CPU arrives with the CPU time at the limit; rusage accounting
-    # lags by up to a tick or two, hence the 0.8 factor. (unshare does not always re-raise the
-    # child's signal, so the exit status alone cannot tell.)
+    # lags by up to a tick or two, hence the 0.8 factor.
     if not done and cpu >= 0.8 * max(1, int(lim.cpu_s)):
         return result("cpu_limit", f"CPU-time limit of {int(lim.cpu_s)} s exceeded")
     mem = [e for e in ([setup_err] if setup_err else []) + failures if e.get("status") == "memory_limit"]
     if mem:
         return result("memory_limit", f"memory limit of {lim.mem_mb} MiB exceeded (MemoryError)")
     if setup_err:
-        return result("error", f"{setup_err.get('status')}: {setup_err.get('msg', '')}")
+        return result("error", f"{setup_err.get('status')}: {setup_err.get('msg', '')}"[:600])
+    if died is not None:
+        how = f"signal {-cand_code}" if cand_code is not None and cand_code < 0 else f"exit code {cand_code}"
+        return result("crashed", f"{died.get('msg')} ({how}); stderr: {err_tail[-300:]}")
     if not done:
-        how = f"signal {-status_code}" if status_code is not None and status_code < 0 else f"exit code {status_code}"
-        return result("crashed", f"the sandbox ended before the tests finished ({how}); stderr: {err_tail[-300:]}")
+        return result("error", f"the referee ended early (exit {ref_code}): {ref_err[-300:]}")
     if total and passed == total:
         return result("passed", "")
     if not total:
@@ -323,12 +432,26 @@ def run_code(
     return result("failed", f"test {first['i']}: {first.get('status')}: {first.get('msg', '')}"[:600])
 
 
-def _wait(proc: subprocess.Popen, wall_s: float):
-    """Wait for the session with a wall-clock limit; returns (exit code, cpu seconds, timed out).
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(proc: subprocess.Popen, deadline: float):
+    """Wait for ``proc`` until the monotonic ``deadline``; returns (exit code, cpu seconds, timed out).
 
     ``os.wait4`` gives the CPU time of the child including the descendants it reaped (the namespace
     init under ``unshare --fork``), which tells a CPU-limit kill from other kills."""
-    deadline = time.monotonic() + wall_s
     delay, timed_out = 0.001, False
     while True:
         pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
@@ -336,10 +459,7 @@ def _wait(proc: subprocess.Popen, wall_s: float):
             break
         if time.monotonic() >= deadline:
             timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: wrappers and candidate
-            except ProcessLookupError:
-                pass
+            _killpg(proc.pid)  # the whole session: wrappers and whatever they started
             pid, status, ru = os.wait4(proc.pid, 0)
             break
         time.sleep(delay)
@@ -395,7 +515,8 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.01)
 
 
-def _read_events(path: str, nonce: str) -> list[dict]:
+def _read_events(path: str) -> list[dict]:
+    """The referee's events (only the referee holds the result fd)."""
     events = []
     try:
         with open(path, "rb") as f:
@@ -407,7 +528,7 @@ def _read_events(path: str, nonce: str) -> list[dict]:
             e = json.loads(line)
         except (ValueError, UnicodeDecodeError):
             continue
-        if isinstance(e, dict) and e.get("nonce") == nonce and "kind" in e:
+        if isinstance(e, dict) and "kind" in e:
             events.append(e)
     return events
 
