@@ -289,6 +289,18 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class SandboxFusionConfig:
+    url: Optional[str] = None  # a SandboxFusion service's run_code endpoint (http(s)://host:port/run_code): code runs there
+    max_concurrent: int = 64  # requests one scorer process keeps in flight (a sample's test cases in parallel)
+    memory_limit_mb: int = 1024  # the service's memory limit per run
+
+
+@dataclass
+class SandboxConfig:
+    allow_weak_containment: bool = False  # score code on a host that cannot give every sandbox layer (see trainer/rewards/sandbox.py)
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False  # use a learned reward model (else rule-based scorers)
     reward_manager: str = "naive"  # naive | prime | dapo | batch: verl's reward managers (trainer/rewards/manager.py)
@@ -297,6 +309,8 @@ class RewardModelConfig:
     timeout: float = 10.0  # per-sample scorer timeout in seconds
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO shaping
     model: Dict[str, Any] = field(default_factory=dict)  # reward-model settings (path, ...)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)  # verl's remote code sandbox
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the local code sandbox
 
 
 @dataclass
@@ -1145,6 +1159,12 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
                     f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
 
+    sf = cfg.reward_model.sandbox_fusion
+    if sf.url is not None and not str(sf.url).startswith(("http://", "https://")):
+        errs.append(f"reward_model.sandbox_fusion.url={sf.url!r} must be an http(s) URL of the service's run_code endpoint.")
+    if sf.max_concurrent < 1 or sf.memory_limit_mb < 1:
+        errs.append(f"reward_model.sandbox_fusion.max_concurrent={sf.max_concurrent} and .memory_limit_mb="
+                    f"{sf.memory_limit_mb} must be >= 1.")
     ob = cfg.reward_model.overlong_buffer
     if ob.enable and not (0 < ob.len <= d.max_response_length):
         errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")

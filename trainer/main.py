@@ -70,6 +70,26 @@ def resolve_model_paths(cfg) -> None:
                                 f"config.json). Point it at a local HF checkpoint; nothing is downloaded.")
 
 
+def check_code_sandbox(cfg, *datasets) -> None:
+    """Refuse to start a run with code-scored data on a host whose sandbox cannot contain the code
+    (unless the user opted in to weaker containment or scores code in a SandboxFusion service)."""
+    from trainer.rewards.scorers import code_score, get_scorer
+
+    rm = cfg.reward_model
+    if rm.sandbox_fusion.url or cfg.custom_reward_function.path:
+        return
+    sources = {it["data_source"] for ds in datasets if ds is not None for it in getattr(ds, "items", [])}
+    code = sorted(s for s in sources if get_scorer(s) is code_score)
+    if not code:
+        return
+    from trainer.rewards.sandbox import SandboxUnavailable, check_host
+
+    try:
+        check_host(rm.sandbox.allow_weak_containment or None)
+    except SandboxUnavailable as e:
+        raise ConfigError(f"data sources {code} are scored by running code: {e}") from None
+
+
 class NotSupportedYet(ConfigError):
     pass
 
@@ -153,6 +173,7 @@ def train(cfg) -> dict:
                       kl_ctrl=make_kl_controller(al.kl_ctrl.type, kl_coef=al.kl_ctrl.kl_coef, target_kl=al.kl_ctrl.target_kl,
                                                  horizon=al.kl_ctrl.horizon))
     reward_mgr = RewardManager.from_config(cfg, tok)
+    check_code_sandbox(cfg, train_ds, val_ds)
     cluster = Cluster(cfg, plan.total_steps)  # Ray (or in-process) role groups, placement, rollout
     judge_server = batches = None
     try:

@@ -286,3 +286,25 @@ def test_containment_on_a_machine_without_namespaces_setpriv_or_cgroups(monkeypa
     assert r.status == "blocked" and "network" in r.reason
     r = sb.run_code(f"open({str(tmp_path / 'x')!r}, 'w')\n", tests=OK_TEST, limits=FAST)
     assert r.status == "blocked" and not (tmp_path / "x").exists()
+
+
+def test_a_run_with_code_data_refuses_to_start_on_a_host_that_cannot_contain_it(monkeypatch):
+    """main.check_code_sandbox: code-scored data on a weak host is a config error before any worker
+    starts; the opt-in, a remote service, or data that runs no code lets it start."""
+    import types
+
+    import trainer.rewards.sandbox as sb
+    from tests.tiny import tiny_config
+    from trainer.config import ConfigError
+    from trainer.main import check_code_sandbox
+
+    why = {layer: "not here" for layer in sb.REQUIRED}
+    monkeypatch.setattr(sb, "probe", lambda: {"layers": [], "why": why})
+    monkeypatch.delenv(sb.ALLOW_WEAK_ENV, raising=False)
+    code_ds = types.SimpleNamespace(items=[{"data_source": "mbpp"}, {"data_source": "openai/gsm8k"}])
+    math_ds = types.SimpleNamespace(items=[{"data_source": "openai/gsm8k"}])
+    with pytest.raises(ConfigError, match=r"data sources \['mbpp'\] are scored by running code.*seccomp: not here"):
+        check_code_sandbox(tiny_config(), code_ds, None)
+    check_code_sandbox(tiny_config(), math_ds, math_ds)
+    check_code_sandbox(tiny_config(["reward_model.sandbox.allow_weak_containment=true"]), code_ds)
+    check_code_sandbox(tiny_config(["reward_model.sandbox_fusion.url=http://127.0.0.1:9/run_code"]), code_ds)

@@ -420,6 +420,11 @@ def main():
     os.environ.update(HOME=workdir, TMPDIR=workdir)
     if jail.get("drop_privileges"):
         _drop_privileges(enforced, notes)
+        # the kernel clears the parent-death signal when the uid changes: set it again (our parent is
+        # the unshare wrapper, which the reward worker's death kills; if the worker died in between,
+        # the referee dies too and closes our request pipe, so we exit at the next read)
+        ctypes_, libc_ = _libc()
+        libc_.prctl(1, 9, 0, 0, 0)
     _set_limits(jail["limits"], enforced, notes)
     if jail.get("seccomp") and _seccomp(notes):
         enforced.append("seccomp")

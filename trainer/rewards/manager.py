@@ -59,6 +59,7 @@ import contextlib
 import logging
 import math
 import multiprocessing as mp
+import os
 import sys
 import time
 import traceback
@@ -149,6 +150,14 @@ class RewardManager:
         rm, crf = cfg.reward_model, cfg.custom_reward_function
         kw = OmegaConf.to_container(rm.reward_kwargs, resolve=True) if rm.reward_manager == "batch" else {}
         kw.update(OmegaConf.to_container(crf.reward_kwargs, resolve=True))
+        sf = rm.sandbox_fusion
+        if sf.url and not crf.path:  # as verl: the remote sandbox reaches the built-in code scorer
+            kw.update(sandbox_fusion_url=sf.url, memory_limit_mb=sf.memory_limit_mb, max_concurrent=sf.max_concurrent)
+        if rm.sandbox.allow_weak_containment:
+            # read by trainer.rewards.sandbox in every scorer process (also a user's scorer calling run_code)
+            from trainer.rewards.sandbox import ALLOW_WEAK_ENV
+
+            os.environ[ALLOW_WEAK_ENV] = "1"
         return cls(num_workers=rm.num_workers, timeout=rm.timeout, custom_path=crf.path, custom_name=crf.name,
                    kind=rm.reward_manager, scorer_kwargs=kw, eos_token=getattr(tokenizer, "eos_token", None))
 

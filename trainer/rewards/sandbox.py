@@ -342,7 +342,7 @@ def run_code(
         spec = {"result_fd": res_fd, "req_fd": req_w, "resp_fd": resp_r, "mode": mode, "code": code,
                 "tests": list(tests or []), "setup": setup or "", "inputs": list(inputs or []),
                 "outputs": list(outputs or []), "fn_name": fn_name,
-                "limits": {"cpu_s": max(1, int(lim.cpu_s)), "mem_mb": lim.mem_mb}}
+                "limits": {"cpu_s": max(1, int(lim.cpu_s)), "mem_mb": lim.mem_mb}, "parent_pid": os.getpid()}
         spec_path = os.path.join(iodir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)

@@ -347,17 +347,29 @@ def code_score(
     cpu_s: int = 4,
     wall_s: float = 8.0,
     mem_mb: int = 1024,
+    sandbox_fusion_url: str | None = None,
+    memory_limit_mb: int | None = None,
+    max_concurrent: int = 64,
 ) -> dict:
-    """Run the extracted code against the tests in the sandbox. Keep ``wall_s`` below the reward
-    manager's per-sample timeout so the sandbox, not the manager, reports a slow candidate."""
+    """Run the extracted code against the tests: in the local sandbox, or in a SandboxFusion service
+    when ``sandbox_fusion_url`` is set (verl's ``reward_model.sandbox_fusion.url``). Keep ``wall_s``
+    below the reward manager's per-sample timeout so the sandbox, not the manager, reports a slow
+    candidate. A host that cannot contain code raises ``SandboxUnavailable`` (counted as an error)."""
     from trainer.rewards.sandbox import SandboxLimits, run_code
 
     over = (extra_info or {}).get("sandbox") or {}
     lim = SandboxLimits(
-        cpu_s=int(over.get("cpu_s", cpu_s)), wall_s=float(over.get("wall_s", wall_s)), mem_mb=int(over.get("mem_mb", mem_mb))
+        cpu_s=int(over.get("cpu_s", cpu_s)), wall_s=float(over.get("wall_s", wall_s)),
+        mem_mb=int(over.get("mem_mb", memory_limit_mb or mem_mb)),
     )
     kw = code_tests_from_ground_truth(ground_truth, extra_info)
-    r = run_code(extract_code(solution_str), limits=lim, **kw)
+    if sandbox_fusion_url:
+        from trainer.rewards.sandbox_fusion import run_remote
+
+        r = run_remote(sandbox_fusion_url, extract_code(solution_str), limits=lim, memory_limit_mb=lim.mem_mb,
+                       max_concurrent=max_concurrent, **kw)
+    else:
+        r = run_code(extract_code(solution_str), limits=lim, **kw)
     ok = r.status == "passed"
     return {"score": float(ok), "acc": float(ok), "pass_rate": r.pass_rate, "status": r.status, "reason": r.reason[:300]}
 
@@ -398,6 +410,14 @@ def get_scorer(data_source: str) -> Callable:
     return DEFAULT_SCORER
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **_):
-    """verl's ``default_compute_score`` signature: route to the scorer for ``data_source``."""
-    return get_scorer(data_source)(solution_str, ground_truth, extra_info)
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  sandbox_fusion_url: str | None = None, memory_limit_mb: int | None = None,
+                  max_concurrent: int = 64, **_):
+    """verl's ``default_compute_score`` signature: route to the scorer for ``data_source``. The
+    sandbox keywords (bound by the reward manager from ``reward_model.sandbox_fusion``) reach the
+    code scorer only."""
+    fn = get_scorer(data_source)
+    if fn is code_score:
+        return fn(solution_str, ground_truth, extra_info, sandbox_fusion_url=sandbox_fusion_url,
+                  memory_limit_mb=memory_limit_mb, max_concurrent=max_concurrent)
+    return fn(solution_str, ground_truth, extra_info)
