@@ -896,6 +896,11 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
             ld.errors.extend(validation_errors(ld.cfg))
         except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing mandatory value
             ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
+        if not ld.errors:  # every value must resolve, including the ones no check reads
+            try:
+                OmegaConf.to_container(ld.cfg, resolve=True, throw_on_missing=True)
+            except OmegaConfBaseException as e:
+                ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
     if ld.errors:
         raise ConfigError(_report(ld.errors))
     return ld.cfg

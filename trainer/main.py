@@ -176,6 +176,7 @@ def train(cfg) -> dict:
     check_code_sandbox(cfg, train_ds, val_ds)
     cluster = Cluster(cfg, plan.total_steps)  # Ray (or in-process) role groups, placement, rollout
     judge_server = batches = None
+    where = "start-up (workers, resume)"
     try:
         # ADCA-GRPO: the LLM judge of step-level credit (a local trainer.serve subprocess or an API)
         judge, judge_server = make_judge(cfg, run_dir) if adca_active(cfg) else (None, None)
@@ -232,6 +233,7 @@ def train(cfg) -> dict:
             state.last_eval = 0
 
         for step in range(state.step + 1, plan.total_steps + 1):
+            where = f"step {step} of {plan.total_steps}"
             m, t_step, first = dict(first), time.perf_counter(), {}
             if dbg.train_only:
                 with timer(m, "gen"):
@@ -305,6 +307,7 @@ def train(cfg) -> dict:
             else:
                 log(m, step)
 
+        where = "the final export"
         export_dir = os.path.join(run_dir, "hf_export")
         cluster.actor.export(export_dir, model_path)
         report = write_report(state.history, run_dir)
@@ -313,6 +316,9 @@ def train(cfg) -> dict:
         tracker.finish()
         print(f"done: {plan.total_steps} steps in {time.time() - t_start:.0f}s; run dir {run_dir}", flush=True)
         return {"history": state.history, "final": dict(state.history[-1] if state.history else {}), "run_dir": run_dir}
+    except BaseException as e:
+        e.coxswain_where = where  # the CLI's error paragraph names it
+        raise
     finally:  # a failed run must not leave workers, placement groups or scorer processes behind
         if batches is not None:
             batches.close()
@@ -339,20 +345,101 @@ def cli(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a config file that is not YAML, an unreadable path, ...
+        print(f"config error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(to_yaml(cfg))
     from trainer.config import LAST_LOAD_NOTES
 
     for note in LAST_LOAD_NOTES:  # verl implementation selectors: accepted, and said to do nothing here
         print(f"note: {note}", file=sys.stderr)
-    path = save_resolved(cfg, cfg.trainer.default_local_dir)
+    run_dir = cfg.trainer.default_local_dir
+    try:
+        path = save_resolved(cfg, run_dir)
+    except OSError as e:
+        print(f"error: cannot write the run directory trainer.default_local_dir={run_dir!r}: {e}. "
+              f"Point it at a writable directory.", file=sys.stderr)
+        return 2
     print(f"resolved config written to {path}", flush=True)
     if not dry:
         try:
             train(cfg)
-        except (ConfigError, FileNotFoundError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        except BaseException as e:  # noqa: BLE001 - every failure ends in one paragraph, the traceback in a file
+            return report_failure(e, cfg)
     return 0
+
+
+# Failures with a message written for the user: what happened and what to do. Anything else is
+# reported as unexpected (a bug), still in one paragraph, with the traceback in the run directory.
+def _anticipated() -> tuple:
+    from trainer.data.dataset import BadRowError
+    from trainer.phases import DynamicSamplingError
+    from trainer.rewards.manager import RewardError
+    from trainer.rewards.sandbox_fusion import SandboxServiceError
+    from trainer.rollout.engine import WeightSyncError
+    from trainer.rollout.fleet import FleetError
+    from trainer.rollout.multi_turn import TemplateError
+    from trainer.workers.group import WorkerDiedError
+
+    return (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError, CheckpointError, BadRowError,
+            WorkerDiedError, FloatingPointError, RewardError, DynamicSamplingError, WeightSyncError, FleetError,
+            TemplateError, SandboxServiceError, MemoryError)
+
+
+def resume_hint(run_dir: str) -> str:
+    """What a rerun would do, stated from what is on disk (never a promise the disk cannot keep)."""
+    from trainer.checkpoint import CheckpointManager, verify
+
+    try:
+        cands = CheckpointManager(run_dir).candidates()
+    except OSError:
+        cands = []
+    for c in cands:
+        try:
+            verify(c)
+        except CheckpointError:
+            continue
+        return (f"The newest checkpoint that verifies is {c}: rerun the same command with "
+                f"trainer.resume_mode=auto to continue from it.")
+    return f"No verified checkpoint is saved under {run_dir}: a rerun starts from step 0 (trainer.save_freq sets how often one is saved)."
+
+
+def report_failure(e: BaseException, cfg) -> int:
+    """Print one paragraph for a failed run (what, where, what to do); the traceback goes to
+    ``<run_dir>/error.log`` (``COXSWAIN_TRACEBACK=1`` also prints it). Returns the exit code."""
+    import datetime
+    import traceback
+
+    run_dir = cfg.trainer.default_local_dir
+    log_path = os.path.join(run_dir, "error.log")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(log_path, "a") as f:
+            f.write(f"=== {datetime.datetime.now().isoformat(timespec='seconds')} {type(e).__name__}\n")
+            f.write("".join(traceback.format_exception(e)))
+        saved = f"The full traceback is in {log_path}."
+    except OSError as err:
+        saved, log_path = f"(the traceback could not be written to {log_path}: {err})", None
+    where = getattr(e, "coxswain_where", None)
+    at = f" during {where}" if where else ""
+    msg = str(e).strip() or "(no message)"
+    if isinstance(e, KeyboardInterrupt):
+        head, code = f"interrupted{at}.", 130
+    elif isinstance(e, _anticipated()):
+        from trainer.data.dataset import BadRowError
+
+        # 2: the input is wrong (config, paths, data, checkpoint); 1: the run failed
+        bad_input = (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError, CheckpointError, BadRowError)
+        head, code = f"error{at}: {msg}", 2 if isinstance(e, bad_input) else 1
+    else:
+        head, code = (f"unexpected error{at}: {type(e).__name__}: {msg}. This is probably a bug in Coxswain or a "
+                      f"library it uses; please report it with the traceback file."), 1
+    hint = resume_hint(run_dir) if where and where.startswith(("step", "the final")) else ""
+    head = head if head.endswith((".", "!", "?")) else head + "."
+    print(" ".join(x for x in (head, hint, saved) if x), file=sys.stderr, flush=True)
+    if os.environ.get("COXSWAIN_TRACEBACK"):
+        traceback.print_exception(e, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -340,8 +340,7 @@ def check_update(m: dict, step: int) -> None:
         raise FloatingPointError(
             f"step {step}: the actor's {', '.join(bad) or 'gradient'} is NaN/inf, so the update was not "
             f"applied. Check the rewards and advantages (critic/score/*, critic/advantages/* above), lower "
-            f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on; the last checkpoint is intact and "
-            f"trainer.resume_mode=auto continues from it.")
+            f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on.")
 
 
 def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_coef: float | None = None) -> dict:

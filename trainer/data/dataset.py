@@ -64,32 +64,51 @@ class _Fault(Exception):
 def iter_raw_rows(path: str) -> Iterable[tuple[str, Any]]:
     """Yield ``(where, row)`` for each row of a parquet / jsonl / json file; ``row`` is a ``_Fault``
     for a jsonl line that is not JSON. ``where`` is ``"row N"`` or ``"line N"`` (1-based)."""
+    if os.path.isdir(path):
+        raise BadRowError(f"dataset path {path!r} is a directory (data.train_files / data.val_files): give the "
+                          f".parquet / .jsonl / .json files in it, as a list for several")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist (data.train_files / data.val_files)")
     lower = path.lower()
     if lower.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+            raise BadRowError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]}); "
+                              f"re-export it (e.g. pandas.DataFrame.to_parquet) or convert it to .jsonl") from None
+        for n, row in enumerate(rows, 1):
             yield f"row {n}", row
     elif lower.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"line {n}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"line {n}", _Fault(f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove the line")
+        n = 0
+        try:
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield f"line {n}", json.loads(line)
+                    except json.JSONDecodeError as e:
+                        yield f"line {n}", _Fault(f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove the line")
+                    except RecursionError:
+                        yield f"line {n}", _Fault("JSON nested too deeply to read", "flatten or remove the line")
+        except UnicodeDecodeError as e:
+            raise BadRowError(f"{path}: not UTF-8 text near line {n + 1} ({e.reason}); "
+                              f"re-encode the file as UTF-8") from None
     elif lower.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise BadRowError(f"{path}: not a readable JSON file ({type(e).__name__}: {str(e)[:200]}); "
+                              f"fix it, or write one JSON object per line as .jsonl") from None
         if not isinstance(data, list):
             raise BadRowError(f"{path}: a .json dataset must be a list of rows, got {type(data).__name__}")
         for n, row in enumerate(data, 1):
             yield f"row {n}", row
     else:
-        raise ValueError(f"dataset file {path!r}: unsupported format; use .parquet, .jsonl or .json")
+        raise BadRowError(f"dataset file {path!r}: unsupported format; use .parquet, .jsonl or .json")
 
 
 def check_row(row: Any, prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> dict:

@@ -180,8 +180,7 @@ class WorkerGroup:
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(
                 f"a worker of group '{self.name}' died ({type(e).__name__}). Check its log above for the cause "
-                f"(out of memory, a crash in megatron or the engine); the last checkpoint is intact: rerun with "
-                f"trainer.resume_mode=auto to continue from it.") from e
+                f"(out of memory, a crash in megatron or the engine).") from e
 
     def call(self, method: str, args_per_rank: Sequence[tuple] | None = None, **kwargs) -> list:
         return self.get(self.async_call(method, args_per_rank, **kwargs))
