@@ -123,7 +123,7 @@ def test_a_handed_over_driver_state_cannot_run_code(tmp_path):
 def test_manifest_catches_damage_and_resume_takes_the_newest_verified_step(tmp_path):
     """Every file of a checkpoint is listed with its size and sha256; truncating, deleting, flipping one
     byte of, or adding a file, or a garbage manifest, is caught before anything is read; a resume tries the
-    checkpoints newest first (the loop's walk back to the intact one: tests/test_resume_verify.py)."""
+    checkpoints newest first (the loop's walk back to the intact one: tests/security/test_resume_verify.py)."""
     from trainer.checkpoint import MANIFEST, verify
 
     m = CheckpointManager(str(tmp_path))

@@ -249,6 +249,22 @@ async def read_capped(request: web.Request, cap: int) -> bytes:
     return raw
 
 
+def parse_json_body(raw: bytes):
+    """The request body as JSON, or ValueError with the reason: not UTF-8, not JSON, non-finite numbers
+    (``NaN``, ``Infinity``), or nested too deeply for the parser."""
+    def no_constants(name):
+        raise ValueError(f"{name} is not a number this server accepts: every number must be finite")
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constants)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the body is not UTF-8: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("the body nests too deeply") from None
+
+
 def served_model_name(a: argparse.Namespace) -> str:
     """``--served-model-name``, else the checkpoint dir's name."""
     return a.served_model_name or os.path.basename(os.path.normpath(a.model))

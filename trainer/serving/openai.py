@@ -74,7 +74,7 @@ from aiohttp import web
 from trainer.rollout.async_engine import EngineStats as ServerStats
 from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.rollout.generate import eos_token_ids
-from trainer.serving.app import (EngineServer, add_engine_args, bearer_ok, json_error, load_engine, run_app,
+from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, bearer_ok, json_error, load_engine, run_app,
                                  run_until_signal, serve, serve_until_signal, served_model_name, read_capped, request_limits)
 from trainer.serving.net import OPENAI_READY_PREFIX as READY_PREFIX
 
@@ -331,12 +331,14 @@ class ModelServer(EngineServer):
     # ---- helpers ----------------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict:
         try:
-            body = json.loads(await read_capped(request, self.max_request_bytes))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(f"the body is not valid JSON: {e}")
+            body = parse_json_body(await read_capped(request, self.max_request_bytes))
+        except ValueError as e:
+            raise _bad(str(e))
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad(f"'model' must be a string, got {type(model).__name__}")
         if model is not None and model not in self.model_aliases:
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            code="model_not_found")

@@ -113,7 +113,7 @@ from typing import Any
 from aiohttp import web
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.serving.app import (EngineServer, add_engine_args, error_body, json_error, load_engine, read_capped,
+from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, error_body, json_error, load_engine, read_capped,
                                  request_limits, serve, serve_until_signal, served_model_name)
 from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
 from trainer.serving.wire import (WEIGHTS_CONTENT_TYPE, ProtocolError, parse_update_weights_from_tensor,
@@ -461,9 +461,9 @@ class NativeSGLangServer(EngineServer):
         if not raw:
             return {}
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProtocolError(f"the body is not valid JSON: {e}") from e
+            body = parse_json_body(raw)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from e
         if not isinstance(body, dict):
             raise ProtocolError("the body must be a JSON object")
         return body
