@@ -13,6 +13,12 @@ Every estimator is called with keyword arguments only and swallows the ones it d
     norm_adv_by_std_in_grpo             GRPO: divide by the group std (False gives Dr.GRPO)
     reward_baselines    [B]            reward of the greedy response (ReMax only)
     epsilon = 1e-6                      added to the group std
+    reward_components   {key: [B]}     per-component outcome rewards (GDPO only)
+    gdpo_reward_weights [K]            one weight per component (GDPO only; None = 1 each)
+    old_log_probs, sum_pi_squared [B, T]  log pi of the sampled token and sum_v pi(v)^2 at each
+                                       position, from the actor (optimal-token-baseline only)
+    rollout_is_weights  [B, T]         rollout IS weights (optimal-token-baseline only; None = none)
+    weight_factor_in_cpgd              CPGD's advantage weighting (cpgd only)
 
 Both outputs are ``[B, T]`` in the dtype of ``token_level_rewards`` and are zero outside
 ``response_mask``. All estimators run under ``torch.no_grad``. Group statistics are segment
@@ -60,8 +66,51 @@ group, ``n_g`` the group size, ``mean_g`` / ``std_g`` the group mean and unbiase
   best go to the earliest sample in the batch (its advantage is then 0 anyway, since the second
   best equals the best). Every group needs at least two samples (``ValueError`` otherwise).
 
-For the outcome estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline, grpo_passk) the
-returned ``returns`` equal the advantages (there is no critic to regress on them), as in verl.
+* ``grpo_vectorized`` / ``rloo_vectorized`` -- verl's names for its vectorised GRPO / RLOO; here the
+  same functions as ``grpo`` / ``rloo`` (every estimator here is vectorised). verl's vectorised RLOO
+  gives a group of one advantage 0 where its loop RLOO (and ours) gives ``R_i``; verl's generic
+  dispatch never passes ``norm_adv_by_std_in_grpo`` to ``grpo_vectorized`` (so the key is ignored
+  there), ours honours it.
+* ``opo`` -- On-Policy RL with Optimal reward baseline (Hao et al. 2025, arXiv:2505.23585): the
+  length-weighted group baseline ``b_g = sum_j L_j R_j / sum_j L_j`` with ``L_j`` the number of valid
+  tokens of response j (the paper's approximation ``||grad log pi(y)||^2 ~ |y|`` of the
+  variance-optimal baseline), ``A_i = R_i - b_g(i)``. A group of one gets ``b = 0`` (verl's rule); a
+  group whose responses are all empty gets ``b = 0`` (verl divides by zero there).
+* ``gpg`` -- GPG (Chu et al. 2025, arXiv:2504.02546): ``A_i = alpha (R_i - mean_g) / f_norm`` with the
+  paper's "accurate gradient estimation" factor ``alpha = B / (B - M)``, ``M`` the number of samples
+  whose group (of >= 2) has all-equal rewards (their advantage is 0 and they only dilute the batch
+  mean). ``f_norm = 1`` (verl's default; no config key). A group of one gets ``mean = 0`` and counts as
+  valid. Deviation from verl: verl takes ``alpha = B / count_nonzero(R)`` (samples with a non-zero
+  REWARD), which equals the paper's only when every sample of a mixed group has a non-zero reward and
+  every constant group has reward 0; we follow the paper.
+* ``gdpo`` -- GDPO, group reward-decoupled normalisation (arXiv:2601.05242): for each reward
+  component ``k`` (``algorithm.gdpo_reward_keys``, keys of the scorer's dict), the GRPO advantage
+  ``A_k`` of that component alone, then ``A = whiten_batch(sum_k w_k A_k)`` over the batch's valid
+  tokens (``algorithm.gdpo_reward_weights``, default 1 each). Inputs: ``reward_components`` (``{key:
+  [B]}``); without it the one component is the sequence score ``R``. ``norm_adv_by_std_in_grpo`` is
+  honoured per component (verl's dispatch never passes it, so there it is always true).
+* ``optimal_token_baseline`` -- Optimal Token Baseline (Li et al. 2025, "The Optimal Token
+  Baseline", verl's ``optimal_token_baseline``): a baseline per position, ``B_t = sum_i G_{i,t} W_{i,t}
+  / (sum_i W_{i,t} + epsilon)`` over the group's responses valid at position ``t``, where ``G`` is the
+  undiscounted return-to-go and ``W_{i,t} = sum_{s <= t} m_s w_s`` the cumulative path-variance proxy
+  with ``w_s = 1 - 2 pi_s + sum_v pi(v)^2`` (``pi_s = exp(old_log_probs)``, ``sum_pi_squared`` from the
+  actor) times ``rho_s^2`` when ``rollout_is_weights`` are given. ``A = G - B``. A group of one gets
+  ``B = 0``. ``handle_zero_tail``: when one response is strictly the longest of its group, its
+  baseline is 0 from the second-longest length on (no peer to compare with). Positions are the
+  absolute response positions.
+* ``tir_optimal_token_baseline`` -- the same for multi-turn (tool-integrated) responses: positions are
+  counted over VALID tokens only (the k-th generated token of each response is compared with the
+  k-th of its peers, environment tokens skipped), and empty responses do not count towards a group.
+  For right-padded responses without holes the two are identical.
+* ``cpgd`` -- CPGD's advantage (Liu et al. 2025, arXiv:2505.12504; siiRL's ``cpgd`` estimator with
+  ``algorithm.weight_factor_in_cpgd``): ``STD_weight`` is GRPO's ``(R - mean_g) / (std_g + epsilon)``;
+  ``naive`` is ``R - mean_g``; ``clip_filter_like_weight`` is ``(R - mean_g) min(B / G_nz, 3)`` with
+  ``G_nz`` the number of GROUPS whose std is non-zero (a group of one counts, with std 1) -- siiRL's
+  formula, which divides a number of samples by a number of groups; kept as siiRL computes it.
+  Groups of one get ``mean = 0``.
+
+For the outcome estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline, grpo_passk, opo, gpg, gdpo,
+cpgd) the returned ``returns`` equal the advantages (there is no critic to regress on them), as in verl.
 
 ``get_adv_estimator(name)`` resolves a name of ``ADV_ESTIMATORS`` or a user's
 ``"pkg.module:function"``; ``compute_advantage(name, **kwargs)`` dispatches and adds metrics.
@@ -342,6 +391,235 @@ def compute_grpo_passk_outcome_advantage(
     return out, out
 
 
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO: R minus the length-weighted group mean of R; singletons (and all-empty groups) keep R."""
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid, g = dense_group_ids(_as_index(index, scores.device))  # [B], G
+    lengths = response_mask.sum(-1).to(torch.float64)  # [B] valid tokens: the paper's |y|
+    zeros = torch.zeros(g, dtype=torch.float64, device=scores.device)
+    num = zeros.clone().index_add_(0, gid, lengths * scores)  # [G]
+    den = zeros.clone().index_add_(0, gid, lengths)  # [G]
+    cnt = zeros.clone().index_add_(0, gid, torch.ones_like(scores))  # [G]
+    base = torch.where((cnt > 1) & (den > 0), num / den.clamp_min(1.0), zeros)  # [G]
+    out = _broadcast(scores - base[gid], response_mask, token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    f_norm: float = 1.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG: alpha (R - mean_g) / f_norm, alpha = B / (number of samples outside constant groups)."""
+    if not f_norm > 0:
+        raise ValueError(f"gpg: f_norm must be > 0, got {f_norm}")
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid = _as_index(index, scores.device)  # [B]
+    mean, std, cnt = group_stats(scores, gid)  # [B] each
+    single = cnt < 2  # [B]
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    # a sample is "invalid" (zero advantage, only dilutes the mean) when its group of >= 2 is constant
+    invalid = (~single) & (std == 0)  # [B]
+    b = scores.shape[0]
+    alpha = b / max(b - int(invalid.sum()), 1)  # the paper's B / (B - M)
+    adv = alpha * (scores - mean) / f_norm  # [B]
+    out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    reward_components: dict | None = None,
+    gdpo_reward_weights=None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: GRPO per reward component, weighted sum, whitened over the batch's valid tokens."""
+    B, T = response_mask.shape
+    if reward_components:
+        comps = [torch.as_tensor(v, dtype=torch.float64).reshape(-1).to(response_mask.device)
+                 for v in reward_components.values()]  # K x [B]
+        for k, c in zip(reward_components, comps):
+            if c.shape[0] != B:
+                raise ValueError(f"gdpo: reward component '{k}' has {c.shape[0]} values for {B} responses")
+    else:  # one component: the outcome score itself (verl's fallback)
+        comps = [_sequence_scores(token_level_rewards, response_mask)]
+    if gdpo_reward_weights is None:
+        weights = [1.0] * len(comps)
+    else:
+        weights = [float(w) for w in gdpo_reward_weights]
+        if len(weights) != len(comps):
+            raise ValueError(f"gdpo: {len(weights)} gdpo_reward_weights for {len(comps)} reward components")
+    gid = _as_index(index, response_mask.device)  # [B]
+    total = torch.zeros(B, dtype=torch.float64, device=response_mask.device)  # [B]
+    for w, c in zip(weights, comps):
+        mean, std, cnt = group_stats(c, gid)  # [B] each
+        single = cnt < 2
+        mean = torch.where(single, torch.zeros_like(mean), mean)
+        std = torch.where(single, torch.ones_like(std), std)
+        a = c - mean
+        if norm_adv_by_std_in_grpo:
+            a = a / (std + epsilon)
+        total = total + w * a
+    valid = response_mask.bool()  # [B, T]
+    dense = _broadcast(total, response_mask, torch.float64)  # [B, T]
+    out = (masked_whiten(dense, valid) * valid).to(token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
+def _token_weights(old_log_probs, sum_pi_squared, rollout_is_weights, valid) -> torch.Tensor:
+    """``W_t = sum_{s <= t, valid} w_s``, ``w_s = (1 - 2 pi_s + sum pi^2) [rho_s^2]``, float64 ``[B, T]``."""
+    if old_log_probs is None or sum_pi_squared is None:
+        raise ValueError("the optimal token baseline needs `old_log_probs` and `sum_pi_squared` [B, T] "
+                         "(sum over the vocabulary of pi^2 at each position, from the actor's forward)")
+    pi = torch.exp(old_log_probs.to(torch.float64))  # [B, T]
+    w = 1.0 - 2.0 * pi + sum_pi_squared.to(torch.float64)  # [B, T] ||score||^2 proxy of one step
+    if rollout_is_weights is not None:  # the MSE-optimal baseline under truncated IS weights rho
+        w = w * rollout_is_weights.to(torch.float64) ** 2
+    return torch.where(valid, w, torch.zeros_like(w)).cumsum(-1)  # [B, T]
+
+
+def _otb_baseline(G, W, m, gid, g: int, lengths, members, handle_zero_tail: bool, epsilon: float):
+    """Per-position group baseline on aligned ``[B, K]`` tensors (``m`` the aligned validity).
+    ``members`` [B] bool: the samples that count in their group. Returns ``[B, K]`` float64."""
+    B, K = G.shape
+    mw = torch.where(m, W, torch.zeros_like(W))  # [B, K]
+    num = torch.zeros((g, K), dtype=torch.float64, device=G.device).index_add_(0, gid, torch.where(m, G, 0.0) * mw)
+    den = torch.zeros((g, K), dtype=torch.float64, device=G.device).index_add_(0, gid, mw)
+    cnt = torch.zeros(g, dtype=torch.float64, device=G.device).index_add_(0, gid, members.to(torch.float64))  # [G]
+    base = num[gid] / (den[gid] + epsilon)  # [B, K]
+    base = torch.where((cnt[gid] > 1).unsqueeze(-1), base, torch.zeros_like(base))  # a group of one: no baseline
+    if handle_zero_tail:
+        L = torch.where(members, lengths, torch.full_like(lengths, -1.0))  # [B] non-members never win
+        longest = torch.full((g,), -1.0, dtype=torch.float64, device=G.device).scatter_reduce_(0, gid, L, "amax")
+        is_max = members & (L == longest[gid])  # [B]
+        n_max = torch.zeros(g, dtype=torch.float64, device=G.device).index_add_(0, gid, is_max.to(torch.float64))
+        others = torch.where(is_max, torch.full_like(L, -1.0), L)  # [B]
+        second = torch.full((g,), -1.0, dtype=torch.float64, device=G.device).scatter_reduce_(0, gid, others, "amax")
+        # the unique longest response of a group of >= 2: no peer reaches past the second-longest length
+        lone = is_max & (n_max[gid] == 1) & (cnt[gid] > 1) & (L > second[gid])  # [B]
+        pos = torch.arange(K, device=G.device, dtype=torch.float64).unsqueeze(0)  # [1, K]
+        tail = lone.unsqueeze(-1) & (pos >= second[gid].clamp_min(0).unsqueeze(-1))  # [B, K]
+        base = torch.where(tail, torch.zeros_like(base), base)
+    return base
+
+
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline, positions aligned by absolute response position."""
+    valid = response_mask.bool()  # [B, T]
+    G = _return_to_go(token_level_rewards.to(torch.float64), valid, 1.0)  # [B, T]
+    W = _token_weights(old_log_probs, sum_pi_squared, rollout_is_weights, valid)  # [B, T]
+    gid, g = dense_group_ids(_as_index(index, valid.device))  # [B], G
+    lengths = valid.sum(-1).to(torch.float64)  # [B]
+    base = _otb_baseline(G, W, valid, gid, g, lengths, torch.ones_like(lengths, dtype=torch.bool),
+                         handle_zero_tail, epsilon)  # [B, T]
+    dt = token_level_rewards.dtype
+    return ((G - base) * valid).to(dt), G.to(dt)
+
+
+@torch.no_grad()
+def compute_tir_optimal_token_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline for multi-turn responses: the k-th VALID token of each response is
+    compared with the k-th valid token of its peers (environment tokens skipped)."""
+    valid = response_mask.bool()  # [B, T]
+    G = _return_to_go(token_level_rewards.to(torch.float64), valid, 1.0)  # [B, T]
+    W = _token_weights(old_log_probs, sum_pi_squared, rollout_is_weights, valid)  # [B, T]
+    B, T = valid.shape
+    lengths = valid.sum(-1)  # [B]
+    K = int(lengths.max()) if B else 0
+    # compact: valid token t of row i goes to column k = (number of valid tokens before it)
+    k_of_t = (valid.cumsum(-1) - 1).clamp_min(0)  # [B, T]
+    rows = torch.arange(B, device=valid.device).unsqueeze(-1).expand(B, T)  # [B, T]
+    Gc = torch.zeros((B, K), dtype=torch.float64, device=valid.device)
+    Wc = torch.zeros((B, K), dtype=torch.float64, device=valid.device)
+    Gc[rows[valid], k_of_t[valid]] = G[valid]
+    Wc[rows[valid], k_of_t[valid]] = W[valid]
+    mc = torch.arange(K, device=valid.device).unsqueeze(0) < lengths.unsqueeze(-1)  # [B, K]
+    gid, g = dense_group_ids(_as_index(index, valid.device))  # [B], G
+    members = lengths > 0  # [B] empty responses do not count towards their group
+    base_c = _otb_baseline(Gc, Wc, mc, gid, g, lengths.to(torch.float64), members, handle_zero_tail, epsilon)
+    adv = torch.zeros((B, T), dtype=torch.float64, device=valid.device)
+    adv[valid] = (Gc - base_c)[rows[valid], k_of_t[valid]]
+    dt = token_level_rewards.dtype
+    return adv.to(dt), G.to(dt)
+
+
+CPGD_WEIGHTS = ("STD_weight", "clip_filter_like_weight", "naive")
+
+
+@torch.no_grad()
+def compute_cpgd_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    weight_factor_in_cpgd: str = "STD_weight",
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPGD's advantage: GRPO (STD_weight), centred only (naive) or centred x min(B / G_nz, 3)."""
+    if weight_factor_in_cpgd not in CPGD_WEIGHTS:
+        raise ValueError(f"weight_factor_in_cpgd='{weight_factor_in_cpgd}' is not one of {list(CPGD_WEIGHTS)}")
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
+    gid, g = dense_group_ids(_as_index(index, scores.device))  # [B], G
+    mean, std, cnt = group_stats(scores, gid)  # [B] each
+    single = cnt < 2
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    centred = scores - mean  # [B]
+    if weight_factor_in_cpgd == "STD_weight":
+        adv = centred / (std + epsilon)
+    elif weight_factor_in_cpgd == "naive":
+        adv = centred
+    else:
+        first = torch.full((g,), scores.shape[0], dtype=torch.long, device=scores.device).scatter_reduce_(
+            0, gid, torch.arange(scores.shape[0], device=scores.device), "amin")  # [G] one sample per group
+        g_nz = int((std[first] != 0).sum())  # groups with a non-zero std (siiRL's count)
+        # no such group: every centred value is 0 already (siiRL would divide by zero here)
+        adv = centred * min(scores.shape[0] / g_nz, 3.0) if g_nz else torch.zeros_like(centred)
+    out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]
+    return out, out
+
+
 # --------------------------------------------------------------------------------------------------
 # dispatch
 # --------------------------------------------------------------------------------------------------
@@ -355,6 +633,15 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
     "remax": compute_remax_outcome_advantage,
     "grpo_passk": compute_grpo_passk_outcome_advantage,
+    # verl's vectorised spellings: the same math (every estimator here is vectorised)
+    "grpo_vectorized": compute_grpo_outcome_advantage,
+    "rloo_vectorized": compute_rloo_outcome_advantage,
+    "opo": compute_opo_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
+    "gdpo": compute_gdpo_outcome_advantage,
+    "optimal_token_baseline": compute_optimal_token_baseline_advantage,
+    "tir_optimal_token_baseline": compute_tir_optimal_token_baseline_advantage,
+    "cpgd": compute_cpgd_outcome_advantage,
 }
 
 
