@@ -41,6 +41,42 @@ Losses (``POLICY_LOSSES``; ``get_policy_loss_fn(name)`` also takes ``"pkg.module
     the IS weight is clipped and detached, so every token keeps a gradient. (The paper sets ε_l large,
     i.e. effectively no lower bound; pass ``clip_ratio_low`` accordingly.)
 
+  * ``sapo`` — SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): the hard
+    clip replaced by a smooth gate, ``ℓ_t = −A · f_τ(r)``, ``f_τ(r) = σ(τ (r − 1)) · 4/τ`` with
+    ``τ = tau_pos`` where A > 0 and ``tau_neg`` otherwise (verl's ``actor.tau_pos`` / ``tau_neg``, 1.0 /
+    1.05). Its gradient ``A · r · 4σ(1−σ) ∇logp`` equals PPO's at r = 1 and decays smoothly away from it.
+    Always aggregated ``seq-mean-token-mean`` whatever ``agg.mode`` says (the paper's objective; verl
+    does the same), with the global sequence count.
+  * ``dro`` — DRO (Richemond et al. 2024, arXiv:2405.19107; the on-policy form of Kimi k1.5,
+    arXiv:2501.12599): ``ℓ_t = −(A logp_t − ½ β Δ_t²)``, a quadratic proximal penalty instead of a
+    clip; ``β`` = ``policy_loss.dro_beta`` (required, > 0).
+  * ``dppo_tv`` / ``dppo_kl`` — DPPO (arXiv:2602.04879): the trust region is a per-token divergence
+    between the old and new probability of the sampled token instead of a ratio band. With
+    ``p = exp(logp)``, ``q = exp(old)``: a token is kept when A > 0 and the divergence of a rise is within
+    ``δ_h``, or A ≤ 0 and that of a fall is within ``δ_l`` (``δ_l, δ_h`` = ``clip_ratio_low/high``, each
+    falling back to ``clip_ratio``: here they are DIVERGENCE bounds, not ratio bounds):
+        TV:  A > 0: p − q ≤ δ_h;   A ≤ 0: p − q ≥ −δ_l
+        KL:  with D = q log(q/p) + (1−q) log((1−q+1e-8)/(1−p+1e-8)) (binary KL):
+             A > 0: D ≤ δ_h or p ≤ q;   A ≤ 0: D ≤ δ_l or p ≥ q
+    ``ℓ_t = −A · sg(min(r, c)) · logp_t · keep_t`` with ``c = clip_ratio_c`` (truncated IS in place of
+    dual clip; the paper recommends a large c). ``pg_clipfrac`` is the fraction NOT kept,
+    ``pg_clipfrac_lower`` the kept tokens whose ratio exceeds c (as in verl).
+  * ``cpgd`` — CPGD (Liu et al. 2025, arXiv:2505.12504; siiRL's ``cpgd`` loss): a policy gradient on
+    the log ratio, clipped in log space and pessimistically, plus a policy-drift penalty:
+        Δ̃_t = min(Δ_t, ln(1+ε_h)) if A > 0,  max(Δ_t, ln(1−ε_l)) if A < 0;  ℓ_t = −A · Δ̃_t
+        drift_t = sg(r − 1 − Δ_t) + sg(min(r − 1, 2)) · (logp_t − sg(logp_t))
+    and the loss is ``agg(w ⊙ ℓ) + policy_drift_coeff · agg(drift)`` (IS weights ``w`` on the policy
+    term only). ``drift_t``'s value is the k3 estimate of KL(π_old ‖ π_θ) and its gradient
+    ``min(r − 1, 2) ∇logp`` (the k3 gradient with the ratio capped at 3, siiRL's). Deviations from
+    siiRL, whose gradients are the same: siiRL's policy term is ``−A · clip(logp)`` (value off by the
+    constant ``A · old``; we log the paper's ``−A · clip(Δ)``), its drift value is
+    ``min(r − 1, 2) · logp`` (we log the KL estimate), and siiRL adds the drift whenever
+    ``adv_estimator=cpgd`` whatever the loss, where here it belongs to ``loss_mode=cpgd``.
+
+``bypass_mode`` (verl's loss name for ``algorithm.rollout_correction.bypass_mode=true``, which verl
+sets itself) is not a function here: the config maps it onto that mode, whose IS / rejection run in
+the worker around ``vanilla`` (``loss_type=ppo_clip``) or ``gpg`` with IS weights (``reinforce``).
+
 Aggregation (``agg_loss``; every loss takes its settings as one ``agg: LossAgg``, whose ``mode`` is one of
 the rows below), with ``x = m ⊙ ℓ``, ``n_i = Σ_t m_{i,t}``, ``S`` = sequences with n_i ≥ 1:
     token-mean               Σ_{i,t} x / N_tok
@@ -104,7 +140,8 @@ sequence-level weights); ``pg_clipfrac`` keeps its meaning in every loss (Clip-C
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -598,6 +635,162 @@ def cispo(
     return loss, metrics
 
 
+def sapo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    agg: LossAgg = _SEQ_MEAN_TOKEN_MEAN,
+    rollout_is_weights=None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    **kwargs,
+):
+    """SAPO: −A · σ(τ (r − 1)) · 4/τ, τ by the sign of A; sequence-mean of token-means."""
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"sapo: tau_pos={tau_pos} and tau_neg={tau_neg} must be > 0")
+    m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
+    log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    tau = torch.where(advantages > 0, torch.full_like(ratio, float(tau_pos)), torch.full_like(ratio, float(tau_neg)))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [B, T] f_τ(r)
+    pg_losses = -advantages * gate  # [B, T]
+    # the paper's (and verl's) aggregation, whatever the configured mode; the global counts are kept
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, replace(agg, mode="seq-mean-token-mean"))
+    with torch.no_grad():
+        a = advantages.detach()
+        none = torch.zeros_like(m)
+        metrics = _clip_metrics(upper=none, lower=none, dual=none, m=m, dt=ratio.dtype)
+        metrics["sapo_gate_mean"] = _mmean(gate.detach(), m)
+        metrics.update(_diagnostics(log_ratio.detach(), a, m, -a * ratio.detach(), pg_losses.detach(), w))
+    return loss, metrics
+
+
+def dro(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    agg: LossAgg = LossAgg(),
+    rollout_is_weights=None,
+    dro_beta: float | None = None,
+    **kwargs,
+):
+    """DRO: −(A logp − ½ β (logp − old)²)."""
+    if dro_beta is None or not dro_beta > 0:
+        raise ValueError(f"dro: policy_loss.dro_beta must be > 0, got {dro_beta}")
+    m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
+    log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
+    pg_losses = -(advantages * _pad0(log_prob, m) - 0.5 * float(dro_beta) * log_ratio.square())  # [B, T]
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
+    with torch.no_grad():
+        a = advantages.detach()
+        none = torch.zeros_like(m)
+        metrics = _clip_metrics(upper=none, lower=none, dual=none, m=m, dt=log_ratio.dtype)
+        metrics.update(_diagnostics(log_ratio.detach(), a, m, -a * torch.exp(log_ratio.detach()),
+                                    pg_losses.detach(), w))
+    return loss, metrics
+
+
+def _dppo(divergence, old_log_prob, log_prob, advantages, response_mask, *, agg, rollout_is_weights,
+          clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+    d_low, d_high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2)
+    if not clip_ratio_c > 0:
+        raise ValueError(f"dppo: clip_ratio_c (the IS truncation) must be > 0, got {clip_ratio_c}")
+    m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
+    lp, old = _pad0(log_prob, m), _pad0(old_log_prob, m)  # [B, T]
+    log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    with torch.no_grad():
+        p, q = torch.exp(lp.detach()), torch.exp(old.detach())  # [B, T] new / old prob of the sampled token
+        if divergence == "tv":
+            keep_pos, keep_neg = (p - q) <= d_high, (p - q) >= -d_low
+        else:  # binary KL between Bernoulli(q) and Bernoulli(p); a move towards q is always kept
+            bkl = q * (old.detach() - lp.detach()) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+            keep_pos, keep_neg = (bkl <= d_high) | (p <= q), (bkl <= d_low) | (p >= q)
+        keep = torch.where(advantages > 0, keep_pos, keep_neg)  # [B, T]
+        trunc = torch.clamp(ratio.detach(), max=float(clip_ratio_c))  # [B, T] sg(min(r, c))
+    pg_losses = -advantages * trunc * lp * keep.to(lp.dtype)  # [B, T]
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
+    with torch.no_grad():
+        a = advantages.detach()
+        dt = ratio.dtype
+        metrics = {"pg_clipfrac": _frac(~keep, m, dt),
+                   "pg_clipfrac_upper_bound": _frac(~keep & (a > 0), m, dt),
+                   "pg_clipfrac_lower_bound": _frac(~keep & (a <= 0), m, dt),
+                   "pg_clipfrac_lower": _frac(keep & (ratio.detach() > clip_ratio_c), m, dt)}
+        metrics.update(_diagnostics(log_ratio.detach(), a, m, -a * ratio.detach(), pg_losses.detach(), w))
+    return loss, metrics
+
+
+def dppo_tv(old_log_prob, log_prob, advantages, response_mask, *, agg: LossAgg = LossAgg(), rollout_is_weights=None,
+            clip_ratio: float | None = None, clip_ratio_low: float | None = None,
+            clip_ratio_high: float | None = None, clip_ratio_c: float = 3.0, **kwargs):
+    """DPPO-Binary-TV: policy gradient with truncated IS, kept where |p − q| stays within the bound."""
+    return _dppo("tv", old_log_prob, log_prob, advantages, response_mask, agg=agg, rollout_is_weights=rollout_is_weights,
+                 clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                 clip_ratio_c=clip_ratio_c)
+
+
+def dppo_kl(old_log_prob, log_prob, advantages, response_mask, *, agg: LossAgg = LossAgg(), rollout_is_weights=None,
+            clip_ratio: float | None = None, clip_ratio_low: float | None = None,
+            clip_ratio_high: float | None = None, clip_ratio_c: float = 3.0, **kwargs):
+    """DPPO-Binary-KL: policy gradient with truncated IS, kept where the binary KL stays within the bound."""
+    return _dppo("kl", old_log_prob, log_prob, advantages, response_mask, agg=agg, rollout_is_weights=rollout_is_weights,
+                 clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                 clip_ratio_c=clip_ratio_c)
+
+
+def cpgd(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    agg: LossAgg = LossAgg(),
+    rollout_is_weights=None,
+    clip_ratio: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    policy_drift_coeff: float = 0.0,
+    **kwargs,
+):
+    """CPGD: −A · (log ratio clipped in log space) + policy_drift_coeff · KL(π_old ‖ π_θ) (k3, capped gradient)."""
+    eps_l, eps_h = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2)
+    if not (0 <= eps_l < 1):
+        raise ValueError(f"cpgd: clip_ratio_low={eps_l} must be in [0, 1) (the bound is ln(1 − clip_ratio_low))")
+    if policy_drift_coeff < 0:
+        raise ValueError(f"cpgd: policy_drift_coeff={policy_drift_coeff} must be >= 0")
+    m = response_mask.bool()  # [B, T]
+    advantages = _pad0(advantages, m)  # [B, T]
+    log_ratio = _log_ratio(old_log_prob, log_prob, m)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    hi, lo = math.log1p(eps_h), math.log1p(-eps_l)
+    pos, neg = advantages > 0, advantages < 0  # [B, T]
+    # pessimistic clip: a gain beyond the band earns nothing more (A > 0 capped above, A < 0 below)
+    clipped = torch.where(pos, torch.clamp(log_ratio, max=hi), torch.where(neg, torch.clamp(log_ratio, min=lo), log_ratio))
+    pg_losses = -advantages * clipped  # [B, T]
+    loss, w = _finish(pg_losses, response_mask, rollout_is_weights, agg)
+    drift = None
+    if policy_drift_coeff:
+        lp = _pad0(log_prob, m)  # [B, T]
+        r = ratio.detach()
+        drift = (r - 1.0 - log_ratio.detach()) + torch.clamp(r - 1.0, max=2.0) * (lp - lp.detach())  # [B, T]
+        loss = loss + float(policy_drift_coeff) * agg_loss(drift, response_mask, agg)
+    with torch.no_grad():
+        a = advantages.detach()
+        lr = log_ratio.detach()
+        metrics = _clip_metrics(upper=pos & (lr > hi), lower=neg & (lr < lo), dual=torch.zeros_like(m), m=m, dt=lr.dtype)
+        metrics["policy_drift_kl"] = _mmean(ratio.detach() - 1.0 - lr, m)  # k3 estimate of KL(π_old ‖ π_θ)
+        metrics.update(_diagnostics(lr, a, m, -a * torch.exp(lr), pg_losses.detach(), w))
+    return loss, metrics
+
+
 POLICY_LOSSES: dict[str, Callable] = {
     "vanilla": vanilla,
     "gspo": gspo,
@@ -606,6 +799,11 @@ POLICY_LOSSES: dict[str, Callable] = {
     "kl_cov": kl_cov,
     "geo_mean": geo_mean,
     "cispo": cispo,
+    "sapo": sapo,
+    "dro": dro,
+    "dppo_tv": dppo_tv,
+    "dppo_kl": dppo_kl,
+    "cpgd": cpgd,
 }
 
 
