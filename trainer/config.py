@@ -129,7 +129,8 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = "vanilla"  # vanilla | gspo | gpg | clip_cov | kl_cov | geo_mean | cispo | pkg.module:function
+    loss_mode: str = "vanilla"  # vanilla | gspo | gpg | clip_cov | kl_cov | geo_mean | cispo | sapo | dro | dppo_tv | dppo_kl | cpgd | bypass_mode (with algorithm.rollout_correction.bypass_mode=true) | pkg.module:function
+    dro_beta: Optional[float] = None  # DRO: quadratic log-ratio penalty; required (> 0) with loss_mode=dro
     clip_cov_ratio: float = 0.0002  # Clip-Cov: fraction of tokens whose gradient is cut
     clip_cov_lb: float = 1.0  # Clip-Cov: covariance lower bound
     clip_cov_ub: float = 5.0  # Clip-Cov: covariance upper bound
@@ -163,7 +164,10 @@ class ActorConfig:
     clip_ratio: float = 0.2  # PPO clip epsilon (both sides unless low/high given)
     clip_ratio_low: Optional[float] = 0.2  # lower clip epsilon; None = clip_ratio
     clip_ratio_high: Optional[float] = 0.2  # upper clip epsilon (DAPO clip-higher); None = clip_ratio
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (dppo_*: the IS truncation)
+    tau_pos: float = 1.0  # SAPO: gate temperature where the advantage is positive
+    tau_neg: float = 1.05  # SAPO: gate temperature where the advantage is <= 0
+    policy_drift_coeff: float = 0.0  # CPGD (siiRL's key): weight of the policy-drift KL(old || new) term of loss_mode=cpgd
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
     loss_scale_factor: Optional[float] = None  # constant for seq-mean-token-sum-norm; None = max response length
     entropy_coeff: float = 0.0  # entropy bonus coefficient
@@ -356,8 +360,11 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "gae"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | adca_grpo | pkg.module:function
-    norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
+    adv_estimator: str = "gae"  # gae | grpo | grpo_vectorized | dr_grpo | rloo | rloo_vectorized | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | opo | gpg | gdpo | cpgd | adca_grpo | pkg.module:function (optimal_token_baseline | tir_optimal_token_baseline: refused, not built)
+    norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO (also per component in gdpo)
+    gdpo_reward_keys: Optional[List[str]] = None  # GDPO: keys of the scorer's returned dict, each normalised in its group on its own; required with adv_estimator=gdpo
+    gdpo_reward_weights: Optional[List[float]] = None  # GDPO: one weight per gdpo_reward_keys entry; None = 1 each
+    weight_factor_in_cpgd: str = "STD_weight"  # CPGD (siiRL's key): STD_weight (GRPO) | naive (R - mean) | clip_filter_like_weight
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
     use_kl_in_reward: bool = False  # subtract coef * KL(actor || ref) from the token rewards
@@ -559,7 +566,9 @@ def _reward_errors(cfg) -> list[str]:
 CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "algorithm.adv_estimator": (
         ("gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-         "remax", "grpo_passk", "adca_grpo"), True),
+         "remax", "grpo_passk", "adca_grpo", "grpo_vectorized", "rloo_vectorized", "opo", "gpg", "gdpo",
+         "optimal_token_baseline", "tir_optimal_token_baseline", "cpgd"), True),
+    "algorithm.weight_factor_in_cpgd": (("STD_weight", "clip_filter_like_weight", "naive"), False),
     "algorithm.kl_penalty": (("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"), False),
     "algorithm.kl_ctrl.type": (("fixed", "adaptive"), False),
     "algorithm.rollout_is_level": (("token", "sequence", "geometric"), False),
@@ -569,7 +578,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
         ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"), False),
     "actor_rollout_ref.actor.kl_loss_type": (("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"), False),
     "actor_rollout_ref.actor.policy_loss.loss_mode": (
-        ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"), True),
+        ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl",
+         "cpgd", "bypass_mode"), True),
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
@@ -1160,7 +1170,8 @@ def validation_errors(cfg: DictConfig) -> list[str]:
             errs.append("algorithm.filter_groups.enable=true needs a group estimator; algorithm.adv_estimator=gae has no groups.")
         if r.n < 2:
             errs.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
-    if al.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "adca_grpo") and r.n < 2:
+    if al.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "adca_grpo",
+                            "grpo_vectorized", "rloo_vectorized", "opo", "gpg", "gdpo", "cpgd") and r.n < 2:
         errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
                     f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
 
@@ -1187,6 +1198,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     if cfg.trainer.device == "cpu" and r.name == "sglang":
         errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
     errs.extend(_rollout_correction_errors(al))
+    errs.extend(_algorithm_variant_errors(cfg))
     from trainer.checkpoint import contents_errors  # verl's save_contents / load_contents, honoured or refused
 
     ck = cfg.actor_rollout_ref.actor.checkpoint
@@ -1206,6 +1218,62 @@ def validation_errors(cfg: DictConfig) -> list[str]:
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines
+
+
+def _algorithm_variant_errors(cfg) -> list[str]:
+    """The estimators' and policy losses' own hyper-parameters: valid values, and the inputs they need."""
+    al, a = cfg.algorithm, cfg.actor_rollout_ref.actor
+    pl, errs = a.policy_loss, []
+    if al.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        errs.append(f"algorithm.adv_estimator={al.adv_estimator} needs sum_v pi(v)^2 at every response position from the "
+                    f"actor's forward (verl's actor.calculate_sum_pi_squared); the forward does not return it: not built "
+                    f"yet (issue #20). The estimator itself is trainer.algos.advantages."
+                    f"compute_{'tir_' if al.adv_estimator.startswith('tir') else ''}optimal_token_baseline_advantage.")
+    if al.adv_estimator == "gdpo":
+        keys = list(al.gdpo_reward_keys or [])
+        if not keys:
+            errs.append("algorithm.adv_estimator=gdpo normalises each reward component on its own: set "
+                        "algorithm.gdpo_reward_keys=[key,...] to keys of the dict your scorer returns (as verl requires).")
+        if al.gdpo_reward_weights is not None and len(al.gdpo_reward_weights) != len(keys):
+            errs.append(f"algorithm.gdpo_reward_weights has {len(al.gdpo_reward_weights)} entries for {len(keys)} "
+                        f"algorithm.gdpo_reward_keys; give one weight per key (or null for 1 each).")
+        if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            errs.append("algorithm.adv_estimator=gdpo reads the scorer's reward components, which a multi-turn episode "
+                        "does not have (its reward is the environment's return); use grpo with multi_turn.")
+    elif al.gdpo_reward_keys or al.gdpo_reward_weights is not None:
+        errs.append("algorithm.gdpo_reward_keys / gdpo_reward_weights are read by adv_estimator=gdpo only; remove them "
+                    f"(adv_estimator={al.adv_estimator}).")
+    if al.weight_factor_in_cpgd != "STD_weight" and al.adv_estimator != "cpgd":
+        errs.append(f"algorithm.weight_factor_in_cpgd={al.weight_factor_in_cpgd} is read by adv_estimator=cpgd only "
+                    f"(adv_estimator={al.adv_estimator}); remove it.")
+    mode = pl.loss_mode
+    if mode == "dro" and not (pl.dro_beta is not None and pl.dro_beta > 0):
+        errs.append(f"actor_rollout_ref.actor.policy_loss.loss_mode=dro needs actor_rollout_ref.actor.policy_loss.dro_beta "
+                    f"> 0 (the quadratic log-ratio penalty; got {pl.dro_beta}).")
+    elif mode != "dro" and pl.dro_beta is not None:
+        errs.append(f"actor_rollout_ref.actor.policy_loss.dro_beta={pl.dro_beta} is read by loss_mode=dro only "
+                    f"(loss_mode={mode}); remove it.")
+    if not (a.tau_pos > 0 and a.tau_neg > 0):
+        errs.append(f"actor_rollout_ref.actor.tau_pos={a.tau_pos} / tau_neg={a.tau_neg} (SAPO's gate temperatures) must be > 0.")
+    elif mode != "sapo" and (a.tau_pos != 1.0 or a.tau_neg != 1.05):
+        errs.append(f"actor_rollout_ref.actor.tau_pos / tau_neg are read by loss_mode=sapo only (loss_mode={mode}); "
+                    f"remove them.")
+    if a.policy_drift_coeff < 0:
+        errs.append(f"actor_rollout_ref.actor.policy_drift_coeff={a.policy_drift_coeff} must be >= 0.")
+    elif a.policy_drift_coeff and mode != "cpgd":
+        errs.append(f"actor_rollout_ref.actor.policy_drift_coeff={a.policy_drift_coeff} is the policy-drift term of "
+                    f"loss_mode=cpgd (siiRL adds it whenever adv_estimator=cpgd); set "
+                    f"actor_rollout_ref.actor.policy_loss.loss_mode=cpgd (loss_mode={mode}).")
+    if mode == "cpgd":
+        low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        if not low < 1:
+            errs.append(f"actor_rollout_ref.actor.policy_loss.loss_mode=cpgd clips the log ratio at ln(1 - clip_ratio_low): "
+                        f"actor_rollout_ref.actor.clip_ratio_low={low} must be < 1.")
+    if mode == "bypass_mode" and not al.rollout_correction.bypass_mode:
+        errs.append("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is verl's loss of "
+                    "algorithm.rollout_correction.bypass_mode=true (the old log-probs are the sampler's; IS and rejection "
+                    "inside the loss): set that key (and its loss_type), or choose another loss_mode.")
+    return errs
 
 
 def _rollout_correction_errors(al) -> list[str]:

@@ -38,11 +38,13 @@ def to_float_metrics(m: dict, prefix: str = "") -> dict[str, float]:
 # rollout + reward
 # ----------------------------------------------------------------------------------------------
 def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids: list[int], params: dict, *,
-                    max_prompt_length: int, overlong: dict | None, multi_turn: dict | None = None
-                    ) -> tuple[RolloutBatch, dict]:
+                    max_prompt_length: int, overlong: dict | None, multi_turn: dict | None = None,
+                    reward_keys: tuple = ()) -> tuple[RolloutBatch, dict]:
     """Sample ``n`` responses per prompt, score them, apply overlong shaping; the batch carries
     ``token_level_scores``, ``scores`` and ``acc``. ``multi_turn``: play the agent loop instead
-    (:func:`generate_agentic`)."""
+    (:func:`generate_agentic`). ``reward_keys`` (GDPO's ``algorithm.gdpo_reward_keys``): these keys of
+    the scorer's returned dict are kept per sample as ``meta["reward_component/<key>"]`` (a sample
+    whose scorer failed gets 0, as its score does)."""
     if multi_turn is not None:
         return generate_agentic(rollout, tokenizer, items, group_ids, params, multi_turn=multi_turn,
                                 max_prompt_length=max_prompt_length)
@@ -74,6 +76,13 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
             m["reward/overlong_fraction"] = float((pen < 0).float().mean())
     batch.token_level_scores = tls.float()
     batch.scores = scores
+    for key in reward_keys:
+        per = extras["per_sample"]
+        if not any(d.get(key) is not None for d in per):
+            have = sorted({k for d in per for k, v in d.items() if v is not None} - {"reward_status"})
+            raise ValueError(f"algorithm.gdpo_reward_keys names '{key}' but the scorer's results have no such key "
+                             f"(extra keys returned: {have}); return a dict with '{key}' from the scorer.")
+        batch.set_meta(f"reward_component/{key}", [float(d.get(key) or 0.0) for d in per])
     m.update(to_float_metrics(rm))
     return batch, m
 
@@ -112,7 +121,8 @@ def generate_agentic(rollout, tokenizer, items: list[dict], group_ids: list[int]
 
 def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, *, train_batch_size: int,
                   gen_batch_size: int, n: int, filter_cfg: dict, max_prompt_length: int, overlong: dict | None,
-                  next_group_id: int, multi_turn: dict | None = None) -> tuple[RolloutBatch, dict, int]:
+                  next_group_id: int, multi_turn: dict | None = None, reward_keys: tuple = ()
+                  ) -> tuple[RolloutBatch, dict, int]:
     """Generate until ``train_batch_size`` prompt groups qualify (DAPO dynamic sampling), then trim.
 
     Without filtering this is one generation batch of ``train_batch_size`` prompts. With filtering,
@@ -129,7 +139,8 @@ def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, 
         gids = list(range(next_group_id, next_group_id + bs))
         next_group_id += bs
         batch, gm = generate_scored(rollout, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
-                                    max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn)
+                                    max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn,
+                                    reward_keys=reward_keys)
         for k, v in gm.items():
             m[k] = m.get(k, 0.0) + v if k.startswith("timing_s/") else v
         gen_batches += 1
@@ -260,7 +271,8 @@ class Generation:
                 self.rollout, self.reward_mgr, self.tok, self.train_ds, state.sampler,
                 lambda g: p.sampling.params(step, g), train_batch_size=p.train_batch_size,
                 gen_batch_size=p.gen_batch_size, n=p.n, filter_cfg=p.filter_groups, max_prompt_length=p.max_prompt_length,
-                overlong=p.overlong, next_group_id=state.next_group_id, multi_turn=p.multi_turn)
+                overlong=p.overlong, next_group_id=state.next_group_id, multi_turn=p.multi_turn,
+                reward_keys=getattr(p, "reward_keys", ()))
         m.update(gm)
         return batch
 
@@ -286,6 +298,11 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
     m: dict[str, float] = {}
     if old is not None and plan.driver_needs_old_log_probs():
         batch.old_log_probs = old.fetch()["old_log_probs"]
+    # IS weights (and their batch normalisation) on the mask BEFORE rejection, as verl's
+    # compute_rollout_correction_and_rejection_mask does: a rejected token still counts in the batch mean
+    # of the weights, and a sequence-level weight is the product over all of its sampled tokens
+    if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
+        m.update(apply_rollout_is(batch, plan.rollout_is, normalize=plan.is_batch_normalize))
     for r in (plan.rejection if plan.bypass is None else None) or ():  # verl's comma list (bypass: in the loss) of rejection options: every one must keep a token
         batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
                                                            batch.response_mask, divergence=r.divergence, agg=r.agg,
@@ -293,8 +310,6 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
         if len(plan.rejection) > 1:  # one metric set per option
             rs_m = {k.replace("rollout_rs_", f"rollout_rs_{r.agg}_{r.divergence}_", 1): v for k, v in rs_m.items()}
         m.update(to_float_metrics(rs_m))
-    if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
-        m.update(apply_rollout_is(batch, plan.rollout_is, normalize=plan.is_batch_normalize))
     if plan.use_kl_in_reward:
         batch.ref_log_probs = ref.fetch()["ref_log_probs"]
         batch.token_level_rewards, kl_m = apply_kl_in_reward(
@@ -317,7 +332,9 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
         batch.advantages, batch.returns, adv_m = compute_advantage(
             plan.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
             index=batch.group_ids, values=batch.values, gamma=plan.gamma, lam=plan.lam,
-            norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo)
+            norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo, **getattr(plan, "adv_kwargs", {}),
+            **({"reward_components": {k: torch.tensor(batch.get_meta(f"reward_component/{k}"), dtype=torch.float64)
+                                      for k in plan.reward_keys}} if getattr(plan, "reward_keys", ()) else {}))
         # its critic/advantages|returns/* are the batch's; batch_metrics logs them for every estimator
     return m
 

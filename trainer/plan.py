@@ -36,7 +36,7 @@ class PolicyLoss:
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
-    variant_kwargs: dict = field(default_factory=dict)  # the variant's own keywords (Clip-Cov, KL-Cov)
+    variant_kwargs: dict = field(default_factory=dict)  # the variant's own keywords (Clip-Cov, KL-Cov, SAPO, DRO, CPGD)
 
     def agg(self, *, global_num_tokens: float, global_num_seqs: float, dp_size: int) -> LossAgg:
         return LossAgg(mode=self.agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
@@ -164,6 +164,10 @@ class Plan:
     val_before_train: bool
     save_freq: int
     one_step_off: bool = False  # async_training.mode=one_step_off (trainer.batch_source)
+    # the estimator's own keywords (GDPO's reward-component weights, CPGD's weighting); GDPO's components
+    # are read from the scorer's dict under these keys (``reward_keys``) when the batch is scored
+    adv_kwargs: dict = field(default_factory=dict)
+    reward_keys: tuple = ()
 
     @classmethod
     def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
@@ -187,13 +191,18 @@ class Plan:
 
         pl = a.policy_loss
         policy = PolicyLoss(
-            loss_mode=pl.loss_mode, agg_mode=a.loss_agg_mode,
+            # verl's "bypass_mode" loss name is its rollout_correction.bypass_mode (required by the config check):
+            # the worker's bypass branch computes IS / rejection around vanilla PPO (ppo_clip) or gpg (reinforce)
+            loss_mode="vanilla" if pl.loss_mode == "bypass_mode" else pl.loss_mode, agg_mode=a.loss_agg_mode,
             norm_constant=float(a.loss_scale_factor if a.loss_scale_factor is not None else width),
             clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
             clip_ratio_c=a.clip_ratio_c, entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss),
             kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=a.kl_loss_type,
             variant_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                                kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef))
+                                kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+                                tau_pos=float(a.tau_pos), tau_neg=float(a.tau_neg),  # SAPO
+                                dro_beta=None if pl.dro_beta is None else float(pl.dro_beta),  # DRO
+                                policy_drift_coeff=float(a.policy_drift_coeff)))  # CPGD
         ref = cfg.actor_rollout_ref.ref
         # packing is per megatron role (verl's megatron.use_remove_padding)
         packed, temp = bool(a.megatron.use_remove_padding), float(r.temperature)
@@ -244,7 +253,8 @@ class Plan:
             kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),
             critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
             val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
-            one_step_off=cfg.async_training.mode == "one_step_off")
+            one_step_off=cfg.async_training.mode == "one_step_off", adv_kwargs=adv_kwargs(al),
+            reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else ())
 
     # ------------------------------------------------------------------ rules
     def on_policy(self, num_samples: int, step: int) -> bool:
@@ -310,6 +320,16 @@ def rollout_correction(al) -> tuple[Optional[RolloutIS], Optional[tuple]]:
     rej = None if al.rollout_rs is None else (Rejection(divergence=al.rollout_rs_divergence, agg=al.rollout_rs,
                                                         lower=al.rollout_rs_threshold_lower, upper=al.rollout_rs_threshold),)
     return is_, rej
+
+
+def adv_kwargs(al) -> dict:
+    """Keywords only some estimators read (each swallows the others' through ``**kwargs``)."""
+    if al.adv_estimator == "gdpo":
+        w = al.gdpo_reward_weights
+        return {"gdpo_reward_weights": None if w is None else tuple(float(x) for x in w)}
+    if al.adv_estimator == "cpgd":
+        return {"weight_factor_in_cpgd": str(al.weight_factor_in_cpgd)}
+    return {}
 
 
 def bypass_loss(al) -> Optional[str]:
