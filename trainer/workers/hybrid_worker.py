@@ -28,9 +28,12 @@ from trainer.workers.megatron_worker import MegatronWorker, combine_digests, res
 from trainer.workers.rollout_worker import RolloutWorker
 
 
-class HybridWorker(MegatronWorker):
-    def __init__(self, *, rollout: dict, **megatron):
-        super().__init__(**megatron)
+class HybridMixin:
+    """The engine half of a hybrid rank, on top of a training worker (Megatron or DeepSpeed) that
+    provides ``_hf_buckets`` / ``_hf_params`` (full HF-named tensors on every rank)."""
+
+    def __init__(self, *, rollout: dict, **trainer_kwargs):
+        super().__init__(**trainer_kwargs)
         threads = torch.get_num_threads()
         self.engine_worker = RolloutWorker(**{**rollout, "num_threads": threads})
         torch.set_num_threads(threads)  # the megatron rank's share of the cores, as without the engine
@@ -50,7 +53,6 @@ class HybridWorker(MegatronWorker):
         group). With ``digest_dtype`` (``"none"`` = as is) also hash the stream and the engine's
         result. Returns ``{"bytes", "buckets", "stream", "engine"}`` (checksums None without it)."""
         from megatron_bridge import cpu_shims
-        from megatron_bridge.export import iter_hf_weights
 
         from trainer.rollout.engine import tensor_digest
 
@@ -60,7 +62,7 @@ class HybridWorker(MegatronWorker):
         nbytes = buckets = 0
         self._stream_done = threading.Event()
         with torch.no_grad():
-            for bucket in iter_hf_weights(self._module(), bucket_bytes):
+            for bucket in self._hf_buckets(bucket_bytes):
                 # the iterator (megatron's gathers) runs under the CPU device shim; loading and
                 # hashing need none (a third of the sync's time went to the shim's dispatch)
                 with cpu_shims.suspended():
@@ -88,11 +90,12 @@ class HybridWorker(MegatronWorker):
     def verify_engine(self, dtype: str | None) -> tuple[str, str]:
         """(this rank's checksum of the actor's weights cast to ``dtype``, its engine's checksum);
         collective: every rank gathers the full tensors."""
-        from megatron_bridge.export import iter_hf_param
-
         from trainer.rollout.engine import checksum_named_tensors
 
         dt = getattr(torch, dtype) if dtype else None
-        want = checksum_named_tensors(((n, t.detach().cpu()) for n, t in iter_hf_param(self._module())), dtype=dt)
+        want = checksum_named_tensors(((n, t.detach().cpu()) for n, t in self._hf_params()), dtype=dt)
         return want, self.engine("weights_checksum")
 
+
+class HybridWorker(HybridMixin, MegatronWorker):
+    """A megatron actor rank with its colocated engine."""

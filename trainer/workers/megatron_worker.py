@@ -192,6 +192,33 @@ class MegatronWorker:
     def _module(self):
         return self.trainer.model if self.trainer is not None else self.model
 
+    # ------------------------------------------------------------------ strategy hooks
+    # What a training strategy provides; everything else in this class (batches, losses, metrics,
+    # digests) is strategy-neutral and shared with trainer.workers.deepspeed_worker.
+    def _compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool) -> list[dict]:
+        """Forward-only per-token outputs of each micro-batch on its own grid (``megatron_bridge.logprobs``)."""
+        from megatron_bridge.logprobs import compute_logprobs
+
+        return compute_logprobs(self._module(), mbs, temperature=temperature, with_entropy=with_entropy)
+
+    def _train_step(self, mbs: list[dict], loss_fn, **kw) -> dict:
+        """One optimizer step over the micro-batches: ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
+        from megatron_bridge.train import train_step
+
+        return train_step(self.trainer, mbs, loss_fn, **kw)
+
+    def _hf_buckets(self, bucket_bytes: int):
+        """HF-named weight buckets, collective over the model group (every rank sees full tensors)."""
+        from megatron_bridge.export import iter_hf_weights
+
+        return iter_hf_weights(self._module(), bucket_bytes)
+
+    def _hf_params(self):
+        """``(hf_name, full tensor)`` one at a time, collective."""
+        from megatron_bridge.export import iter_hf_param
+
+        return iter_hf_param(self._module())
+
     def _micro_batches(self, batch: RolloutBatch, settings, fields: tuple[str, ...]) -> list[dict]:
         """The batch's micro-batches (``settings``: a ``ForwardSettings`` or ``UpdateSettings``):
         ``micro_batch_size`` rows each or filled up to ``max_token_len`` tokens
@@ -235,13 +262,10 @@ class MegatronWorker:
     def _forward(self, batch: RolloutBatch, settings, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only per-token outputs of every row over the response part, ``{name: [B, T]}``:
         ``logprobs`` (and ``entropy``) for a policy, ``values`` for a critic."""
-        from megatron_bridge.logprobs import compute_logprobs
-
         P, L = batch.prompt_width, batch.input_ids.shape[1]
         mbs = self._micro_batches(batch, settings, ())
         with torch.no_grad():
-            outs = compute_logprobs(self._module(), mbs, temperature=settings.temperature,
-                                    with_entropy=with_entropy)
+            outs = self._compute(mbs, temperature=settings.temperature, with_entropy=with_entropy)
         full = {}
         for mb, o in zip(mbs, outs):
             for k, v in self._grid(o, mb, L).items():
@@ -285,8 +309,6 @@ class MegatronWorker:
         computes only the mismatch metrics, from the log-probs returned with
         ``return_log_probs``. Returns ``{"metrics": [one dict per mini-batch], "log_probs":
         [b, T_d] in shard order or None, "entropy": summary or None}``."""
-        from megatron_bridge.train import train_step
-
         from trainer.algos.kl import kl_penalty
         from trainer.algos.losses import agg_loss, get_policy_loss_fn
         from trainer.algos.rollout_is import compute_rejection_mask, compute_rollout_is_weights
@@ -350,9 +372,9 @@ class MegatronWorker:
 
             # entropy enters the graph only when it is trained on; on-policy it is still computed, detached,
             # for the logged rollout entropy (the skipped old-log-prob pass used to provide it)
-            m = train_step(self.trainer, self._micro_batches(batch, settings, fields), loss_fn,
-                           temperature=settings.temperature, with_entropy=bool(pl.entropy_coeff) or on_policy,
-                           entropy_grad=bool(pl.entropy_coeff))
+            m = self._train_step(self._micro_batches(batch, settings, fields), loss_fn,
+                                 temperature=settings.temperature, with_entropy=bool(pl.entropy_coeff) or on_policy,
+                                 entropy_grad=bool(pl.entropy_coeff))
             _step_partials(acc, "actor/", m)
             out.append(acc.to_dict())
         res = {"metrics": out, "log_probs": None, "entropy": None}
@@ -371,8 +393,6 @@ class MegatronWorker:
     @resident("params", "grads", "optimizer")
     def update_critic(self, shard: dict, mini_batches: list, *extras: dict | None, settings: UpdateSettings,
                       counts: list) -> dict:
-        from megatron_bridge.train import train_step
-
         from trainer.algos.losses import LossAgg, value_loss
 
         full = shard_batch(shard, *extras)
@@ -397,8 +417,7 @@ class MegatronWorker:
                 acc.add("critic/vf_loss", SUM, vl.detach())
                 return vl, {}
 
-            m = train_step(self.trainer, self._micro_batches(batch, settings, ("response_mask", "values", "returns")),
-                           loss_fn)
+            m = self._train_step(self._micro_batches(batch, settings, ("response_mask", "values", "returns")), loss_fn)
             _step_partials(acc, "critic/", m)
             out.append(acc.to_dict())
         return {"metrics": out}
@@ -414,15 +433,13 @@ class MegatronWorker:
         With ``digest_dtype`` (``"none"`` = as is) rank 0 then hashes the bucket it just handed
         over, while the engines load it, and ``stream_checksum`` returns the checksum of everything
         streamed: verification without a second gather pass over the model."""
-        from megatron_bridge.export import iter_hf_weights
-
         from trainer.rollout.engine import tensor_digest
 
         hashing = digest_dtype is not None and self.rank == 0
         dt = getattr(torch, digest_dtype) if hashing and digest_dtype != "none" else None
         self._stream_digests, self._stream_done = {}, threading.Event()
         try:
-            for bucket in iter_hf_weights(self._module(), bucket_bytes):
+            for bucket in self._hf_buckets(bucket_bytes):
                 if self.rank != 0:
                     yield None
                     continue
@@ -448,12 +465,10 @@ class MegatronWorker:
 
     @resident("params")
     def weights_checksum(self, dtype: str | None = None) -> str | None:
-        from megatron_bridge.export import iter_hf_param
-
         from trainer.rollout.engine import checksum_named_tensors
 
         dt = getattr(torch, dtype) if dtype else None
-        pairs = ((n, t.detach().cpu()) for n, t in iter_hf_param(self._module()))
+        pairs = ((n, t.detach().cpu()) for n, t in self._hf_params())
         if self.rank == 0:
             return checksum_named_tensors(pairs, dtype=dt)
         for _ in pairs:  # collective: still take part in every gather

@@ -1,0 +1,140 @@
+"""The DeepSpeed strategy against the Megatron one: the same HF model, the same batch, one PPO update
+with the same optimizer settings (AdamW with weight decay, gradient clipping that binds, token-mean
+loss over the whole mini-batch). Megatron TP1 on one rank, DeepSpeed ZeRO-1, -2 and -3 on two
+data-parallel ranks (each with its half of the batch and the global token count): the same
+``pg_loss``, ``grad_norm`` and learning rate, and the same log-probs after the step. The log-probs
+before the step are compared too (the forward definitions agree: temperature first, full vocabulary),
+and so are the critic's values and one critic update.
+"""
+
+import pytest
+import torch
+# imported before a spawned rank initialises megatron, whose CPU shims replace torch.cuda.Stream (which
+# transformers' generation utilities annotate with at import time); a DeepSpeed rank never loads megatron
+import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+from bridge_tiny import make_hf, random_seqs
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [4, 6, 3, 5]
+RESPONSES = [6, 3, 8, 5]
+OPTIM = dict(optimizer="adam", lr=2e-3, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
+             adam_eps=1e-8, clip_grad=0.05, lr_schedule="cosine", lr_warmup_steps=1, lr_warmup_init=1e-4,
+             lr_decay_steps=10, use_distributed_optimizer=False)
+
+
+def _batch():
+    from trainer.batch import RolloutBatch
+    from trainer.rollout.single_turn import pad_left, pad_right
+
+    prompts, responses = random_seqs(PROMPTS, seed=31), random_seqs(RESPONSES, seed=32)
+    p_ids, p_mask = pad_left(prompts, max(map(len, prompts)), 0)
+    r_ids, r_mask = pad_right(responses, max(map(len, responses)), 0, torch.long)
+    b = RolloutBatch.from_tokens(p_ids, r_ids, p_mask, r_mask)
+    g = torch.Generator().manual_seed(33)
+    b.advantages = torch.randn(r_ids.shape, generator=g) * r_mask
+    b.values = torch.randn(r_ids.shape, generator=g) * r_mask
+    b.returns = torch.randn(r_ids.shape, generator=g) * r_mask
+    return b
+
+
+def _settings(n):
+    from trainer.plan import ForwardSettings, PolicyLoss, UpdateSettings, ValueLoss
+
+    fwd = ForwardSettings(micro_batch_size=2, packed=False, temperature=0.7)
+    pl = PolicyLoss(loss_mode="vanilla", agg_mode="token-mean", norm_constant=8.0, clip_ratio=0.2, clip_ratio_low=None,
+                    clip_ratio_high=None, clip_ratio_c=3.0, entropy_coeff=0.01, use_kl_loss=False, kl_loss_coef=0.0,
+                    kl_loss_type="kl")
+    upd = UpdateSettings(mini_batch_size=n, epochs=1, shuffle=False, micro_batch_size=1, temperature=0.7, policy=pl,
+                         packed=False)
+    vl = UpdateSettings(mini_batch_size=n, epochs=1, shuffle=False, micro_batch_size=1, temperature=1.0,
+                        value=ValueLoss(agg_mode="token-mean", cliprange_value=0.5), packed=False)
+    return fwd, upd, vl
+
+
+def job(kind, stage, src, port):
+    import torch.distributed as dist
+
+    from trainer.algos.losses import batch_norm_counts
+    from trainer.workers.dataplane import StepData, Transport
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    common = dict(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=src)
+    if kind == "megatron":
+        from trainer.workers.megatron_worker import MegatronWorker
+
+        actor = MegatronWorker(role="actor", optim=OPTIM, **common)
+        critic = MegatronWorker(role="critic", optim=OPTIM, **common)
+    else:
+        from megatron_bridge import cpu_shims
+
+        from trainer.workers.deepspeed_worker import DeepSpeedWorker
+
+        cpu_shims.uninstall_mode()  # the spawn helper set megatron up; a DeepSpeed rank runs plain torch
+
+        actor = DeepSpeedWorker(role="actor", optim=OPTIM, zero_stage=stage, **common)
+        critic = DeepSpeedWorker(role="critic", optim=OPTIM, zero_stage=stage, **common)
+    batch = _batch()
+    n = batch.num_samples
+    fwd, upd, vl = _settings(n)
+    data = StepData(batch, Transport(in_process=True))
+    whole = data.shards(1)[0]
+    before = torch.as_tensor(actor.log_probs(whole, settings=fwd, key="lp", entropy=True)[0]["lp"])
+    old = before.clone()  # the old policy = the start of the step
+    counts = [tuple(float(c) for c in batch_norm_counts(batch.response_mask, "token-mean"))]
+    part = data.partition(world)
+    mine = data.shards(world)[rank]
+    extras = data.scatter(world, {"advantages": batch.advantages, "old_log_probs": old})[rank]
+    rows = [list(range(len(part.rows[rank])))]
+    res = actor.update_actor(mine, rows, extras, settings=upd, counts=counts)
+    after = torch.as_tensor(actor.log_probs(whole, settings=fwd, key="lp")[0]["lp"])
+    values = torch.as_tensor(critic.values(whole, settings=fwd)["values"])
+    cx = data.scatter(world, {"values": batch.values, "returns": batch.returns})[rank]
+    cres = critic.update_critic(mine, rows, cx, settings=vl, counts=counts)
+    values_after = torch.as_tensor(critic.values(whole, settings=fwd)["values"])
+    return {"before": before, "after": after, "metrics": res["metrics"], "values": values,
+            "values_after": values_after, "critic_metrics": cres["metrics"]}
+
+
+def _run(kind, stage, src, world):
+    from megatron_bridge.launch import find_free_port, spawn
+
+    out = spawn(job, world, kind, stage, src, find_free_port())
+    from trainer.workers.metrics import reduce_partials
+
+    m = reduce_partials([o["metrics"] for o in out], world)[0]
+    cm = reduce_partials([o["critic_metrics"] for o in out], world)[0]
+    return out[0], m, cm
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    src = str(tmp_path_factory.mktemp("ds") / "m")
+    make_hf("qwen2", src, seed=35, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=56, num_hidden_layers=2, tie_word_embeddings=True)
+    return src
+
+
+@pytest.fixture(scope="module")
+def megatron_ref(model_dir):
+    return _run("megatron", 0, model_dir, 1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_megatron_tp1(stage, model_dir, megatron_ref):
+    ref, m_ref, cm_ref = megatron_ref
+    out, m, cm = _run("deepspeed", stage, model_dir, 2)
+    mask = _batch().response_mask.bool()
+    torch.testing.assert_close(out["before"][mask], ref["before"][mask], atol=2e-5, rtol=0)
+    assert (out["before"][~mask] == 0).all()
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy_loss"):
+        assert m[k] == pytest.approx(m_ref[k], rel=1e-4, abs=1e-6), (k, m[k], m_ref[k])
+    assert m["actor/grad_norm"] > OPTIM["clip_grad"]  # the clipping binds: its semantics are compared too
+    moved = (out["after"] - out["before"])[mask].abs().max()
+    assert moved > 1e-3  # the step changed the policy ...
+    torch.testing.assert_close(out["after"][mask], ref["after"][mask], atol=5e-5, rtol=0)  # ... exactly as megatron's
+    torch.testing.assert_close(out["values"][mask], ref["values"][mask], atol=2e-5, rtol=0)
+    for k in ("critic/vf_loss", "critic/grad_norm"):
+        assert cm[k] == pytest.approx(cm_ref[k], rel=1e-4, abs=1e-6), (k, cm[k], cm_ref[k])
+    torch.testing.assert_close(out["values_after"][mask], ref["values_after"][mask], atol=5e-5, rtol=0)
