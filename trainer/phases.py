@@ -77,6 +77,9 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
     batch.token_level_scores = tls.float()
     batch.scores = scores
     for key in reward_keys:
+        if key in ("score", "acc"):  # the manager keeps these two out of the per-sample extras
+            batch.set_meta(f"reward_component/{key}", [float(x) for x in extras["scores" if key == "score" else "acc"]])
+            continue
         per = extras["per_sample"]
         if not any(d.get(key) is not None for d in per):
             have = sorted({k for d in per for k, v in d.items() if v is not None} - {"reward_status"})
