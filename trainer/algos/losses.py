@@ -130,8 +130,8 @@ Padding: every input is read only where ``response_mask`` is set (selected with 
 multiplied by the mask), so NaN/inf log-probs, advantages or IS weights in padded positions reach
 neither the loss, the metrics nor the gradient.
 
-Deviations from verl's implementations (all deliberate): ``clip_cov``/``kl_cov``/``geo_mean`` clamp Δ to
-±20 like the others; ``gspo`` and ``geo_mean`` honour the ``agg.mode`` they are given (their default
+Deviations from verl's implementations (all deliberate): ``clip_cov``/``kl_cov``/``geo_mean``/``dro`` clamp Δ
+to ±20 like the others; ``gspo`` and ``geo_mean`` honour the ``agg.mode`` they are given (their default
 ``agg`` is the papers' ``seq-mean-token-mean``) and use the global counts; ``geo_mean`` applies IS weights per token before
 aggregation (an arithmetic mean over the sequence, where verl takes a geometric one; identical for
 sequence-level weights); ``pg_clipfrac`` keeps its meaning in every loss (Clip-Cov's own fraction is
