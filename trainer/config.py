@@ -61,6 +61,16 @@ class DataConfig:
 # actor / rollout / ref
 # ----------------------------------------------------------------------------------------------
 @dataclass
+class DeepSpeedConfig:
+    """A role's DeepSpeed settings (used when its ``strategy=deepspeed``; its ``megatron`` section is then not used)."""
+    zero_stage: int = 2  # ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters (over the role's data-parallel ranks)
+    dtype: Optional[str] = None  # float32 | bfloat16 | float16; None = the role's megatron.dtype (the same precision either way)
+    param_offload: bool = False  # ZeRO-Offload of parameters to CPU memory (stage 3, CUDA only; refused with trainer.device=cpu)
+    optimizer_offload: bool = False  # ZeRO-Offload of optimizer states to CPU memory (CUDA only; refused with trainer.device=cpu)
+    seed: int = 42  # torch seed of the role's ranks
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1  # TP degree
     pipeline_model_parallel_size: int = 1  # PP degree
@@ -178,6 +188,7 @@ class ActorConfig:
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # policy-loss variant
     optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor parallelism
+    deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision, offload
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay (R3)
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # checkpoint contents
 
@@ -189,6 +200,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack reference micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per reference micro-batch
     megatron: MegatronConfig = field(default_factory=lambda: RefMegatronConfig())  # reference parallelism (follows the actor's, as in verl)
+    deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay in the reference forward (R3)
 
 
@@ -279,6 +291,7 @@ class CriticConfig:
     cliprange_value: float = 0.5  # value clipping range
     loss_agg_mode: str = "${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}"  # aggregation of the value loss
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # critic parallelism
+    deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision, offload
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,6 +594,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
         ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl",
          "cpgd", "bypass_mode"), True),
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
+    "actor_rollout_ref.ref.strategy": (("megatron", "deepspeed"), False),
+    "critic.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
     "async_training.mode": (("sync", "one_step_off", "fully_async"), False),
@@ -916,6 +931,57 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
     return ld.cfg
 
 
+def deepspeed_roles(cfg) -> dict:
+    """The roles that train (or score) on DeepSpeed: ``{prefix: (role section, its deepspeed_config)}``."""
+    arr = cfg.actor_rollout_ref
+    roles = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref, "critic": cfg.critic}
+    return {k: v for k, v in roles.items() if v.strategy == "deepspeed"}
+
+
+def deepspeed_errors(cfg) -> list[str]:
+    """What the DeepSpeed strategy cannot take, per role, with the reason."""
+    errs = []
+    arr = cfg.actor_rollout_ref
+    default = DeepSpeedConfig()
+    for prefix, role in (("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic)):
+        if role.strategy != "deepspeed":
+            changed = sorted(k for k in vars(default) if role.deepspeed_config[k] != getattr(default, k))
+            if changed:
+                errs.append(f"{prefix}.deepspeed_config.{{{', '.join(changed)}}} set, but {prefix}.strategy="
+                            f"{role.strategy}: set {prefix}.strategy=deepspeed, or remove them.")
+    for prefix, role in deepspeed_roles(cfg).items():
+        ds, mg = role.deepspeed_config, role.megatron
+        if ds.zero_stage not in (1, 2, 3):
+            errs.append(f"{prefix}.deepspeed_config.zero_stage={ds.zero_stage}: use 1, 2 or 3 (stage 0 is plain data "
+                        f"parallelism; the megatron strategy does that too).")
+        dt = ds.dtype or mg.dtype
+        if dt not in ("float32", "bfloat16", "float16"):
+            errs.append(f"{prefix}.deepspeed_config.dtype={dt!r}: use float32, bfloat16 or float16.")
+        sizes = {"tensor_model_parallel_size": mg.tensor_model_parallel_size,
+                 "pipeline_model_parallel_size": mg.pipeline_model_parallel_size,
+                 "context_parallel_size": mg.context_parallel_size,
+                 "expert_model_parallel_size": mg.expert_model_parallel_size}
+        big = {k: v for k, v in sizes.items() if v not in (None, 1)}
+        if big or mg.virtual_pipeline_model_parallel_size not in (None, 1):
+            errs.append(f"{prefix}.strategy=deepspeed shards by ZeRO over data parallelism only, but {prefix}.megatron "
+                        f"asks for model parallelism {big or {'virtual_pipeline_model_parallel_size': mg.virtual_pipeline_model_parallel_size}}: "
+                        f"set those to 1, or use strategy=megatron.")
+        if (ds.param_offload or ds.optimizer_offload) and cfg.trainer.device == "cpu":
+            errs.append(f"{prefix}.deepspeed_config.param_offload / optimizer_offload move state from the GPU to CPU "
+                        f"memory; with trainer.device=cpu everything already is there: remove them.")
+        if ds.param_offload and ds.zero_stage != 3:
+            errs.append(f"{prefix}.deepspeed_config.param_offload needs zero_stage=3 (DeepSpeed offloads parameters "
+                        f"only when it partitions them).")
+        if getattr(role, "router_replay", None) is not None and role.router_replay.mode != "disabled":
+            errs.append(f"{prefix}.router_replay with strategy=deepspeed: routing replay is built into the megatron "
+                        f"routers only; use strategy=megatron for MoE routing replay.")
+        optim = getattr(role, "optim", None)
+        if optim is not None and prefix != "actor_rollout_ref.ref" and optim.optimizer != "adam":
+            errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy=deepspeed: the DeepSpeed strategy "
+                        f"trains with AdamW (optimizer=adam).")
+    return errs
+
+
 # megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
 RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 # megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
@@ -1175,6 +1241,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
                     f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
 
+    errs.extend(deepspeed_errors(cfg))
     sf = cfg.reward_model.sandbox_fusion
     if sf.url is not None and not str(sf.url).startswith(("http://", "https://")):
         errs.append(f"reward_model.sandbox_fusion.url={sf.url!r} must be an http(s) URL of the service's run_code endpoint.")

@@ -178,9 +178,6 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("async_training.partial_rollout", lambda v, c: bool(v), "partial rollouts are not built yet (issue #18)"),
     ("async_training.require_batches", lambda v, c: v != 1, "belongs to fully asynchronous training, not built yet "
      "(issue #18)"),
-    ("actor_rollout_ref.actor.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
-    ("actor_rollout_ref.ref.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
-    ("critic.strategy", lambda v, c: v != "megatron", "the DeepSpeed strategy is not built yet (issue #17)"),
     ("reward_model.enable", lambda v, c: bool(v), "learned reward models are not built yet (issue #20); "
                                                   "rule-based scorers (custom_reward_function) are"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v) and bool(

@@ -15,7 +15,8 @@ from trainer.config import moe_settings, recompute_settings
 from trainer.plan import need_critic, need_ref
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
-from trainer.workers.hybrid_worker import HybridWorker
+from trainer.workers.deepspeed_worker import DeepSpeedWorker
+from trainer.workers.hybrid_worker import DeepSpeedHybridWorker, HybridWorker
 from trainer.workers.megatron_worker import MegatronWorker
 from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup
 from trainer.workers.rollout_worker import RolloutWorker
@@ -98,6 +99,20 @@ class Cluster:
             return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
                         self.transport)
 
+        def dsgroup(kind, name: str, rcfg, role: str, optim: dict | None, path: str, cls=DeepSpeedWorker, extra=None,
+                    checkpointing: bool = False):
+            """A role on the DeepSpeed strategy: ZeRO over all ``world`` ranks (data parallel only)."""
+            ds = rcfg.deepspeed_config
+            port = find_free_port()
+            kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
+                        zero_stage=ds.zero_stage, params_dtype=ds.dtype or rcfg.megatron.dtype, optim=optim, seed=ds.seed,
+                        num_threads=share(world), gradient_checkpointing=checkpointing and optim is not None,
+                        offload_params=bool(ds.param_offload), offload_optimizer=bool(ds.optimizer_offload),
+                        **(extra or {}))
+                   for i in range(world)]
+            return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
+                        self.transport)
+
         max_len = r.prompt_length + r.response_length  # the engines' context: prompt cap + response budget
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
@@ -112,24 +127,31 @@ class Cluster:
         self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode == "sync"
                        and r.name == "native" and n_eng == world)
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
-        self.actor = mgroup(
-            ActorGroup, "actor", a.megatron, "actor",
-            bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps, use_dist=a.megatron.use_distributed_optimizer),
-            model_path, *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()),
-            checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
-            routing_replay=a.router_replay.mode == "R3")
+        actor_optim = bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps,
+                                   use_dist=a.megatron.use_distributed_optimizer)
+        ckpt_act = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
+        if a.strategy == "deepspeed":
+            self.actor = dsgroup(ActorGroup, "actor", a, "actor", actor_optim, model_path,
+                                 *((DeepSpeedHybridWorker, dict(rollout=rkw)) if self.hybrid else ()),
+                                 checkpointing=ckpt_act)
+        else:
+            self.actor = mgroup(ActorGroup, "actor", a.megatron, "actor", actor_optim, model_path,
+                                *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()), checkpointing=ckpt_act,
+                                routing_replay=a.router_replay.mode == "R3")
         self.ref = None
         if need_ref(cfg):
-            self.ref = mgroup(RefGroup, "ref", cfg.actor_rollout_ref.ref.megatron, "ref", None, model_path,
-                              routing_replay=cfg.actor_rollout_ref.ref.router_replay.mode == "R3")
+            rf = cfg.actor_rollout_ref.ref
+            self.ref = (dsgroup(RefGroup, "ref", rf, "ref", None, model_path) if rf.strategy == "deepspeed" else
+                        mgroup(RefGroup, "ref", rf.megatron, "ref", None, model_path,
+                               routing_replay=rf.router_replay.mode == "R3"))
         self.critic = None
         if need_critic(cfg):
             c = cfg.critic
-            self.critic = mgroup(
-                CriticGroup, "critic", c.megatron, "critic",
-                bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
-                             use_dist=c.megatron.use_distributed_optimizer),
-                c.model.path or model_path, checkpointing=c.model.enable_gradient_checkpointing)
+            c_optim = bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
+                                   use_dist=c.megatron.use_distributed_optimizer)
+            make = dsgroup if c.strategy == "deepspeed" else mgroup
+            self.critic = make(CriticGroup, "critic", c if c.strategy == "deepspeed" else c.megatron, "critic", c_optim,
+                               c.model.path or model_path, checkpointing=c.model.enable_gradient_checkpointing)
         bucket = r.update_weights_bucket_megabytes << 20
         # colocated engines give their memory back while the trainer runs
         free = self.colocated and r.free_cache_engine

@@ -110,7 +110,7 @@ class DeepSpeedWorker(MegatronWorker):
         cfg = ds_config(zero_stage=zero_stage, dtype=params_dtype, clip_grad=(optim or {}).get("clip_grad", 0.0),
                         offload_params=offload_params, offload_optimizer=offload_optimizer)
         if optim is None:  # reference: forward only (ZeRO-3 still partitions the parameters)
-            self.engine = deepspeed.initialize(model=self.model, config=cfg)[0] if self.zero_stage == 3 else None
+            self.ds_engine = deepspeed.initialize(model=self.model, config=cfg)[0] if self.zero_stage == 3 else None
             self.scheduler = None
             return
         from megatron_bridge.train import OptimConfig, make_scheduler
@@ -125,7 +125,7 @@ class DeepSpeedWorker(MegatronWorker):
                   {"params": no_decay, "weight_decay": 0.0}]
         opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.optim.lr,
                                 betas=(self.optim.adam_beta1, self.optim.adam_beta2), eps=self.optim.adam_eps)
-        self.engine, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=opt, config=cfg)
+        self.ds_engine, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=opt, config=cfg)
         # megatron's schedule object drives the learning rate of every group (the same numbers as the megatron path)
         self.scheduler = make_scheduler(self.ds_optimizer, self.optim)
 
@@ -152,7 +152,7 @@ class DeepSpeedWorker(MegatronWorker):
         return model
 
     def _module(self):
-        return self.engine.module if self.engine is not None else self.model
+        return self.ds_engine.module if self.ds_engine is not None else self.model
 
     def _micro_batches(self, batch, settings, fields):
         from dataclasses import replace
@@ -168,7 +168,7 @@ class DeepSpeedWorker(MegatronWorker):
         valid[torch.arange(ids.shape[0]), first] = False
         # through the engine, not its module: its forward also advances ZeRO-3's micro-step counter, without
         # which every micro-batch's gradient would overwrite the previous one instead of adding to it
-        model = self.engine if self.engine is not None else self.model
+        model = self.ds_engine if self.ds_engine is not None else self.model
         out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False)
         logits = out.logits.float()
 
@@ -203,7 +203,7 @@ class DeepSpeedWorker(MegatronWorker):
 
     def _train_step(self, mbs, loss_fn, *, temperature: float = 1.0, with_entropy: bool = False,
                     entropy_grad: bool = True) -> dict:
-        eng = self.engine
+        eng = self.ds_engine
         eng.train()
         total = 0.0
         for i, mb in enumerate(mbs):
@@ -225,7 +225,7 @@ class DeepSpeedWorker(MegatronWorker):
     # ------------------------------------------------------------------ weights
     @contextmanager
     def _gathered(self, params):
-        if self.zero_stage == 3 and self.engine is not None:
+        if self.zero_stage == 3 and self.ds_engine is not None:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
@@ -257,20 +257,20 @@ class DeepSpeedWorker(MegatronWorker):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
-        if self.engine is None or self.scheduler is None:
+        if self.ds_engine is None or self.scheduler is None:
             return ckpt_dir
         os.makedirs(ckpt_dir, exist_ok=True)
-        self.engine.save_checkpoint(ckpt_dir, tag="deepspeed", client_state={"scheduler": self.scheduler.state_dict()},
+        self.ds_engine.save_checkpoint(ckpt_dir, tag="deepspeed", client_state={"scheduler": self.scheduler.state_dict()},
                                     save_latest=False)
         return ckpt_dir
 
     def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
-        if self.engine is None or self.scheduler is None:
+        if self.ds_engine is None or self.scheduler is None:
             return {}
         if not os.path.isdir(os.path.join(ckpt_dir, "deepspeed")):
             raise FileNotFoundError(f"{ckpt_dir} holds no DeepSpeed checkpoint (expected {ckpt_dir}/deepspeed): it "
                                     f"was saved by another strategy; resume with the strategy that saved it")
-        _, client = self.engine.load_checkpoint(ckpt_dir, tag="deepspeed",
+        _, client = self.ds_engine.load_checkpoint(ckpt_dir, tag="deepspeed",
                                                 load_optimizer_states="optimizer" in contents,
                                                 load_lr_scheduler_states=False, load_module_strict=True)
         if "extra" in contents and client and "scheduler" in client:

@@ -24,6 +24,7 @@ import threading
 
 import torch
 
+from trainer.workers.deepspeed_worker import DeepSpeedWorker
 from trainer.workers.megatron_worker import MegatronWorker, combine_digests, resident
 from trainer.workers.rollout_worker import RolloutWorker
 
@@ -99,3 +100,7 @@ class HybridMixin:
 
 class HybridWorker(HybridMixin, MegatronWorker):
     """A megatron actor rank with its colocated engine."""
+
+
+class DeepSpeedHybridWorker(HybridMixin, DeepSpeedWorker):
+    """A DeepSpeed actor rank with its colocated engine (ZeRO-3 gathers each parameter for the copy)."""
