@@ -414,6 +414,9 @@ def test_uniform_kwargs_and_zero_outside_mask(name):
         reward_baselines=base,
         epsilon=1e-6,
         some_future_key="ignored",
+        # the optimal token baselines' inputs (log pi of the sampled token, sum_v pi(v)^2)
+        old_log_probs=-torch.rand_like(r) * 2,
+        sum_pi_squared=torch.rand_like(r) * 0.5,
     )
     adv, ret = get_adv_estimator(name)(**kw)
     assert adv.shape == ret.shape == r.shape
@@ -541,11 +544,15 @@ def test_permuting_samples_permutes_advantages(seed, perm_seed):
     index = groups_of_three(r.shape[0], seed)  # no singleton for pass@k
     perm = torch.randperm(r.shape[0], generator=torch.Generator().manual_seed(perm_seed))
     kw = dict(gamma=0.9, lam=0.8, norm_adv_by_std_in_grpo=True)
+    g = torch.Generator().manual_seed(seed)
+    lp_old = -torch.rand(r.shape, generator=g, dtype=r.dtype) * 2  # the optimal token baselines' inputs
+    spp = torch.rand(r.shape, generator=g, dtype=r.dtype) * 0.5
     for name, fn in ADV_ESTIMATORS.items():
-        a, ret = fn(token_level_rewards=r, response_mask=m, index=index, values=v, reward_baselines=base, **kw)
+        a, ret = fn(token_level_rewards=r, response_mask=m, index=index, values=v, reward_baselines=base,
+                    old_log_probs=lp_old, sum_pi_squared=spp, **kw)
         ap, retp = fn(
             token_level_rewards=r[perm], response_mask=m[perm], index=index[perm], values=v[perm],
-            reward_baselines=base[perm], **kw,
+            reward_baselines=base[perm], old_log_probs=lp_old[perm], sum_pi_squared=spp[perm], **kw,
         )
         torch.testing.assert_close(ap, a[perm], rtol=1e-9, atol=1e-9, msg=name)
         torch.testing.assert_close(retp, ret[perm], rtol=1e-9, atol=1e-9, msg=name)

@@ -376,6 +376,43 @@ def ref_tokens(name, old, lp, adv, mask, kw):
             abar = sum(float(adv[i, t]) for t in ts) / len(ts)
             for t in ts:
                 out[(i, t)] = -abar * rho
+    elif name == "sapo":
+        for i in range(B):
+            for t in _valid(mask, i):
+                a = float(adv[i, t])
+                tau = kw["tau_pos"] if a > 0 else kw["tau_neg"]
+                r = torch.exp(torch.clamp(lp[i, t] - old[i, t], -20, 20))
+                out[(i, t)] = -a * torch.sigmoid(tau * (r - 1)) * 4 / tau
+    elif name == "dro":
+        for i in range(B):
+            for t in _valid(mask, i):
+                d = torch.clamp(lp[i, t] - old[i, t], -20, 20)
+                out[(i, t)] = -(float(adv[i, t]) * lp[i, t] - 0.5 * kw["dro_beta"] * d * d)
+    elif name in ("dppo_tv", "dppo_kl"):
+        for i in range(B):
+            for t in _valid(mask, i):
+                a, x, o = float(adv[i, t]), float(lpd[i, t]), float(old[i, t])
+                p, q = math.exp(x), math.exp(o)
+                if name == "dppo_tv":
+                    keep = (p - q <= eps_h) if a > 0 else (p - q >= -eps_l)
+                else:
+                    # these inputs have some log-probs > 0 (p > 1): the binary KL is then undefined (NaN),
+                    # every comparison with it is false, and only the direction test can keep the token
+                    bkl = (q * (o - x) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                           if 1 - p + 1e-8 > 0 else float("nan"))
+                    keep = (bkl <= eps_h or p <= q) if a > 0 else (bkl <= eps_l or p >= q)
+                w = min(math.exp(_clampf(x - o, -20, 20)), kw["clip_ratio_c"])  # a plain float: no gradient
+                out[(i, t)] = -a * w * lp[i, t] * float(keep)
+    elif name == "cpgd":
+        for i in range(B):
+            for t in _valid(mask, i):
+                a = float(adv[i, t])
+                d = torch.clamp(lp[i, t] - old[i, t], -20, 20)
+                if a > 0 and float(d.detach()) > math.log(1 + eps_h):
+                    d = t64(math.log(1 + eps_h))  # capped: a constant
+                elif a < 0 and float(d.detach()) < math.log(1 - eps_l):
+                    d = t64(math.log(1 - eps_l))
+                out[(i, t)] = -a * d
     else:
         raise KeyError(name)
     return out
@@ -384,6 +421,7 @@ def ref_tokens(name, old, lp, adv, mask, kw):
 LOSS_KW = dict(
     clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
     clip_cov_ratio=1.0, clip_cov_lb=-0.3, clip_cov_ub=0.3, kl_cov_ratio=0.2, ppo_kl_coef=0.7,
+    tau_pos=1.3, tau_neg=1.7, dro_beta=0.4,  # sapo, dro (cpgd's drift term is tested in test_more_losses.py)
 )
 
 
@@ -429,7 +467,8 @@ def test_loss_matches_loop_reference(name, mode, with_weights):
     per_tok = ref_tokens(name, old, lp_ref, adv, mlist, LOSS_KW)
     if with_weights:
         per_tok = {k: v * float(w[k]) for k, v in per_tok.items()}
-    ref = ref_agg(per_tok, mlist, mode, norm)
+    # SAPO always aggregates seq-mean-token-mean (the paper's objective; verl does the same)
+    ref = ref_agg(per_tok, mlist, "seq-mean-token-mean" if name == "sapo" else mode, norm)
     ref.backward()
 
     assert close(loss, ref), (float(loss), float(ref))
