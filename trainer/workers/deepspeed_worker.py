@@ -160,8 +160,12 @@ class DeepSpeedWorker(MegatronWorker):
         # HF attention on CPU has no packed (THD) path: padded rows, the same tokens and numbers
         return super()._micro_batches(batch, replace(settings, packed=False), fields)
 
+    def _device(self) -> torch.device:
+        return self.ds_engine.device if self.ds_engine is not None else next(self.model.parameters()).device
+
     def _outputs(self, mb: dict, *, temperature: float, with_entropy: bool, entropy_grad: bool = True) -> dict:
-        ids, am = mb["input_ids"], mb["attention_mask"].long()
+        dev = self._device()
+        ids, am = mb["input_ids"].to(dev), mb["attention_mask"].long().to(dev)
         pos = (am.cumsum(-1) - 1).clamp_min(0)
         valid = am.bool().clone()
         first = am.argmax(-1)  # each row's first real token: nothing scores it
@@ -196,8 +200,8 @@ class DeepSpeedWorker(MegatronWorker):
         m.eval()
         try:
             with torch.no_grad():
-                return [{k: v.float() for k, v in self._outputs(mb, temperature=temperature,
-                                                                with_entropy=with_entropy).items()} for mb in mbs]
+                return [{k: v.float().cpu() for k, v in self._outputs(mb, temperature=temperature,
+                                                                      with_entropy=with_entropy).items()} for mb in mbs]
         finally:
             m.train(was)
 
@@ -209,7 +213,8 @@ class DeepSpeedWorker(MegatronWorker):
         for i, mb in enumerate(mbs):
             eng.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             outs = self._outputs(mb, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
-            loss, _ = loss_fn(outs, mb)
+            dev = self._device()  # the loss reads the micro-batch's fields beside the outputs, on their device
+            loss, _ = loss_fn(outs, {k: v.to(dev) if torch.is_tensor(v) else v for k, v in mb.items()})
             eng.backward(loss)
             total += float(loss.detach())
         lr = float(self.ds_optimizer.param_groups[0]["lr"])
