@@ -88,7 +88,13 @@ class DeepSpeedWorker(MegatronWorker):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         import deepspeed
+        import deepspeed.ops
         import torch.distributed as dist
+
+        if not use_cuda:
+            # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce kernel (C++, tens of
+            # seconds, a compiler needed) at start-up; training reduces through gloo and never uses it
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False,
@@ -101,7 +107,7 @@ class DeepSpeedWorker(MegatronWorker):
                      "vpp_size": 1, "cp_rank": 0, "cp_size": 1, "ep_rank": 0, "ep_size": 1}
         self.routing_replay = False
         self.zero_stage = int(zero_stage)
-        self.is_critic = role == "critic"
+        self.is_critic = role in ("critic", "reward")  # a reward model reads its score through the value path
         self.model = self._load_model(model_path, _dtype(params_dtype))
         if gradient_checkpointing and optim is not None:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -139,9 +145,18 @@ class DeepSpeedWorker(MegatronWorker):
 
         cfg = AutoConfig.from_pretrained(path, num_labels=1)
         cfg.classifier_dropout = 0.0  # the megatron critic has no dropout before its head
+        if self.role == "reward":  # its trained head or nothing (trainer.rewards.reward_model)
+            from trainer.rewards.reward_model import check_score_head
+
+            check_score_head(path, cfg.hidden_size)
         model, info = AutoModelForTokenClassification.from_pretrained(path, config=cfg, dtype=dtype,
                                                                       output_loading_info=True)
-        if any(k.startswith("score.") for k in info.get("missing_keys", [])):
+        if self.role == "reward":
+            # a *ForSequenceClassification head has no bias; the token-classification head has one: 0
+            if model.score.bias is not None and "score.bias" in info.get("missing_keys", []):
+                with torch.no_grad():
+                    model.score.bias.zero_()
+        elif any(k.startswith("score.") for k in info.get("missing_keys", [])):
             # no trained head in the checkpoint: the megatron critic's init (megatron_bridge.model.ValueHead)
             h = model.config.hidden_size
             g = torch.Generator().manual_seed(0)
