@@ -48,10 +48,6 @@ import torch
 
 from trainer.workers.megatron_worker import MegatronWorker
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "generation_config.json", "chat_template.jinja", "added_tokens.json")
-
-
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
@@ -302,6 +298,8 @@ class DeepSpeedWorker(MegatronWorker):
         from safetensors.torch import save_file
 
         import torch.distributed as dist
+
+        from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
 
         state = {n: t.cpu().contiguous() for n, t in self._hf_params()}
         writer = self.rank == 0
