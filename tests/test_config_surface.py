@@ -71,6 +71,7 @@ DELIBERATE = {
     "critic.model.path", "critic.model.tokenizer_path",  # None = the actor's model
     "critic.ppo_micro_batch_size_per_gpu",  # None, as verl's (which interpolates its legacy global size, also None)
     "data.train_files", "data.val_files",  # None = the shipped synthetic task
+    "reward_model.model.path",  # None: verl's placeholder path names no real model; required with reward_model.enable
 }
 
 

@@ -318,14 +318,37 @@ class SandboxConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None  # HF *ForSequenceClassification checkpoint (num_labels=1, head 'score'); required with reward_model.enable
+    input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"  # the tokenizer of the token ids the RM reads: the actor's (or null); another one (re-tokenisation) is refused
+
+
+@dataclass
+class RewardModelMegatronConfig(MegatronConfig):
+    """The reward model's megatron layout: verl's ``reward_model.megatron`` defaults (its own TP / PP, no optimizer)."""
+    use_distributed_optimizer: bool = False  # no optimizer: forward only (verl's default)
+    seed: int = _follow_actor("seed", 42)  # megatron's model-parallel RNG seed
+    use_remove_padding: bool = _follow_actor("use_remove_padding", "True")  # packed THD sequences in the reward model's forward
+    override_transformer_config: Dict[str, Any] = field(default_factory=lambda: _follow_actor("override_transformer_config", "{}"))  # megatron TransformerConfig overrides
+
+
+@dataclass
 class RewardModelConfig:
-    enable: bool = False  # use a learned reward model (else rule-based scorers)
+    enable: bool = False  # score responses with a learned reward model: its score is the reward (verl's rule); the rule-based scorer still gives reward/acc
+    strategy: str = "megatron"  # megatron | deepspeed: how the reward model's forward is sharded
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)  # the reward model's checkpoint
+    micro_batch_size: Optional[int] = None  # legacy global micro-batch; use micro_batch_size_per_gpu
+    micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward on one rank (required unless use_dynamic_bsz)
+    use_dynamic_bsz: bool = "${critic.use_dynamic_bsz}"  # fill reward-model micro-batches up to a token budget instead of a count
+    forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # token budget per reward-model micro-batch when use_dynamic_bsz
+    max_length: Optional[int] = None  # verl's truncation of re-tokenised RM inputs: not built (refused when set); the RM reads the actor's ids whole
+    megatron: MegatronConfig = field(default_factory=lambda: RewardModelMegatronConfig())  # strategy=megatron: the reward model's parallelism
+    deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision
     reward_manager: str = "naive"  # naive | prime | dapo | batch: verl's reward managers (trainer/rewards/manager.py)
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # the manager's keywords: dapo: max_resp_len, overlong_buffer_cfg.{enable,len,penalty_factor,log}; batch: passed to the batch scorer
     num_workers: int = 1  # scorer processes (0 = score in the trainer process)
     timeout: float = 10.0  # per-sample scorer timeout in seconds
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO shaping
-    model: Dict[str, Any] = field(default_factory=dict)  # reward-model settings (path, ...)
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)  # verl's remote code sandbox
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the local code sandbox
 
@@ -575,6 +598,38 @@ def _reward_errors(cfg) -> list[str]:
     return errs
 
 
+def _reward_model_errors(cfg) -> list[str]:
+    """A learned reward model (``reward_model.enable``): its checkpoint, micro-batching, and what does not
+    combine with it (trainer/rewards/reward_model.py states the rule)."""
+    rm, errs = cfg.reward_model, []
+    if not rm.enable:
+        if rm.model.path is not None:
+            errs.append(f"reward_model.model.path={rm.model.path} is set but reward_model.enable=false, so nothing would "
+                        f"read it: set reward_model.enable=true to score with it, or remove the line.")
+        return errs
+    if not rm.model.path:
+        errs.append("reward_model.enable=true needs reward_model.model.path: a Hugging Face *ForSequenceClassification "
+                    "checkpoint with num_labels=1 (its head is named 'score') that reads the actor's token ids.")
+    size = rm.micro_batch_size_per_gpu
+    if size is None and not rm.use_dynamic_bsz:
+        errs.append("reward_model.micro_batch_size_per_gpu is not set: give responses per reward-model forward "
+                    "(reward_model.micro_batch_size_per_gpu=N) or fill micro-batches by a token budget "
+                    "(reward_model.use_dynamic_bsz=true with reward_model.forward_max_token_len_per_gpu), as verl requires.")
+    elif size is not None and size < 1:
+        errs.append(f"reward_model.micro_batch_size_per_gpu={size} must be >= 1.")
+    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu < 1:
+        errs.append(f"reward_model.forward_max_token_len_per_gpu={rm.forward_max_token_len_per_gpu} must be >= 1.")
+    ob = (OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}).get("overlong_buffer_cfg") or {}
+    if rm.overlong_buffer.enable or ob.get("enable"):
+        errs.append("DAPO overlong shaping (reward_model.overlong_buffer / reward_kwargs.overlong_buffer_cfg) with "
+                    "reward_model.enable=true: verl's reward managers return the reward model's score unchanged, so "
+                    "verl never shapes it; shaping a learned score is not built. Remove one of the two.")
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        errs.append("reward_model.enable=true with actor_rollout_ref.rollout.multi_turn.enable=true: an episode's reward "
+                    "is the environment's return; scoring whole episodes with a reward model is not built.")
+    return errs
+
+
 # Enumerated string fields: key -> allowed values (a "pkg.module:function" is also allowed where noted).
 CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "algorithm.adv_estimator": (
@@ -596,6 +651,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.ref.strategy": (("megatron", "deepspeed"), False),
     "critic.strategy": (("megatron", "deepspeed"), False),
+    "reward_model.strategy": (("megatron", "deepspeed"), False),
     "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
     "async_training.mode": (("sync", "one_step_off", "fully_async"), False),
@@ -934,7 +990,8 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
 def deepspeed_roles(cfg) -> dict:
     """The roles that train (or score) on DeepSpeed: ``{prefix: (role section, its deepspeed_config)}``."""
     arr = cfg.actor_rollout_ref
-    roles = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref, "critic": cfg.critic}
+    roles = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref, "critic": cfg.critic,
+             "reward_model": cfg.reward_model}
     return {k: v for k, v in roles.items() if v.strategy == "deepspeed"}
 
 
@@ -943,7 +1000,8 @@ def deepspeed_errors(cfg) -> list[str]:
     errs = []
     arr = cfg.actor_rollout_ref
     default = DeepSpeedConfig()
-    for prefix, role in (("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic)):
+    for prefix, role in (("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic),
+                         ("reward_model", cfg.reward_model)):
         if role.strategy != "deepspeed":
             changed = sorted(k for k in vars(default) if role.deepspeed_config[k] != getattr(default, k))
             if changed:
@@ -1109,8 +1167,10 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     if d.gen_batch_size is not None and d.gen_batch_size < 1:
         errs.append(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null for data.train_batch_size).")
 
+    rm = cfg.reward_model
     for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
-                       ("critic", cfg.critic.megatron)):
+                       ("critic", cfg.critic.megatron),
+                       *([("reward_model", rm.megatron)] if rm.enable and rm.strategy == "megatron" else [])):
         bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
         if bad:
             errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
@@ -1252,6 +1312,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     if ob.enable and not (0 < ob.len <= d.max_response_length):
         errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
     errs.extend(_reward_errors(cfg))
+    errs.extend(_reward_model_errors(cfg))
 
     bad_loggers = [x for x in cfg.trainer.logger if x not in LOGGERS]
     if bad_loggers:

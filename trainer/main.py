@@ -58,7 +58,8 @@ def resolve_model_paths(cfg) -> None:
     """A relative model path that does not exist from the working directory is looked up from the
     repository root, so ``python -m trainer.main`` finds the shipped tiny model from anywhere."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for key in ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path"):
+    for key in ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
+                "reward_model.model.path"):
         val = OmegaConf.select(cfg, key)
         if val and val.startswith("~"):
             OmegaConf.update(cfg, key, val := os.path.expanduser(val))
@@ -118,6 +119,21 @@ def check_model(cfg) -> None:
     if replay and not read_hf_config(arr.model.path).is_moe:
         raise ConfigError(f"{' and '.join(replay)} replays mixture-of-experts routing, but {arr.model.path} is a dense "
                           f"model: remove the router_replay and enable_rollout_routing_replay lines.")
+    if cfg.reward_model.enable:  # before any worker starts: the RM reads the actor's token ids with its trained head
+        from trainer.rewards.reward_model import check_score_head
+
+        path = cfg.reward_model.model.path
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"reward_model.model.path='{path}' is not a Hugging Face model directory (no config.json).")
+        rm_hf, actor_hf = read_hf_config(path), read_hf_config(arr.model.path)
+        if rm_hf.vocab_size != actor_hf.vocab_size:
+            raise ConfigError(f"reward_model.model.path={path} has a vocabulary of {rm_hf.vocab_size} tokens, the actor "
+                              f"{actor_hf.vocab_size}: the reward model reads the actor's token ids, so it needs the "
+                              f"actor's tokenizer (re-tokenisation is not built).")
+        try:
+            check_score_head(path, rm_hf.hidden_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def resume(cluster, state, ckpt_dir: str, load_contents) -> None:
@@ -211,7 +227,9 @@ def train(cfg) -> dict:
                           log_dir=run_dir)
         state.run_id = tracker.run_id
         actor, ref, critic, rollout = cluster.actor, cluster.ref, cluster.critic, cluster.rollout
-        gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds)
+        rm_group = cluster.reward_model  # a learned reward model scores each generated batch (its own shards)
+        score_rm = (lambda b: rm_group.scores(StepData(b, cluster.transport), plan.rm_scores)) if rm_group else None
+        gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds, reward_model=score_rm)
         batches = BatchSource(gen, state, one_step_off=plan.one_step_off, total_steps=plan.total_steps)
         if resume_from and batches.load(resume_from):  # one-step-off: the batch generated during the saved step
             print(f"resumed with the prefetched batch of step {state.step + 1}", flush=True)

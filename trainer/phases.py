@@ -39,12 +39,14 @@ def to_float_metrics(m: dict, prefix: str = "") -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------
 def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids: list[int], params: dict, *,
                     max_prompt_length: int, overlong: dict | None, multi_turn: dict | None = None,
-                    reward_keys: tuple = ()) -> tuple[RolloutBatch, dict]:
+                    reward_keys: tuple = (), reward_model=None) -> tuple[RolloutBatch, dict]:
     """Sample ``n`` responses per prompt, score them, apply overlong shaping; the batch carries
     ``token_level_scores``, ``scores`` and ``acc``. ``multi_turn``: play the agent loop instead
     (:func:`generate_agentic`). ``reward_keys`` (GDPO's ``algorithm.gdpo_reward_keys``): these keys of
     the scorer's returned dict are kept per sample as ``meta["reward_component/<key>"]`` (a sample
-    whose scorer failed gets 0, as its score does)."""
+    whose scorer failed gets 0, as its score does). ``reward_model``: a callable ``batch -> [B]`` RM
+    scores; its score is then the reward and the scorer gives ``acc`` only (verl's rule,
+    :mod:`trainer.rewards.reward_model`)."""
     if multi_turn is not None:
         return generate_agentic(rollout, tokenizer, items, group_ids, params, multi_turn=multi_turn,
                                 max_prompt_length=max_prompt_length)
@@ -63,6 +65,13 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
                                            batch.get_meta("extra_info"), batch.response_mask)
     scores = torch.as_tensor(extras["scores"], dtype=torch.float32)
     batch.acc = torch.as_tensor(extras["acc"], dtype=torch.float32)
+    if reward_model is not None:  # the RM's score is the reward; the rule-based scorer's acc stays
+        from trainer.rewards.reward_model import place_scores, rm_metrics
+
+        with timer(m, "reward_model"):
+            scores = reward_model(batch).float()
+        tls = place_scores(scores, lengths, batch.response_width)
+        m.update(rm_metrics(scores))
     if overlong is not None and overlong.get("enable"):
         # verl's DAPO manager: L_exp = max_resp_len - len (max_resp_len: reward_kwargs, else the budget)
         pen = overlong_reward_penalty(lengths, max_response_length=overlong.get("max_resp_len") or params["max_new_tokens"],
@@ -124,7 +133,7 @@ def generate_agentic(rollout, tokenizer, items: list[dict], group_ids: list[int]
 
 def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, *, train_batch_size: int,
                   gen_batch_size: int, n: int, filter_cfg: dict, max_prompt_length: int, overlong: dict | None,
-                  next_group_id: int, multi_turn: dict | None = None, reward_keys: tuple = ()
+                  next_group_id: int, multi_turn: dict | None = None, reward_keys: tuple = (), reward_model=None
                   ) -> tuple[RolloutBatch, dict, int]:
     """Generate until ``train_batch_size`` prompt groups qualify (DAPO dynamic sampling), then trim.
 
@@ -143,7 +152,7 @@ def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, 
         next_group_id += bs
         batch, gm = generate_scored(rollout, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
                                     max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn,
-                                    reward_keys=reward_keys)
+                                    reward_keys=reward_keys, reward_model=reward_model)
         for k, v in gm.items():
             m[k] = m.get(k, 0.0) + v if k.startswith("timing_s/") else v
         gen_batches += 1
@@ -206,7 +215,7 @@ def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, nor
 # ----------------------------------------------------------------------------------------------
 def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_prompt_length: int,
              batch_size: int | None, multi_turn: dict | None = None, samples: list | None = None,
-             overlong: dict | None = None) -> dict[str, float]:
+             overlong: dict | None = None, reward_model=None) -> dict[str, float]:
     """Score the held-out set once (greedy by default), ``n = val_kwargs.n`` responses per prompt,
     with verl's names (``RayPPOTrainer._val_metrics_update``): ``val-core/{data_source}/acc/mean@{n}``
     (the headline), ``val-aux/{data_source}/reward/mean@{n}`` (the score), and with n > 1 the
@@ -215,12 +224,15 @@ def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_promp
     which verl's DAPO manager also applies to the validation reward (never to ``acc``)."""
     n = len(dataset)
     bs = batch_size or n
-    lens, per = [], {}  # per[(source, prompt)] = ([acc], [score])
+    lens, per, rm = [], {}, []  # per[(source, prompt)] = ([acc], [score])
     for s in range(0, n, bs):
         items = [dataset[i] for i in range(s, min(n, s + bs))]
         batch, _ = generate_scored(rollout, reward_mgr, tokenizer, items, list(range(s, s + len(items))), params,
-                                   max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn)
+                                   max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn,
+                                   reward_model=reward_model)
         lens.append(batch.response_length.float())
+        if reward_model is not None:  # the reward below is the RM's score; its mean also under its own name
+            rm.append(batch.scores)
         if samples is not None:  # trainer.log_val_generations: (input, output, score) as text
             P = batch.prompts.shape[1]
             for i, sc in enumerate(batch.scores.tolist()):
@@ -232,7 +244,10 @@ def validate(rollout, reward_mgr, tokenizer, dataset, params: dict, *, max_promp
             accs, scores = per.setdefault((src, g), ([], []))
             accs.append(a)
             scores.append(sc)
-    return {**val_metric_names(per), "val-aux/response_length/mean": float(torch.cat(lens).mean())}
+    out = {**val_metric_names(per), "val-aux/response_length/mean": float(torch.cat(lens).mean())}
+    if rm:
+        out["val-aux/rm_score/mean"] = float(torch.cat(rm).double().mean())
+    return out
 
 
 def val_metric_names(per: dict) -> dict[str, float]:
@@ -261,9 +276,10 @@ def val_core_acc(metrics: dict) -> float | None:
 class Generation:
     """The loop's generation phases bound to the plan, the rollout and the data."""
 
-    def __init__(self, plan, rollout, reward_mgr, tokenizer, train_ds, val_ds):
+    def __init__(self, plan, rollout, reward_mgr, tokenizer, train_ds, val_ds, reward_model=None):
+        """``reward_model``: a callable ``batch -> [B]`` learned-RM scores (None: rule-based rewards)."""
         self.plan, self.rollout, self.reward_mgr, self.tok = plan, rollout, reward_mgr, tokenizer
-        self.train_ds, self.val_ds = train_ds, val_ds
+        self.train_ds, self.val_ds, self.reward_model = train_ds, val_ds, reward_model
 
     def train_batch(self, state, step: int, m: dict) -> RolloutBatch:
         """Steps 1-3 of ``step``: the batch of ``train_batch_size`` groups, generated with the
@@ -275,7 +291,7 @@ class Generation:
                 lambda g: p.sampling.params(step, g), train_batch_size=p.train_batch_size,
                 gen_batch_size=p.gen_batch_size, n=p.n, filter_cfg=p.filter_groups, max_prompt_length=p.max_prompt_length,
                 overlong=p.overlong, next_group_id=state.next_group_id, multi_turn=p.multi_turn,
-                reward_keys=getattr(p, "reward_keys", ()))
+                reward_keys=getattr(p, "reward_keys", ()), reward_model=self.reward_model)
         m.update(gm)
         return batch
 
@@ -285,7 +301,7 @@ class Generation:
         with self.rollout.awake():
             return validate(self.rollout, self.reward_mgr, self.tok, self.val_ds, p.val_sampling.params(0, 0),
                             max_prompt_length=p.max_prompt_length, batch_size=p.val_batch_size, multi_turn=p.multi_turn,
-                            samples=samples, overlong=p.overlong)
+                            samples=samples, overlong=p.overlong, reward_model=self.reward_model)
 
 
 def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int, epoch: int = 0) -> dict[str, float]:

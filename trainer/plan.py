@@ -168,6 +168,7 @@ class Plan:
     # are read from the scorer's dict under these keys (``reward_keys``) when the batch is scored
     adv_kwargs: dict = field(default_factory=dict)
     reward_keys: tuple = ()
+    rm_scores: Optional[ForwardSettings] = None  # the learned reward model's forward (reward_model.*); None = no RM
 
     @classmethod
     def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
@@ -254,7 +255,8 @@ class Plan:
             critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
             val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
             one_step_off=cfg.async_training.mode == "one_step_off", adv_kwargs=adv_kwargs(al),
-            reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else ())
+            reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else (),
+            rm_scores=rm_forward(cfg))
 
     # ------------------------------------------------------------------ rules
     def on_policy(self, num_samples: int, step: int) -> bool:
@@ -341,6 +343,17 @@ def bypass_loss(al) -> Optional[str]:
     if not rc.bypass_mode:
         return None
     return "reinforce" if (rc.loss_type == "reinforce" or rc.use_policy_gradient) else "ppo_clip"
+
+
+def rm_forward(cfg) -> Optional[ForwardSettings]:
+    """The reward model's forward settings (verl's ``reward_model.micro_batch_size_per_gpu`` /
+    ``use_dynamic_bsz`` / ``forward_max_token_len_per_gpu``); None when no reward model is enabled."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    return ForwardSettings(micro_batch_size=rm.micro_batch_size_per_gpu,
+                           max_token_len=int(rm.forward_max_token_len_per_gpu) if rm.use_dynamic_bsz else None,
+                           packed=bool(rm.megatron.use_remove_padding), budget_key="reward_model.forward_max_token_len_per_gpu")
 
 
 def need_ref(cfg) -> bool:

@@ -63,6 +63,11 @@ NO_EFFECT: dict[str, str] = {
                                                "actor_rollout_ref.ref.megatron.use_torch_compile",
     "data.dataloader_num_workers": "prompts are tokenized once, in the driver",
     "critic.model.trust_remote_code": "the critic is converted by the bridge (Llama/Qwen2/Qwen3); no model code is loaded",
+    "reward_model.model.trust_remote_code": "the reward model is converted by the bridge (Llama/Qwen2/Qwen3); no model "
+                                            "code is loaded",
+    "reward_model.megatron.use_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "reward_model.megatron.vanilla_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
+    "reward_model.nccl_timeout": "collective timeouts are torch.distributed's defaults",
     "data.return_raw_chat": "each row always keeps its chat messages (the multi-turn loop and the judge read them)",
 }
 
@@ -109,9 +114,31 @@ VERL_MESSAGES: dict[str, str] = {
     "actor_rollout_ref.actor.optim.override_optimizer_config": "megatron optimizer overrides (optimizer CPU offload, "
                                                                "precision-aware optimizer) are not built yet (issue #16)",
     "critic.optim.override_optimizer_config": "megatron optimizer overrides are not built yet (issue #16)",
-    "reward_model.strategy": "reward models are not implemented yet (issue #20)",
-    "reward_model.megatron": "reward models are not implemented yet (issue #20)",
-    "reward_model.rollout": "reward models are not implemented yet (issue #20)",
+    "reward_model.rollout": "generative reward models (an LLM judge served by rollout engines) are not built; a "
+                            "discriminative one is (reward_model.model.path: a *ForSequenceClassification checkpoint)",
+    "reward_model.enable_resource_pool": "the reward model runs on the trainer's ranks; a separate resource pool is "
+                                         "not built: remove the line",
+    "reward_model.n_gpus_per_node": "the reward model runs on the trainer's ranks (trainer.n_gpus_per_node); a "
+                                    "separate resource pool is not built: remove the line",
+    "reward_model.nnodes": "the reward model runs on the trainer's ranks; a separate resource pool is not built: "
+                           "remove the line",
+    "reward_model.load_weight": "a reward model always loads its checkpoint (an untrained head scores noise): remove "
+                                "the line",
+    "reward_model.model.override_config": "overriding the reward model's HF config is not implemented; edit its "
+                                          "config.json instead",
+    "reward_model.model.external_lib": "custom model code is not loaded: the bridge converts Llama/Qwen2/Qwen3; "
+                                       "remove the line",
+    "reward_model.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented; the reward "
+                                                    "model is read from its HF checkpoint",
+    "reward_model.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
+    "reward_model.megatron.dist_checkpointing_prefix": "megatron distributed checkpoints are not implemented",
+    "reward_model.use_reward_loop": "verl's reward loop (asynchronous reward workers) is not built: the driver scores "
+                                    "each batch after generation; remove the line",
+    "reward_model.reward_loop_source": "verl's reward loop is not built; remove the line",
+    "reward_model.reward_loop_module_path": "verl's reward loop is not built; remove the line",
+    "reward_model.reward_loop_class_name": "verl's reward loop is not built; remove the line",
+    "reward_model.launch_reward_fn_async": "asynchronous reward functions are not built: the reward is computed "
+                                           "after generation, in the step; remove the line",
 }
 
 # the FSDP-only sections and their megatron equivalents
@@ -133,7 +160,8 @@ def _offload(v) -> bool:
 
 # Schema keys accepted but whose feature is not built in this version: (key suffix or full key,
 # "is this value a request for the unbuilt feature?", reason). ``*`` stands for each megatron role.
-_MEGATRON_ROLES = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")
+_MEGATRON_ROLES = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron",
+                   "reward_model.megatron")
 def _override_config_set(v, c) -> bool:
     if not v:
         return False
@@ -178,8 +206,15 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("async_training.partial_rollout", lambda v, c: bool(v), "partial rollouts are not built yet (issue #18)"),
     ("async_training.require_batches", lambda v, c: v != 1, "belongs to fully asynchronous training, not built yet "
      "(issue #18)"),
-    ("reward_model.enable", lambda v, c: bool(v), "learned reward models are not built yet (issue #20); "
-                                                  "rule-based scorers (custom_reward_function) are"),
+    ("reward_model.micro_batch_size", lambda v, c: v is not None,
+     "the global (legacy) micro-batch size is not supported: set reward_model.micro_batch_size_per_gpu"),
+    ("reward_model.max_length", lambda v, c: v is not None,
+     "it truncates verl's re-tokenised reward-model inputs, and re-tokenisation is not built: the reward model reads "
+     "the actor's token ids, whole (trainer/rewards/reward_model.py)"),
+    ("reward_model.model.input_tokenizer", lambda v, c: v is not None and v not in (
+        c.actor_rollout_ref.model.path, c.actor_rollout_ref.model.tokenizer_path, c.data.tokenizer),
+     "a reward model with another tokenizer / chat template (re-tokenising each response) is not built: the reward "
+     "model reads the actor's token ids, so its vocabulary must be the actor's; set it to the actor's model path or null"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v) and bool(
         c.algorithm.rollout_correction.bypass_mode), "batch-normalised IS weights inside the bypass-mode loss are not "
      "built yet (issue #15); they are in decoupled mode (bypass_mode=false)"),

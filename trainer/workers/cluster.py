@@ -18,7 +18,7 @@ from trainer.workers.group import Placement, WorkerGroup, init_ray
 from trainer.workers.deepspeed_worker import DeepSpeedWorker
 from trainer.workers.hybrid_worker import DeepSpeedHybridWorker, HybridWorker
 from trainer.workers.megatron_worker import MegatronWorker
-from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup
+from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup, RewardModelGroup
 from trainer.workers.rollout_worker import RolloutWorker
 from trainer.workers.rollouts import EngineRollout, FleetRollout, HybridRollout
 
@@ -152,6 +152,12 @@ class Cluster:
             make = dsgroup if c.strategy == "deepspeed" else mgroup
             self.critic = make(CriticGroup, "critic", c if c.strategy == "deepspeed" else c.megatron, "critic", c_optim,
                                c.model.path or model_path, checkpointing=c.model.enable_gradient_checkpointing)
+        self.reward_model = None
+        if cfg.reward_model.enable:  # forward-only, like the reference (trainer/rewards/reward_model.py)
+            rm = cfg.reward_model
+            self.reward_model = (dsgroup(RewardModelGroup, "reward_model", rm, "reward", None, rm.model.path)
+                                 if rm.strategy == "deepspeed" else
+                                 mgroup(RewardModelGroup, "reward_model", rm.megatron, "reward", None, rm.model.path))
         bucket = r.update_weights_bucket_megabytes << 20
         # colocated engines give their memory back while the trainer runs
         free = self.colocated and r.free_cache_engine
@@ -190,7 +196,7 @@ class Cluster:
             g.load(os.path.join(ckpt_dir, n))
 
     def shutdown(self) -> None:
-        for g in (self.rollout, self.ref, self.critic, self.actor):
+        for g in (self.rollout, self.reward_model, self.ref, self.critic, self.actor):
             if g is not None:
                 g.shutdown()
         if self.placement is not None:

@@ -121,7 +121,11 @@ class MegatronWorker:
         self.mesh = launch.parallel_layout()
         self.hf = read_hf_config(model_path)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
-        self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=dtype, value_head=(role == "critic"),
+        if role == "reward":  # a reward model's head is its training: never a fresh init (trainer.rewards.reward_model)
+            from trainer.rewards.reward_model import check_score_head
+
+            check_score_head(model_path, self.hf.hidden_size)
+        self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=dtype, value_head=role in ("critic", "reward"),
                                  recompute={**(recompute or {}), **(moe or {})} or None,
                                  sequence_parallel=sequence_parallel)
         load_hf_weights(self.model, model_path)
@@ -289,6 +293,20 @@ class MegatronWorker:
     def values(self, shard: dict, *, settings: ForwardSettings) -> dict[str, np.ndarray]:
         batch = shard_batch(shard)
         return {"values": self._forward(batch, settings)["values"].numpy()}
+
+    @resident("params")
+    def rm_scores(self, shard: dict, *, settings: ForwardSettings) -> dict[str, np.ndarray]:
+        """A reward model's score of each row, ``{"rm_scores": [b]}``: the ``score`` head at the row's
+        last valid token, read through the value path with a score slot appended
+        (:func:`trainer.rewards.reward_model.with_score_token`)."""
+        from trainer.rewards.reward_model import with_score_token
+
+        b = shard_batch(shard)
+        P = b.prompt_width
+        resp, ram, slot = with_score_token(b.prompts, b.responses, b.attention_mask[:, :P], b.attention_mask[:, P:])
+        wide = RolloutBatch.from_tokens(b.prompts, resp, b.attention_mask[:, :P], ram)
+        values = self._forward(wide, settings)["values"]  # [b, T+1]
+        return {"rm_scores": values[torch.arange(len(slot)), slot].numpy()}
 
     # ------------------------------------------------------------------ updates
     @resident("params", "grads", "optimizer")

@@ -205,5 +205,18 @@ class CriticGroup(RoleGroup):
         return rows if per_mini_batch else step_m
 
 
+class RewardModelGroup(RoleGroup):
+    """A learned reward model (``reward_model.*``), forward-only: one score per response
+    (:mod:`trainer.rewards.reward_model`)."""
+
+    def scores(self, step: StepData, settings: ForwardSettings) -> torch.Tensor:
+        """``[B]`` float32 RM scores in batch order (they come to the driver: it places the reward)."""
+        refs = self.group.async_call("rm_scores", self._args([(r,) for r in step.shards(self.dp)]), settings=settings)
+        res = self.group.get(refs)  # every rank (a failed model-parallel peer surfaces here)
+        parts = [res[i] for i in self.source]
+        self.transport.bytes_in += sum(p["rm_scores"].nbytes for p in parts)
+        return step.partition(self.dp).gather([p["rm_scores"] for p in parts]).float()
+
+
 def _sum_summaries(rows: Sequence[dict]) -> dict[str, float]:
     return {k: float(sum(r[k] for r in rows)) for k in rows[0]} if rows else {}
