@@ -49,6 +49,6 @@ def test_a_corrupt_latest_checkpoint_falls_back_and_an_explicit_one_stops(tmp_pa
     p = subprocess.run([sys.executable, "-m", "trainer.main", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 2, p.stderr[-2000:]
-    err = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    err = [line for line in p.stderr.splitlines() if line.startswith("error")]
     assert len(err) == 1 and "driver_state.pt does not match" in err[0] and "resume_from_path" in err[0], p.stderr[-2000:]
     assert "Traceback" not in p.stderr

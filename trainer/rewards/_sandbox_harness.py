@@ -98,8 +98,8 @@ def _private_root(jail, notes):
     os.makedirs(work)
     size = f"size={int(jail['limits']['fsize_mb'])}m,nr_inodes=4096,mode=1777"
     _mount(libc, ctypes, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, size)
-    os.makedirs(root + "/tmp", mode=0o755)
-    os.makedirs(root + "/proc")
+    os.makedirs(root + "/tmp", mode=0o755, exist_ok=True)  # may exist: a venv under /tmp is bound below it
+    os.makedirs(root + "/proc", exist_ok=True)
     try:
         _mount(libc, ctypes, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError as e:  # e.g. a container that masks parts of /proc: the jail then has no /proc
