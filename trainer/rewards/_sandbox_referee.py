@@ -230,12 +230,12 @@ def main():
             elif mode == "io":
                 inp, expected = case
                 got = rpc({"op": "io", "input": str(inp)}).get("out", "")
-                ok = _same_output(got, expected)
+                ok = wire.same_output(got, expected)
                 status, msg = ("ok", "") if ok else ("wrong_answer", str(got)[-200:])
             else:
                 args, expected = case
                 got = fn(*(args if isinstance(args, list) else [args]))
-                ok = _same_value(got, expected)
+                ok = wire.same_value(got, expected)
                 status, msg = ("ok", "") if ok else ("wrong_answer", repr(got)[:200])
         except CandidateDied:
             state["dead"] = True
@@ -258,23 +258,6 @@ def _mirror(dst, src):
     else:
         dst.clear()
         dst.update(src)
-
-
-def _same_output(got, expected):
-    """Whitespace-insensitive comparison of program output (token by token)."""
-    if isinstance(expected, list):
-        expected = "\n".join(str(x) for x in expected)
-    return str(got).split() == str(expected).split()
-
-
-def _same_value(got, expected):
-    if got == expected:
-        return True
-    if isinstance(got, tuple):  # JSON round-trips tuples as lists
-        got = list(got)
-    if got == expected:
-        return True
-    return isinstance(expected, list) and len(expected) == 1 and got == expected[0]
 
 
 if __name__ == "__main__":

@@ -134,3 +134,23 @@ def decode(v, from_handle, _depth=0):
         if tag == "h":
             return from_handle(int(body))
     raise WireError(f"not a value of the sandbox wire format: {str(v)[:80]}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# judging (the referee, and the SandboxFusion client in trainer/rewards/sandbox_fusion.py)
+def same_output(got, expected) -> bool:
+    """Whitespace-insensitive comparison of program output (token by token)."""
+    if isinstance(expected, list):
+        expected = "\n".join(str(x) for x in expected)
+    return str(got).split() == str(expected).split()
+
+
+def same_value(got, expected) -> bool:
+    """A returned value against the expected one (decoded builtins on both sides)."""
+    if got == expected:
+        return True
+    if isinstance(got, tuple):  # JSON round-trips tuples as lists
+        got = list(got)
+    if got == expected:
+        return True
+    return isinstance(expected, list) and len(expected) == 1 and got == expected[0]

@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 
+from trainer.rewards._sandbox_wire import same_output, same_value
 from trainer.rewards.sandbox import SandboxLimits, SandboxResult
 
 
@@ -66,16 +67,6 @@ def _post(url: str, payload: dict, timeout: float) -> dict:
     if not isinstance(body, dict) or body.get("status") == "SandboxError":
         raise SandboxServiceError(f"sandbox service {url} failed: {str(body)[:300]}")
     return body
-
-
-def _same_output(got, expected) -> bool:
-    if isinstance(expected, list):
-        expected = "\n".join(str(x) for x in expected)
-    return str(got).split() == str(expected).split()
-
-
-def _same_value(got, expected) -> bool:
-    return got == expected or (isinstance(expected, list) and len(expected) == 1 and got == expected[0])
 
 
 def run_remote(
@@ -125,10 +116,10 @@ def run_remote(
         if mode == "assert":
             ok = finished and out.rstrip().endswith(marker)
         elif mode == "io":
-            ok = finished and _same_output(out, (outputs or [])[i])
+            ok = finished and same_output(out, (outputs or [])[i])
         else:
             try:
-                ok = finished and _same_value(json.loads(out.rstrip().splitlines()[-1]), (outputs or [])[i])
+                ok = finished and same_value(json.loads(out.rstrip().splitlines()[-1]), (outputs or [])[i])
             except (ValueError, IndexError):
                 ok = False
         if ok:

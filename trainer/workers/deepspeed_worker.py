@@ -301,8 +301,11 @@ class DeepSpeedWorker(MegatronWorker):
 
         from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
 
-        state = {n: t.cpu().contiguous() for n, t in self._hf_params()}
         writer = self.rank == 0
+        state = {}
+        for n, t in self._hf_params():  # collective under ZeRO-3; only the writer keeps the tensors
+            if writer:
+                state[n] = t.cpu().contiguous()
         if writer:
             parent = os.path.dirname(os.path.abspath(out_dir)) or "."
             os.makedirs(parent, exist_ok=True)
