@@ -6,17 +6,22 @@ Math (one position, logits ``z`` over the true vocabulary ``V``, rollout tempera
     lse       = m + log sum_v exp(x_v - m),   m = max_v x_v
     logp(y)   = x_y - lse
     H         = lse - sum_v softmax(x)_v x_v  =  lse - S2 / S1,  S1 = sum_v e_v, S2 = sum_v e_v x_v, e_v = exp(x_v - m)
+    sum_v pi_v^2 = sum_v exp(2 (x_v - lse))  =  Q / S1^2,      Q = sum_v e_v^2
 
 Each tensor-parallel rank holds a contiguous slice of the (padded) vocabulary. The max, ``S1``,
-``S2`` and the target logit ``x_y`` (non-zero on the one rank that owns ``y``) are summed over the
-TP group, so the full ``[tokens, V]`` logits are never gathered. The sum's backward is the identity
+``S2``, ``Q`` and the target logit ``x_y`` (non-zero on the one rank that owns ``y``) are summed over the
+TP group, so the full ``[tokens, V]`` logits are never gathered. ``Q / S1^2`` is the stable form of
+``sum exp(2 (x - lse))``: every ``e_v <= 1`` and the largest is exactly 1, so ``1 <= Q <= S1 <= V``
+and nothing overflows or cancels in float32. ``sum pi^2`` (the optimal token baseline's
+``sum_pi_squared``, :mod:`trainer.algos.advantages`) is an input of the advantage, never trained on:
+it is computed without autograd. The sum's backward is the identity
 (megatron's convention for a loss replicated on every TP rank); the max is a constant shift and
 carries no gradient. Vocabulary padding rows (ids >= ``V``) are set to ``-inf`` before anything
 else, so they get probability exactly 0.
 
 Alignment. Every per-token output is aligned with the token it scores: ``logprobs[b, t] =
-log p(input_ids[b, t] | input_ids[b, :t])``, and ``entropy[b, t]`` / ``values[b, t]`` come from the
-same position (the hidden state after token ``t-1``), i.e. the state in which token ``t`` was chosen.
+log p(input_ids[b, t] | input_ids[b, :t])``, and ``entropy[b, t]`` / ``sum_pi_squared[b, t]`` /
+``values[b, t]`` come from the same position (the hidden state after token ``t-1``), i.e. the state in which token ``t`` was chosen.
 The first token of every sequence, and pad positions, get 0.
 
 Batches. Right- or left-padded ``input_ids [B, S]`` + ``attention_mask [B, S]``, or packed rows
@@ -119,6 +124,36 @@ def vocab_parallel_logprobs(
             s2 = _tp_sum((e * xs).sum(-1), group)  # [...]
             ent = lse - s2 / s1
     return logp, ent
+
+
+@torch.no_grad()
+def vocab_parallel_sum_pi_squared(
+    logits: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    group=None,
+) -> torch.Tensor:
+    """``sum_v softmax(logits / T)_v^2`` from this rank's vocab slice ``logits [..., V_local]`` (the
+    arguments as in :func:`vocab_parallel_logprobs`). Returns ``[...]`` in float32 (float64 for float64
+    logits); no autograd (an advantage input, not a loss term)."""
+    x = logits if logits.dtype == torch.float64 else logits.float()  # [..., Vl]
+    if temperature != 1.0:
+        x = x / temperature
+    v_local = x.shape[-1]
+    if vocab_size is not None and vocab_start + v_local > vocab_size:  # padding rows: probability exactly 0
+        ids = torch.arange(vocab_start, vocab_start + v_local, device=x.device)
+        x = x.masked_fill(ids >= vocab_size, float("-inf"))
+    m = x.amax(-1)  # [...]
+    tp = group is not None and dist.get_world_size(group) > 1
+    if tp:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m.unsqueeze(-1))  # [..., Vl] in [0, 1]
+    sums = torch.stack([e.sum(-1), (e * e).sum(-1)])  # [2, ...] S1, Q of this slice
+    if tp:
+        dist.all_reduce(sums, group=group)  # one collective for both sums
+    return sums[1] / (sums[0] * sums[0])  # [...]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -479,8 +514,10 @@ def run_model(model, inp: ModelInputs):
 
 
 def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: float = 1.0,
-                 with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
-    """Turn the last stage's output (vocab-parallel logits, or critic values) into per-token outputs."""
+                 with_entropy: bool = False, entropy_grad: bool = True,
+                 with_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+    """Turn the last stage's output (vocab-parallel logits, or critic values) into per-token outputs
+    (``with_sum_pi_squared``: also ``sum_pi_squared``, aligned like the entropy)."""
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.model import unwrap
@@ -506,6 +543,10 @@ def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: 
     out = {"logprobs": align_to_tokens(whole(lp), inp)}
     if ent is not None:
         out["entropy"] = align_to_tokens(whole(ent), inp)
+    if with_sum_pi_squared:
+        spp = vocab_parallel_sum_pi_squared(output, vocab_start=start, vocab_size=m.true_vocab_size,
+                                            temperature=temperature, group=ps.get_tensor_model_parallel_group())
+        out["sum_pi_squared"] = align_to_tokens(whole(spp), inp)
     return out
 
 
@@ -527,11 +568,11 @@ def _broadcast_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[
 
 @torch.no_grad()
 def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1.0,
-                     with_entropy: bool = False) -> list[dict[str, torch.Tensor]]:
+                     with_entropy: bool = False, with_sum_pi_squared: bool = False) -> list[dict[str, torch.Tensor]]:
     """Forward-only pass over micro-batches through megatron's pipeline schedule.
 
     Returns, on every rank of the model-parallel group, one dict per micro-batch with CPU tensors
-    ``logprobs`` (and ``entropy``) — or ``values`` for a critic — shaped like its ``input_ids``
+    ``logprobs`` (and ``entropy``, ``sum_pi_squared``) — or ``values`` for a critic — shaped like its ``input_ids``
     (``[B, S]`` padded, ``[1, T]`` packed), aligned as described in the module docstring.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -553,7 +594,8 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
         out = run_model(mdl, inp)
 
         def loss_func(output):
-            res = head_outputs(mdl, output, inp, temperature=temperature, with_entropy=with_entropy)
+            res = head_outputs(mdl, output, inp, temperature=temperature, with_entropy=with_entropy,
+                               with_sum_pi_squared=with_sum_pi_squared)
             return torch.zeros((), dtype=torch.float32), res
 
         return out, loss_func
@@ -566,7 +608,8 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     if was_training:
         for c in cs:
             c.train()
-    keys = ["values"] if m.is_critic else (["logprobs", "entropy"] if with_entropy else ["logprobs"])
+    keys = ["values"] if m.is_critic else (["logprobs"] + (["entropy"] if with_entropy else [])
+                                           + (["sum_pi_squared"] if with_sum_pi_squared else []))
     out = []
     for i, inp in enumerate(inputs):
         shape = inp.input_ids.shape

@@ -85,6 +85,7 @@ FIELD_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
     "routed_experts": (("B", "L", "R", "K"), INDEX),
     "old_log_probs": (("B", "T"), FLOAT),
     "ref_log_probs": (("B", "T"), FLOAT),
+    "sum_pi_squared": (("B", "T"), FLOAT),
     "values": (("B", "T"), FLOAT),
     "token_level_scores": (("B", "T"), FLOAT),
     "token_level_rewards": (("B", "T"), FLOAT),
@@ -131,6 +132,7 @@ class RolloutBatch(TensorClass["shadow"]):  # "shadow": the field `values` hides
     routed_experts: Optional[torch.Tensor] = None  # [B, P+T, R, K] int16, R3 routing replay: each input token's K experts in each of the R MoE layers, as the engine routed it; -1 where it did not (pads, each response's last token)
     old_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, trainer's log-probs at the start of the step
     ref_log_probs: Optional[torch.Tensor] = None  # [B, T] float32, reference model's log-probs
+    sum_pi_squared: Optional[torch.Tensor] = None  # [B, T] float32, sum_v pi(v)^2 of the start-of-step policy at each response position (actor.calculate_sum_pi_squared)
     # ---- critic / rewards / advantages ----
     values: Optional[torch.Tensor] = None  # [B, T] float32, critic values V(s_t)
     token_level_scores: Optional[torch.Tensor] = None  # [B, T] float32, reward-function scores (usually on the last token)

@@ -181,6 +181,7 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
     loss_scale_factor: Optional[float] = None  # constant for seq-mean-token-sum-norm; None = max response length
     entropy_coeff: float = 0.0  # entropy bonus coefficient
+    calculate_sum_pi_squared: bool = False  # the old-log-prob pass also returns sum_v pi(v)^2 per response token (needed by the optimal_token_baseline estimators; logs variance_proxy/*)
     use_kl_loss: bool = False  # add a KL(actor || ref) loss term (GRPO style)
     kl_loss_coef: float = 0.001  # KL loss coefficient
     kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl (k1 | k2 | k3 aliases)
@@ -396,7 +397,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "gae"  # gae | grpo | grpo_vectorized | dr_grpo | rloo | rloo_vectorized | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | opo | gpg | gdpo | cpgd | adca_grpo | pkg.module:function (optimal_token_baseline | tir_optimal_token_baseline: refused, not built)
+    adv_estimator: str = "gae"  # gae | grpo | grpo_vectorized | dr_grpo | rloo | rloo_vectorized | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | grpo_passk | opo | gpg | gdpo | cpgd | optimal_token_baseline | tir_optimal_token_baseline (both need actor.calculate_sum_pi_squared=true) | adca_grpo | pkg.module:function
     norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO (also per component in gdpo)
     gdpo_reward_keys: Optional[List[str]] = None  # GDPO: keys of the scorer's returned dict, each normalised in its group on its own; required with adv_estimator=gdpo
     gdpo_reward_weights: Optional[List[float]] = None  # GDPO: one weight per gdpo_reward_keys entry; None = 1 each
@@ -1352,11 +1353,17 @@ def _algorithm_variant_errors(cfg) -> list[str]:
     """The estimators' and policy losses' own hyper-parameters: valid values, and the inputs they need."""
     al, a = cfg.algorithm, cfg.actor_rollout_ref.actor
     pl, errs = a.policy_loss, []
-    if al.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        errs.append(f"algorithm.adv_estimator={al.adv_estimator} needs sum_v pi(v)^2 at every response position from the "
-                    f"actor's forward (verl's actor.calculate_sum_pi_squared); the forward does not return it: not built "
-                    f"yet (issue #20). The estimator itself is trainer.algos.advantages."
-                    f"compute_{'tir_' if al.adv_estimator.startswith('tir') else ''}optimal_token_baseline_advantage.")
+    # verl's meaning: calculate_sum_pi_squared asks the actor's old-log-prob pass for sum_v pi(v)^2; the optimal
+    # token baseline reads it and verl stops (an assertion in compute_advantage) when it is not asked for
+    if al.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and not a.calculate_sum_pi_squared:
+        errs.append(f"algorithm.adv_estimator={al.adv_estimator} weights its baseline with sum_v pi(v)^2 at every response "
+                    f"position, which the actor's old-log-prob pass returns only when asked: set "
+                    f"actor_rollout_ref.actor.calculate_sum_pi_squared=true (verl requires the same).")
+    if a.calculate_sum_pi_squared and al.rollout_correction.bypass_mode:
+        errs.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true with algorithm.rollout_correction.bypass_mode=true: "
+                    "bypass mode skips the actor's old-log-prob pass (the old log-probs are the sampler's), and that pass "
+                    "is where sum_v pi(v)^2 is computed (verl's bypass mode never computes it either). Use the decoupled "
+                    "mode (bypass_mode=false), or remove calculate_sum_pi_squared and the optimal_token_baseline estimator.")
     if al.adv_estimator == "gdpo":
         keys = list(al.gdpo_reward_keys or [])
         if not keys:

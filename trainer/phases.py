@@ -316,7 +316,10 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
 
     m: dict[str, float] = {}
     if old is not None and plan.driver_needs_old_log_probs():
-        batch.old_log_probs = old.fetch()["old_log_probs"]
+        got = old.fetch()
+        batch.old_log_probs = got["old_log_probs"]
+        if getattr(plan, "sum_pi_squared", False):  # actor.calculate_sum_pi_squared: the same pass returned it
+            batch.sum_pi_squared = got["sum_pi_squared"]
     # IS weights (and their batch normalisation) on the mask BEFORE rejection, as verl's
     # compute_rollout_correction_and_rejection_mask does: a rejected token still counts in the batch mean
     # of the weights, and a sequence-level weight is the product over all of its sampled tokens
@@ -353,9 +356,20 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
             index=batch.group_ids, values=batch.values, gamma=plan.gamma, lam=plan.lam,
             norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo, **getattr(plan, "adv_kwargs", {}),
             **({"reward_components": {k: torch.tensor(batch.get_meta(f"reward_component/{k}"), dtype=torch.float64)
-                                      for k in plan.reward_keys}} if getattr(plan, "reward_keys", ()) else {}))
+                                      for k in plan.reward_keys}} if getattr(plan, "reward_keys", ()) else {}),
+            **_otb_inputs(plan, batch))
         # its critic/advantages|returns/* are the batch's; batch_metrics logs them for every estimator
     return m
+
+
+def _otb_inputs(plan, batch: RolloutBatch) -> dict:
+    """The optimal token baseline's inputs, as verl's ``compute_advantage`` passes them: the start-of-step
+    log-probs, ``sum pi^2`` (the config requires ``actor.calculate_sum_pi_squared``) and the rollout-IS
+    weights when they are applied (None otherwise)."""
+    if plan.adv_estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        return {}
+    return {"old_log_probs": batch.old_log_probs, "sum_pi_squared": batch.sum_pi_squared,
+            "rollout_is_weights": batch.rollout_is_weights}
 
 
 def loss_fields(batch: RolloutBatch, plan) -> dict[str, torch.Tensor]:
@@ -379,14 +393,18 @@ def check_update(m: dict, step: int) -> None:
             f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on.")
 
 
-def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_coef: float | None = None) -> dict:
+def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_coef: float | None = None,
+                  grad_norm: float | None = None) -> dict:
     """verl's ``compute_data_metrics`` over the step's batch (``critic/score|rewards|advantages|
     returns|values/*``, ``critic/vf_explained_var``, ``response_length/*``, ``prompt_length/*``,
     ``response_length_non_aborted/*``, ``response/aborted_ratio``) plus ``reward/acc`` (Coxswain's),
     ``perf/total_num_tokens``, ``actor/entropy`` (verl's: the start-of-step policy's entropy on the
     rollout, aggregated by ``loss_agg_mode``, from the ranks' summed summaries) and ``kl_ctrl/coef``.
     The clip ratios count responses (prompts) at the configured cap ``max_response_length``
-    (``max_prompt_length``). ``kl_coef`` None: the rollout-only subset (no training fields)."""
+    (``max_prompt_length``). ``kl_coef`` None: the rollout-only subset (no training fields).
+    With ``sum_pi_squared`` on the batch (``actor.calculate_sum_pi_squared``): verl's
+    ``variance_proxy/*`` (:func:`trainer.algos.advantages.variance_proxy_metrics`; ``grad_norm``, the
+    step's ``actor/grad_norm``, adds the two proxies that need it)."""
     from trainer.workers.metrics import entropy_from_summary
 
     f64 = torch.float64
@@ -423,6 +441,12 @@ def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_
     if kl_coef is None:
         return m
     m["kl_ctrl/coef"] = float(kl_coef)
+    if getattr(batch, "sum_pi_squared", None) is not None and batch.advantages is not None:
+        from trainer.algos.advantages import variance_proxy_metrics
+
+        m.update(variance_proxy_metrics(old_log_probs=batch.old_log_probs, sum_pi_squared=batch.sum_pi_squared,
+                                        advantages=batch.advantages, response_mask=batch.response_mask,
+                                        rollout_is_weights=batch.rollout_is_weights, grad_norm=grad_norm))
     if entropy and entropy.get("count"):
         pol = plan.actor_update.policy
         m["actor/entropy"] = entropy_from_summary(entropy, pol.agg_mode, pol.norm_constant)

@@ -54,12 +54,15 @@ class ForwardSettings:
     """One role's forward-only pass (old / reference log-probs, values): ``micro_batch_size``
     responses per forward on one rank, or (``max_token_len``, verl's ``use_dynamic_bsz``)
     micro-batches filled up to that many tokens; ``packed`` (``use_remove_padding``): each
-    micro-batch is one THD row of its real tokens, no padding."""
+    micro-batch is one THD row of its real tokens, no padding. ``with_sum_pi_squared`` (the actor's
+    old-log-prob pass under verl's ``actor.calculate_sum_pi_squared``): the pass also returns
+    ``sum_pi_squared`` [B, T], ``sum_v pi(v)^2`` at each response position."""
     micro_batch_size: int
     max_token_len: Optional[int] = None
     packed: bool = True
     temperature: float = 1.0
     budget_key: str = "log_prob_max_token_len_per_gpu"  # named in the error when a sequence does not fit
+    with_sum_pi_squared: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ class Plan:
         actor_log_prob = ForwardSettings(
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
             max_token_len=budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
-            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            with_sum_pi_squared=bool(a.calculate_sum_pi_squared))
         ref_log_prob = ForwardSettings(
             micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=bool(ref.megatron.use_remove_padding), temperature=temp,
             max_token_len=budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
@@ -262,11 +266,14 @@ class Plan:
     def on_policy(self, num_samples: int, step: int) -> bool:
         """One epoch of one mini-batch, and nothing before the update reads the old log-probs: the
         update's own forward runs at the start-of-step weights, so its detached log-probs ARE the
-        old log-probs and their separate forward is skipped (verl takes the same shortcut)."""
+        old log-probs and their separate forward is skipped (verl takes the same shortcut).
+        Never with ``sum_pi_squared``: the optimal token baseline's advantages are made from the old
+        log-probs and ``sum pi^2``, and the update reads the advantages, so both must exist before the
+        update's forward runs; the separate old-log-prob pass (which also returns ``sum pi^2``) runs."""
         u = self.actor_update
         return (is_on_policy(num_samples=num_samples, mini_batch_size=u.mini_batch_size, epochs=u.epochs)
                 and step > self.critic_warmup and self.rejection is None and not self.use_kl_in_reward
-                and not self.is_batch_normalize and self.bypass is None)
+                and not self.is_batch_normalize and self.bypass is None and not self.sum_pi_squared)
 
     def trains_actor(self, step: int) -> bool:
         return step > self.critic_warmup
@@ -278,12 +285,19 @@ class Plan:
     def should_save(self, step: int) -> bool:
         return self.save_freq > 0 and (step % self.save_freq == 0 or step == self.total_steps)
 
+    @property
+    def sum_pi_squared(self) -> bool:
+        """verl's ``actor.calculate_sum_pi_squared``: the old-log-prob pass returns ``sum pi^2`` and the
+        driver reads it (the optimal token baseline, the ``variance_proxy/*`` metrics)."""
+        return self.actor_log_prob.with_sum_pi_squared
+
     def driver_needs_old_log_probs(self) -> bool:
-        """The driver computes on the old log-probs only for rollout IS / rejection / KL in reward;
-        otherwise they go from the actor's ranks to its update by reference."""
+        """The driver computes on the old log-probs only for rollout IS / rejection / KL in reward and
+        with ``sum pi^2`` (the optimal token baseline's weights ``1 - 2 pi + sum pi^2``); otherwise they go
+        from the actor's ranks to its update by reference."""
         if self.bypass is not None:  # old log-probs are the sampler's; IS / rejection run inside the loss
             return False
-        return self.rollout_is is not None or self.rejection is not None or self.use_kl_in_reward
+        return self.rollout_is is not None or self.rejection is not None or self.use_kl_in_reward or self.sum_pi_squared
 
 
 def is_on_policy(*, num_samples: int, mini_batch_size: int, epochs: int) -> bool:

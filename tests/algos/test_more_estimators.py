@@ -432,8 +432,10 @@ def test_config_names_reach_the_estimator(name, extra):
     (["algorithm.gdpo_reward_keys=[a]"], "read by adv_estimator=gdpo only"),
     (["algorithm.adv_estimator=cpgd", "algorithm.weight_factor_in_cpgd=std"], "is not one of"),
     (["algorithm.weight_factor_in_cpgd=naive"], "read by adv_estimator=cpgd only"),
-    (["algorithm.adv_estimator=optimal_token_baseline"], r"sum_v pi\(v\)\^2 .* not built yet \(issue #20\)"),
-    (["algorithm.adv_estimator=tir_optimal_token_baseline"], r"not built yet \(issue #20\)"),
+    # verl's rule: the optimal token baseline reads sum pi^2, which the actor returns only when asked
+    (["algorithm.adv_estimator=optimal_token_baseline"], r"sum_v pi\(v\)\^2 .* set actor_rollout_ref\.actor\."
+                                                         r"calculate_sum_pi_squared=true"),
+    (["algorithm.adv_estimator=tir_optimal_token_baseline"], r"set actor_rollout_ref\.actor\.calculate_sum_pi_squared=true"),
     (["algorithm.adv_estimator=opo", "actor_rollout_ref.rollout.n=1"], "compares responses within a group"),
     (["algorithm.adv_estimator=gpgg"], "Did you mean 'gpg'"),
 ])

@@ -114,6 +114,15 @@ cpgd) the returned ``returns`` equal the advantages (there is no critic to regre
 
 ``get_adv_estimator(name)`` resolves a name of ``ADV_ESTIMATORS`` or a user's
 ``"pkg.module:function"``; ``compute_advantage(name, **kwargs)`` dispatches and adds metrics.
+
+``variance_proxy_metrics`` -- verl's ``variance_proxy/*`` metrics (``compute_variance_proxy_metrics``),
+logged for any estimator whenever ``sum_pi_squared`` exists: per response ``a_i = masked_mean_t A`` and
+``W_i = sum_t m w_t`` (the ``w`` above, times ``rho^2`` with IS weights), ``expected_a_squared = mean a^2``,
+``expected_w = mean W``; ``proxy2_total_power = mean(a^2 max(W, 0))``, with IS weights ``mean(rho_bar^2
+a^2 max(W', 0))`` where ``rho_bar_i`` is the row's mean weight and ``W'`` the sum of ``w`` without
+``rho^2`` (a token with ``rho = 0`` adds 0 to it, as verl's division by ``max(rho^2, 1e-10)`` gives); ``proxy1_signal_strength = ||g||^2`` (the step's gradient norm squared) and
+``proxy3_pure_noise = max(0, (proxy2 - proxy1) / (N - 1))``, both only when the gradient norm is given
+(verl logs them as 0 without it).
 """
 
 from __future__ import annotations
@@ -581,6 +590,37 @@ def compute_tir_optimal_token_baseline_advantage(
     adv[valid] = (Gc - base_c)[rows[valid], k_of_t[valid]]
     dt = token_level_rewards.dtype
     return adv.to(dt), G.to(dt)
+
+
+@torch.no_grad()
+def variance_proxy_metrics(*, old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, advantages: torch.Tensor,
+                           response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None = None,
+                           grad_norm: float | None = None) -> dict[str, float]:
+    """verl's ``variance_proxy/*`` metrics of a batch (see the module docstring), in float64. Rows
+    with no valid token count with ``a = W = 0``, as in verl (its masked mean adds 1e-8 to the count)."""
+    f64 = torch.float64
+    m = response_mask.to(f64)  # [B, T]
+    n_tok = m.sum(-1)  # [B]
+    w = 1.0 - 2.0 * torch.exp(old_log_probs.to(f64)) + sum_pi_squared.to(f64)  # [B, T]
+    a = (advantages.to(f64) * m).sum(-1) / (n_tok + 1e-8)  # [B] the response's mean advantage
+    if rollout_is_weights is not None:
+        rho = rollout_is_weights.to(f64)  # [B, T]
+        W = (w * rho**2 * m).sum(-1)  # [B]
+        rho_bar = (rho * m).sum(-1) / (n_tok + 1e-8)  # [B]
+        # verl recovers w from w rho^2 by dividing by max(rho^2, 1e-10): a vetoed token (rho = 0) adds 0
+        w_plain = w * rho**2 / (rho**2).clamp_min(1e-10)  # [B, T]
+        power = (rho_bar**2 * a**2 * (w_plain * m).sum(-1).clamp_min(0.0)).mean()
+    else:
+        W = (w * m).sum(-1)  # [B]
+        power = (a**2 * W.clamp_min(0.0)).mean()
+    out = {"variance_proxy/proxy2_total_power": float(power), "variance_proxy/expected_a_squared": float((a**2).mean()),
+           "variance_proxy/expected_w": float(W.mean())}
+    if grad_norm is not None:
+        signal = float(grad_norm) ** 2
+        out["variance_proxy/proxy1_signal_strength"] = signal
+        n = a.shape[0]
+        out["variance_proxy/proxy3_pure_noise"] = max(0.0, (float(power) - signal) / (n - 1)) if n > 1 else 0.0
+    return out
 
 
 CPGD_WEIGHTS = ("STD_weight", "clip_filter_like_weight", "naive")

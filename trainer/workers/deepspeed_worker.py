@@ -14,7 +14,8 @@ digests, RNG state). The strategy hooks are replaced:
 * ``_compute`` / ``_train_step``: the HF forward on padded rows (``attention_mask`` and position ids
   restarting at each row's first real token), with the same per-token definitions as the megatron
   path (``megatron_bridge.logprobs``): ``x = logits / T`` (temperature first), ``logp(y) = x_y -
-  logsumexp(x)``, ``H = logsumexp(x) - sum softmax(x) x`` over the full vocabulary, each aligned with
+  logsumexp(x)``, ``H = logsumexp(x) - sum softmax(x) x``, ``sum pi^2 = sum exp(2 (x - logsumexp(x)))``
+  (with ``actor.calculate_sum_pi_squared``) over the full vocabulary, each aligned with
   the token it scores (the first token and pads get 0). A critic is
   ``AutoModelForTokenClassification`` with one label (HF name ``score``, as the megatron critic
   exports it), initialised as the megatron critic's head when the checkpoint has none.
@@ -174,7 +175,8 @@ class DeepSpeedWorker(MegatronWorker):
     def _device(self) -> torch.device:
         return self.ds_engine.device if self.ds_engine is not None else next(self.model.parameters()).device
 
-    def _outputs(self, mb: dict, *, temperature: float, with_entropy: bool, entropy_grad: bool = True) -> dict:
+    def _outputs(self, mb: dict, *, temperature: float, with_entropy: bool, entropy_grad: bool = True,
+                 with_sum_pi_squared: bool = False) -> dict:
         dev = self._device()
         ids, am = mb["input_ids"].to(dev), mb["attention_mask"].long().to(dev)
         pos = (am.cumsum(-1) - 1).clamp_min(0)
@@ -203,16 +205,20 @@ class DeepSpeedWorker(MegatronWorker):
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
             res["entropy"] = align(ent)
+        if with_sum_pi_squared:  # sum_v exp(2 (x_v - lse)): every exponent <= 0, an advantage input (no grad)
+            with torch.no_grad():
+                res["sum_pi_squared"] = align(torch.exp(2.0 * (x - lse.unsqueeze(-1))).sum(-1))
         return res
 
-    def _compute(self, mbs, *, temperature, with_entropy):
+    def _compute(self, mbs, *, temperature, with_entropy, with_sum_pi_squared=False):
         m = self._module()
         was = m.training
         m.eval()
         try:
             with torch.no_grad():
-                return [{k: v.float().cpu() for k, v in self._outputs(mb, temperature=temperature,
-                                                                      with_entropy=with_entropy).items()} for mb in mbs]
+                return [{k: v.float().cpu() for k, v in self._outputs(
+                    mb, temperature=temperature, with_entropy=with_entropy,
+                    with_sum_pi_squared=with_sum_pi_squared).items()} for mb in mbs]
         finally:
             m.train(was)
 

@@ -199,11 +199,13 @@ class MegatronWorker:
     # ------------------------------------------------------------------ strategy hooks
     # What a training strategy provides; everything else in this class (batches, losses, metrics,
     # digests) is strategy-neutral and shared with trainer.workers.deepspeed_worker.
-    def _compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool) -> list[dict]:
+    def _compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,
+                 with_sum_pi_squared: bool = False) -> list[dict]:
         """Forward-only per-token outputs of each micro-batch on its own grid (``megatron_bridge.logprobs``)."""
         from megatron_bridge.logprobs import compute_logprobs
 
-        return compute_logprobs(self._module(), mbs, temperature=temperature, with_entropy=with_entropy)
+        return compute_logprobs(self._module(), mbs, temperature=temperature, with_entropy=with_entropy,
+                                with_sum_pi_squared=with_sum_pi_squared)
 
     def _train_step(self, mbs: list[dict], loss_fn, **kw) -> dict:
         """One optimizer step over the micro-batches: ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
@@ -265,11 +267,13 @@ class MegatronWorker:
 
     def _forward(self, batch: RolloutBatch, settings, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only per-token outputs of every row over the response part, ``{name: [B, T]}``:
-        ``logprobs`` (and ``entropy``) for a policy, ``values`` for a critic."""
+        ``logprobs`` (and ``entropy``; ``sum_pi_squared`` when ``settings.with_sum_pi_squared``) for a
+        policy, ``values`` for a critic."""
         P, L = batch.prompt_width, batch.input_ids.shape[1]
         mbs = self._micro_batches(batch, settings, ())
         with torch.no_grad():
-            outs = self._compute(mbs, temperature=settings.temperature, with_entropy=with_entropy)
+            outs = self._compute(mbs, temperature=settings.temperature, with_entropy=with_entropy,
+                                 with_sum_pi_squared=settings.with_sum_pi_squared)
         full = {}
         for mb, o in zip(mbs, outs):
             for k, v in self._grid(o, mb, L).items():
@@ -283,11 +287,16 @@ class MegatronWorker:
         """Per-token log-probs of the shard's responses under the current weights, ``{key: [b, T_d]}``
         (``key``: the batch field they fill, e.g. ``old_log_probs``, so the update reads them as
         they are), and a summary: the entropy's masked sum and token count (``entropy``: the driver
-        logs their ratio and never needs the per-token entropy)."""
+        logs their ratio and never needs the per-token entropy). ``settings.with_sum_pi_squared``
+        (verl's ``actor.calculate_sum_pi_squared``): the dict also holds ``sum_pi_squared [b, T_d]``,
+        ``sum_v pi(v)^2`` at each response position (the optimal token baseline's input)."""
         batch = shard_batch(shard)
         full = self._forward(batch, settings, with_entropy=entropy)
         summary = _entropy_summary(full["entropy"], batch.response_mask) if entropy else {}
-        return {key: full["logprobs"].numpy()}, summary
+        out = {key: full["logprobs"].numpy()}
+        if "sum_pi_squared" in full:
+            out["sum_pi_squared"] = full["sum_pi_squared"].numpy()
+        return out, summary
 
     @resident("params")
     def values(self, shard: dict, *, settings: ForwardSettings) -> dict[str, np.ndarray]:

@@ -134,7 +134,9 @@ class RefGroup(RoleGroup):
 
 class ActorGroup(RoleGroup):
     def log_probs_with_entropy(self, step: StepData, settings: ForwardSettings) -> tuple[Sharded, dict[str, float]]:
-        """The ``old_log_probs`` (left in the object store) and the rollout entropy's sum and count."""
+        """The ``old_log_probs`` (left in the object store; with ``settings.with_sum_pi_squared`` each
+        shard's dict also holds ``sum_pi_squared``, from the same forward) and the rollout entropy's sum
+        and count."""
         refs = self.group.async_call("log_probs", self._args([(r,) for r in step.shards(self.dp)]), num_returns=2,
                                      settings=settings, entropy=True, key="old_log_probs")
         summaries = self.group.get([refs[i][1] for i in self.source])
