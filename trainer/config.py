@@ -474,6 +474,16 @@ class DebugConfig:
 
 
 @dataclass
+class HooksConfig:  # trainer.pipeline's hook points: each a list of 'pkg.module:function', f(batch, metrics) -> RolloutBatch | None
+    after_rollout: List[str] = field(default_factory=list)  # the generated batch, before its reward (multi-turn: with the episode's reward); may drop samples
+    after_reward: List[str] = field(default_factory=list)  # after scoring and overlong shaping, before DAPO's group filter; may change rewards or drop samples
+    after_filter: List[str] = field(default_factory=list)  # the step's batch after DAPO's filter and trim; may drop samples
+    before_advantages: List[str] = field(default_factory=list)  # after the forward passes (old/ref log-probs, values); may change rewards, not drop
+    after_update: List[str] = field(default_factory=list)  # after the critic and actor updates (metrics hold theirs)
+    after_eval: List[str] = field(default_factory=list)  # after a validation (metrics hold the val-* results)
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "verl_examples"  # tracker project (MLflow experiment)
     experiment_name: str = "gsm8k"  # tracker run name
@@ -495,6 +505,9 @@ class TrainerConfig:
     resume_from_path: Optional[str] = None  # checkpoint dir when resume_mode=resume_path
     seed: int = 1  # driver seed
     debug: DebugConfig = field(default_factory=DebugConfig)  # debugging modes
+    hooks: HooksConfig = field(default_factory=HooksConfig)  # user stages at named points of the step (trainer.pipeline)
+    pipeline: Optional[str] = None  # 'pkg.module:function' f(step: trainer.pipeline.Step) replacing the step (default: trainer.pipeline.default_pipeline)
+    parallel_phases: bool = True  # run the old-log-prob, reference and critic-value passes at the same time (each on its own group; colocated groups then share their devices)
 
 
 @dataclass
@@ -1090,6 +1103,21 @@ def _async_errors(cfg: DictConfig) -> list[str]:
     return errs
 
 
+def _pipeline_errors(cfg: DictConfig) -> list[str]:
+    """trainer.hooks / trainer.pipeline name importable functions (imported now, so a typo fails at load)."""
+    from trainer.pipeline import load_callable
+
+    t, errs = cfg.trainer, []
+    specs = [(f"trainer.hooks.{p}", s) for p, lst in t.hooks.items() for s in (lst or [])]
+    specs += [("trainer.pipeline", t.pipeline)] if t.pipeline else []
+    for key, spec in specs:
+        try:
+            load_callable(spec, key)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
+
+
 def _routing_replay_errors(cfg: DictConfig) -> list[str]:
     """R3 routing replay: the engines record, the replaying roles read; each half needs the other."""
     arr, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
@@ -1244,6 +1272,7 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
     errs += _routing_replay_errors(cfg)
     errs += _async_errors(cfg)
+    errs += _pipeline_errors(cfg)
     t = cfg.trainer
     if t.total_training_steps is not None and t.total_training_steps < 1:
         errs.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: "

@@ -7,13 +7,15 @@ checkpoints save and resume restores) and calls typed role groups (``actor``, ``
 goes to the data-parallel ranks once, by object reference (``StepData``,
 :mod:`trainer.workers.dataplane`); the driver receives only what it computes on.
 
-One step, in order (each phase is one call):
+One step, in order (each phase is one call of :class:`trainer.pipeline.Step`; the order is
+:func:`trainer.pipeline.default_pipeline`, which ``trainer.pipeline`` replaces and ``trainer.hooks``
+extends at named points):
   1. rollout: ``n`` responses per prompt from the rollout, keeping the sampler's log-probs;
   2. reward: the reward manager scores them; DAPO overlong shaping;
   3. dynamic sampling: drop constant groups, generate again until ``data.train_batch_size`` groups;
   4. old log-probs: the actor at its start-of-step weights (fixed for every mini-batch of the step);
      skipped when the update is one mini-batch x one epoch: its own forward gives them, exactly;
-  5. reference log-probs (KL loss or KL-in-reward only) and critic values (GAE);
+  5. reference log-probs (KL loss or KL-in-reward only) and critic values (GAE), at the same time as 4;
   6. rollout IS weights / rejection and mismatch metrics, on the driver (on the on-policy path the
      update's ranks apply the weights and the driver computes the metrics);
   7. KL in reward, advantages;
@@ -34,9 +36,8 @@ from omegaconf import OmegaConf
 from trainer.batch_source import BatchSource
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, all_keys, load_config, public_container, save_resolved, to_yaml
-from trainer.debug import dump_batch, replay_batch
-from trainer.phases import (Generation, apply_rollout_is, batch_metrics, check_update, driver_math, loss_fields,
-                            timer, timing_metrics)
+from trainer.phases import Generation, batch_metrics, timer, timing_metrics
+from trainer.pipeline import Hooks, PipelineError, Runtime, Step, load_pipeline, row_multiple
 from trainer.report import write_report
 from trainer.workers.dataplane import StepData
 
@@ -169,7 +170,7 @@ def train(cfg) -> dict:
     resolve_model_paths(cfg)
     check_supported(cfg)
     check_model(cfg)
-    run_dir, dbg, model_path = cfg.trainer.default_local_dir, cfg.trainer.debug, cfg.actor_rollout_ref.model.path
+    run_dir, model_path = cfg.trainer.default_local_dir, cfg.actor_rollout_ref.model.path
     save_resolved(cfg, run_dir)
     torch.manual_seed(cfg.trainer.seed)
 
@@ -226,10 +227,12 @@ def train(cfg) -> dict:
                           config=public_container(cfg), total_steps=plan.total_steps, run_id=state.run_id,
                           log_dir=run_dir)
         state.run_id = tracker.run_id
-        actor, ref, critic, rollout = cluster.actor, cluster.ref, cluster.critic, cluster.rollout
+        actor, rollout = cluster.actor, cluster.rollout
         rm_group = cluster.reward_model  # a learned reward model scores each generated batch (its own shards)
         score_rm = (lambda b: rm_group.scores(StepData(b, cluster.transport), plan.rm_scores)) if rm_group else None
-        gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds, reward_model=score_rm)
+        hooks = Hooks(OmegaConf.to_container(cfg.trainer.hooks))  # user stages (trainer.pipeline)
+        gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds, reward_model=score_rm, hooks=hooks,
+                         row_multiple=row_multiple(cluster))
         batches = BatchSource(gen, state, one_step_off=plan.one_step_off, total_steps=plan.total_steps)
         if resume_from and batches.load(resume_from):  # one-step-off: the batch generated during the saved step
             print(f"resumed with the prefetched batch of step {state.step + 1}", flush=True)
@@ -247,70 +250,28 @@ def train(cfg) -> dict:
             tracker.log_metrics(metrics, step)
 
         if state.step == 0 and plan.val_before_train and plan.test_freq != 0:
-            log(evaluate(0), 0)
+            m0 = evaluate(0)
+            hooks.run("after_eval", None, m0)
+            log(m0, 0)
             state.last_eval = 0
+
+        rt = Runtime(plan=plan, cfg=cfg, cluster=cluster, state=state, batches=batches, hooks=hooks, evaluate=evaluate,
+                     judge=judge, tokenizer=tok, parallel_phases=cfg.trainer.parallel_phases)
+        pipeline = load_pipeline(cfg.trainer.pipeline)
 
         for step in range(state.step + 1, plan.total_steps + 1):
             where = f"step {step} of {plan.total_steps}"
-            m, t_step, first = dict(first), time.perf_counter(), {}
-            if dbg.train_only:
-                with timer(m, "gen"):
-                    batch, epoch = replay_batch(dbg.dump_batch_path, step), state.sampler.epoch
-            else:  # 1-3. rollout, reward, overlong shaping, DAPO dynamic sampling (one-step-off: done during the last step)
-                batch, epoch = batches.take(step, m)
-                batches.prefetch(step + 1)  # one-step-off: the next batch, with the engines' weights, while this one trains
-            if dbg.dump_batch_path and not dbg.train_only:
-                dump_batch(batch, dbg.dump_batch_path, step)
-            if dbg.rollout_only:  # generate and score only: no training, no sync
+            t_step = time.perf_counter()
+            s = Step(rt, step, metrics=dict(first))
+            first = {}
+            pipeline(s)  # the step's phases (trainer.pipeline; default: trainer.pipeline.default_pipeline)
+            m, batch = s.metrics, s.batch
+            if batch is None:
+                raise PipelineError(f"the pipeline {cfg.trainer.pipeline} did not call Step.generate(): a step needs a batch.")
+            if not s.trained:  # generate and score only (debug.rollout_only, or a pipeline without updates)
                 log({**m, **batch_metrics(batch, plan)}, step)
                 continue
-            on_policy = plan.on_policy(batch.num_samples, step)
-            bypass = plan.bypass is not None  # verl's bypass mode: the sampler's log-probs are the old ones
-            data = StepData(batch, cluster.transport,
-                            with_rollout_log_probs=(on_policy and plan.rollout_is is not None) or bypass,
-                            with_routed_experts=plan.sampling.return_routed_experts)
-            old = ref_lp = values = None
-            ent = {}
-            if bypass:
-                batch.old_log_probs = batch.rollout_log_probs
-            elif not on_policy:  # 4. old log-probs: the start-of-step policy, for every mini-batch of the step
-                with timer(m, "old_log_prob"):
-                    old, ent = actor.log_probs_with_entropy(data, plan.actor_log_prob)
-            if ref is not None:  # 5. reference log-probs
-                with timer(m, "ref"):
-                    ref_lp = ref.log_probs(data, plan.ref_log_prob)
-            if critic is not None:
-                with timer(m, "values"):
-                    values = critic.values(data, plan.critic_values)
-            with timer(m, "adv"):  # 6-7. rollout IS / rejection, KL in reward, advantages: the driver's math
-                m.update(driver_math(plan, batch, old=old, ref=ref_lp, values=values, kl_ctrl=state.kl_ctrl,
-                                     adca=(judge, tok, cfg.attribution_driven_credit_assignment) if judge else None, step=step,
-                                     epoch=epoch))
-            if critic is not None:  # 8. critic, then actor
-                with timer(m, "update_critic"):
-                    m.update(critic.update(data, plan.critic_update, [values, data.scatter(critic.dp, {"returns": batch.returns})],
-                                           seed=step))
-            if plan.trains_actor(step):
-                with timer(m, "update_actor"):
-                    kl_ref = ref_lp if plan.actor_update.policy.use_kl_loss else None  # by reference, rank to rank
-                    res = actor.update(data, plan.actor_update, [old, kl_ref, data.scatter(actor.dp, loss_fields(batch, plan))],
-                                       seed=step, on_policy=on_policy, rollout_is=plan.rollout_is,
-                                       bypass=dict(loss=plan.bypass, rollout_is=plan.rollout_is,
-                                                   rejection=plan.rejection) if bypass else None)
-                    if on_policy:  # the update's own old log-probs: the IS metrics (its ranks applied the weights)
-                        res, batch.old_log_probs, ent = res[0], (res[1] or {}).get("old_log_probs"), res[2]
-                        m.update(apply_rollout_is(batch, plan.rollout_is, weights=False) if plan.rollout_is else {})
-                    m.update(res)
-                check_update(m, step)
-                m.update(batches.settle())  # one-step-off: the engines finish the next batch with the old weights
-                with timer(m, "update_weights"):  # 9. the actor's weights into the engines, checksum-verified
-                    m.update(rollout.sync_from(actor))
-            if plan.should_eval(step, state.last_eval):  # 10. eval, checkpoint, log
-                batches.settle()
-                with timer(m, "testing"):
-                    m.update(evaluate(step))
-                state.last_eval = step
-            m.update(batch_metrics(batch, plan, entropy=ent, kl_coef=state.kl_ctrl.value))
+            m.update(batch_metrics(batch, plan, entropy=s.entropy, kl_coef=state.kl_ctrl.value))
             m.update(cluster.transport.take_metrics())
             m["timing_s/step"] = time.perf_counter() - t_step
             m.update(timing_metrics(m, batch, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node))

@@ -39,17 +39,19 @@ def to_float_metrics(m: dict, prefix: str = "") -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------
 def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids: list[int], params: dict, *,
                     max_prompt_length: int, overlong: dict | None, multi_turn: dict | None = None,
-                    reward_keys: tuple = (), reward_model=None) -> tuple[RolloutBatch, dict]:
+                    reward_keys: tuple = (), reward_model=None, hooks=None) -> tuple[RolloutBatch, dict]:
     """Sample ``n`` responses per prompt, score them, apply overlong shaping; the batch carries
     ``token_level_scores``, ``scores`` and ``acc``. ``multi_turn``: play the agent loop instead
     (:func:`generate_agentic`). ``reward_keys`` (GDPO's ``algorithm.gdpo_reward_keys``): these keys of
     the scorer's returned dict are kept per sample as ``meta["reward_component/<key>"]`` (a sample
     whose scorer failed gets 0, as its score does). ``reward_model``: a callable ``batch -> [B]`` RM
     scores; its score is then the reward and the scorer gives ``acc`` only (verl's rule,
-    :mod:`trainer.rewards.reward_model`)."""
+    :mod:`trainer.rewards.reward_model`). ``hooks``: a :class:`trainer.pipeline.Hooks` whose
+    ``after_rollout`` hooks see the batch before the reward and ``after_reward`` ones after it."""
     if multi_turn is not None:
-        return generate_agentic(rollout, tokenizer, items, group_ids, params, multi_turn=multi_turn,
-                                max_prompt_length=max_prompt_length)
+        batch, m = generate_agentic(rollout, tokenizer, items, group_ids, params, multi_turn=multi_turn,
+                                    max_prompt_length=max_prompt_length, hooks=hooks)
+        return (hooks.run("after_reward", batch, m) if hooks else batch), m
     m: dict[str, float] = {}
     prompts = [it["input_ids"] for it in items]
     with timer(m, "generate"):
@@ -58,6 +60,8 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
             "extra_info": [it.get("extra_info") for it in items]}
     batch = outputs_to_batch(prompts, outs, group_ids, max_prompt_length=max_prompt_length,
                              max_response_length=params["max_new_tokens"], pad_id=tokenizer.pad_token_id, meta=meta)
+    if hooks:
+        batch = hooks.run("after_rollout", batch, m)
     with timer(m, "reward"):
         lengths = batch.response_length
         texts = tokenizer.batch_decode([r[:n].tolist() for r, n in zip(batch.responses, lengths)], skip_special_tokens=True)
@@ -96,11 +100,13 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
                              f"(extra keys returned: {have}); return a dict with '{key}' from the scorer.")
         batch.set_meta(f"reward_component/{key}", [float(d.get(key) or 0.0) for d in per])
     m.update(to_float_metrics(rm))
+    if hooks:
+        batch = hooks.run("after_reward", batch, m)
     return batch, m
 
 
 def generate_agentic(rollout, tokenizer, items: list[dict], group_ids: list[int], params: dict, *, multi_turn: dict,
-                     max_prompt_length: int) -> tuple[RolloutBatch, dict]:
+                     max_prompt_length: int, hooks=None) -> tuple[RolloutBatch, dict]:
     """Multi-turn: ``n`` episodes per task of the environment ``multi_turn["environment"]`` with the
     agent loop (:mod:`trainer.rollout.multi_turn`) played by the rollout (``Rollout.play``). The response is the whole episode after the opening prompt (sampled
     turns in the loss mask, environment turns not), ``step_ids`` number the assistant turns, and the
@@ -128,13 +134,15 @@ def generate_agentic(rollout, tokenizer, items: list[dict], group_ids: list[int]
               "multi_turn/context_token_fraction": float(1 - batch.response_mask.sum() / batch.response_length.sum().clamp_min(1))})
     for reason in ("done", "length", "max_assistant_turns", "max_user_turns", "abort"):
         m[f"multi_turn/finish_{reason}"] = sum(t.finish_reason == reason for t in trajs) / max(len(trajs), 1)
+    if hooks:  # the environment's reward comes with the episode: after_rollout already sees it
+        batch = hooks.run("after_rollout", batch, m)
     return batch, m
 
 
 def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, *, train_batch_size: int,
                   gen_batch_size: int, n: int, filter_cfg: dict, max_prompt_length: int, overlong: dict | None,
-                  next_group_id: int, multi_turn: dict | None = None, reward_keys: tuple = (), reward_model=None
-                  ) -> tuple[RolloutBatch, dict, int]:
+                  next_group_id: int, multi_turn: dict | None = None, reward_keys: tuple = (), reward_model=None,
+                  hooks=None) -> tuple[RolloutBatch, dict, int]:
     """Generate until ``train_batch_size`` prompt groups qualify (DAPO dynamic sampling), then trim.
 
     Without filtering this is one generation batch of ``train_batch_size`` prompts. With filtering,
@@ -152,9 +160,9 @@ def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, 
         next_group_id += bs
         batch, gm = generate_scored(rollout, reward_mgr, tokenizer, items, gids, params_for(gen_batches),
                                     max_prompt_length=max_prompt_length, overlong=overlong, multi_turn=multi_turn,
-                                    reward_keys=reward_keys, reward_model=reward_model)
+                                    reward_keys=reward_keys, reward_model=reward_model, hooks=hooks)
         for k, v in gm.items():
-            m[k] = m.get(k, 0.0) + v if k.startswith("timing_s/") else v
+            m[k] = m.get(k, 0.0) + v if k.startswith(("timing_s/", "pipeline/")) else v
         gen_batches += 1
         total_groups += bs
         if enable:
@@ -174,7 +182,10 @@ def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, 
                 f"easy or too hard for the policy. Raise algorithm.filter_groups.max_num_gen_batches (0 = unlimited), "
                 f"raise data.gen_batch_size, lower data.train_batch_size, or change the data.")
     batch = RolloutBatch.cat(kept) if len(kept) > 1 else kept[0]
-    batch = batch[: train_batch_size * n]  # groups are contiguous, so this keeps whole groups
+    # the first train_batch_size groups (whole: a hook may have left a group with fewer than n responses)
+    first = torch.unique_consecutive(batch.group_ids)[:train_batch_size]
+    if len(first) < int(torch.unique(batch.group_ids).numel()):
+        batch = batch[torch.isin(batch.group_ids, first).nonzero().squeeze(-1)]
     m["filter/gen_batches"] = float(gen_batches)
     m["filter/kept_group_fraction"] = n_groups / max(total_groups, 1)
     return batch, m, next_group_id
@@ -276,10 +287,14 @@ def val_core_acc(metrics: dict) -> float | None:
 class Generation:
     """The loop's generation phases bound to the plan, the rollout and the data."""
 
-    def __init__(self, plan, rollout, reward_mgr, tokenizer, train_ds, val_ds, reward_model=None):
-        """``reward_model``: a callable ``batch -> [B]`` learned-RM scores (None: rule-based rewards)."""
+    def __init__(self, plan, rollout, reward_mgr, tokenizer, train_ds, val_ds, reward_model=None, hooks=None,
+                 row_multiple: int = 1):
+        """``reward_model``: a callable ``batch -> [B]`` learned-RM scores (None: rule-based rewards).
+        ``hooks``: the user's generation hooks (:mod:`trainer.pipeline`); a batch they shrink is
+        trimmed to a multiple of ``row_multiple`` (the training groups' DP sizes)."""
         self.plan, self.rollout, self.reward_mgr, self.tok = plan, rollout, reward_mgr, tokenizer
         self.train_ds, self.val_ds, self.reward_model = train_ds, val_ds, reward_model
+        self.hooks, self.row_multiple = hooks, row_multiple
 
     def train_batch(self, state, step: int, m: dict) -> RolloutBatch:
         """Steps 1-3 of ``step``: the batch of ``train_batch_size`` groups, generated with the
@@ -291,7 +306,11 @@ class Generation:
                 lambda g: p.sampling.params(step, g), train_batch_size=p.train_batch_size,
                 gen_batch_size=p.gen_batch_size, n=p.n, filter_cfg=p.filter_groups, max_prompt_length=p.max_prompt_length,
                 overlong=p.overlong, next_group_id=state.next_group_id, multi_turn=p.multi_turn,
-                reward_keys=getattr(p, "reward_keys", ()), reward_model=self.reward_model)
+                reward_keys=getattr(p, "reward_keys", ()), reward_model=self.reward_model, hooks=self.hooks)
+        if self.hooks:
+            from trainer.pipeline import fit_rows
+
+            batch = fit_rows(self.hooks.run("after_filter", batch, gm), self.row_multiple, gm)
         m.update(gm)
         return batch
 
