@@ -5,6 +5,13 @@ cluster (or in the driver process for debugging), and the ``transport`` of the s
 Ray: ``ray.init()`` with no address starts an embedded local cluster (the default); ``RAY_ADDRESS``
 joins an existing one. On CPU every rank is one CPU slot; Ray's logical CPU count is raised to the
 number of slots the layout needs, since CPU "devices" may be shared (colocated mode does exactly that).
+
+On a joined cluster with ``trainer.nnodes`` > 1 the ranks are laid out node by node
+(:class:`trainer.workers.group.Placement`): ``n_gpus_per_node`` consecutive ranks per node, so a
+tensor-parallel group stays on one node (its size must divide ``n_gpus_per_node``), data parallelism
+spans the nodes, and each colocated engine shares its actor rank's slot. Where every worker landed
+is written to ``<run dir>/placement.json`` (each rank's Ray node id and IP as the worker reports it, its
+mesh coordinates, the driver's node).
 """
 
 from __future__ import annotations
@@ -42,10 +49,36 @@ def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
                 use_distributed_optimizer=use_dist)
 
 
+def check_node_layout(cfg) -> None:
+    """On more than one node, every tensor-parallel group must fit in one node: megatron's TP ranks are
+    consecutive, so TP (and a rollout engine's TP) must divide ``trainer.n_gpus_per_node``."""
+    from trainer.config import ConfigError
+
+    t = cfg.trainer
+    if t.nnodes <= 1:
+        return
+    sizes = [("actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+              cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size),
+             ("actor_rollout_ref.rollout.tensor_model_parallel_size", cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)]
+    if need_ref(cfg):
+        sizes.append(("actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
+                      cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size))
+    if need_critic(cfg):
+        sizes.append(("critic.megatron.tensor_model_parallel_size", cfg.critic.megatron.tensor_model_parallel_size))
+    if cfg.reward_model.enable:
+        sizes.append(("reward_model.megatron.tensor_model_parallel_size", cfg.reward_model.megatron.tensor_model_parallel_size))
+    bad = [f"{k}={v}" for k, v in sizes if v and t.n_gpus_per_node % v]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} does not divide trainer.n_gpus_per_node={t.n_gpus_per_node}: with "
+                          f"trainer.nnodes={t.nnodes} a tensor-parallel group would span nodes (its all-reduces on the "
+                          f"inter-node network). Use a TP size that divides the devices of one node.")
+
+
 class Cluster:
     def __init__(self, cfg, total_steps: int):
         from megatron_bridge.launch import find_free_port
 
+        check_node_layout(cfg)
         t, a, r = cfg.trainer, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         world = t.nnodes * t.n_gpus_per_node
         self.in_process = t.debug.in_process
@@ -66,7 +99,8 @@ class Cluster:
             n_slots = world + (0 if self.colocated else n_eng)
             # an embedded cluster lives as long as this Cluster (a later one may need other resources)
             self.owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
-            placement = Placement(n_slots, use_gpu)
+            # an embedded cluster is one node, whatever trainer.nnodes says; a joined one is laid out node by node
+            placement = Placement(n_slots, use_gpu, nnodes=1 if self.owns_ray else t.nnodes, per_node=t.n_gpus_per_node)
         self.placement = placement
         rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
         # CPU threads. A local CPU cluster runs one phase at a time (sync mode): the megatron ranks share
@@ -76,13 +110,15 @@ class Cluster:
         local_cpu = not use_gpu and not self.in_process and not os.environ.get("RAY_ADDRESS")
         n_cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         share = (lambda k: max(1, n_cpu // max(1, k))) if local_cpu else (lambda k: 1)
-        addr = "127.0.0.1"
+        rendezvous = placement.rendezvous if placement is not None else (lambda: ("127.0.0.1", find_free_port()))
+        self.rendezvous: dict[str, str] = {}
 
         self.transport = Transport(self.in_process)
 
         def mgroup(kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None,
                    checkpointing: bool = False, routing_replay: bool = False):
-            port = find_free_port()
+            addr, port = rendezvous()  # on rank 0's node
+            self.rendezvous[name] = f"{addr}:{port}"
             rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
                         tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
@@ -103,7 +139,8 @@ class Cluster:
                     checkpointing: bool = False):
             """A role on the DeepSpeed strategy: ZeRO over all ``world`` ranks (data parallel only)."""
             ds = rcfg.deepspeed_config
-            port = find_free_port()
+            addr, port = rendezvous()  # on rank 0's node
+            self.rendezvous[name] = f"{addr}:{port}"
             kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
                         zero_stage=ds.zero_stage, params_dtype=ds.dtype or rcfg.megatron.dtype, optim=optim, seed=ds.seed,
                         num_threads=share(world), gradient_checkpointing=checkpointing and optim is not None,
@@ -173,6 +210,44 @@ class Cluster:
                 WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
                             bundle_of=rollout_bundle, share=0.25),
                 free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
+
+        if placement is not None:
+            self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))
+
+    def groups(self) -> dict:
+        """The Ray worker groups by name (a hybrid rollout lives in the actor's processes)."""
+        out = {n: g.group for n, g in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
+                                       ("reward_model", self.reward_model)) if g is not None}
+        if isinstance(self.rollout, EngineRollout):
+            out["rollout"] = self.rollout.group
+        return out
+
+    def placement_map(self) -> dict:
+        """Where every rank runs, as its worker reports it: ``{"driver": {...}, "groups": {name: [{"rank",
+        "node_id", "ip", mesh coordinates...}]}}``; ``hybrid_rollout``: the engines are in the actor's ranks."""
+        import ray
+
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        head = next((n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n.get("Resources", {})), None)
+        here = ray.get_runtime_context().get_node_id()
+        groups = {}
+        for name, g in self.groups().items():
+            layouts = getattr({"actor": self.actor, "ref": self.ref, "critic": self.critic,
+                               "reward_model": self.reward_model}.get(name), "layouts", None) or [{}] * g.size
+            groups[name] = [{"rank": r, "node_id": nid, "ip": ips.get(nid, "?"),
+                             **{k: v for k, v in lay.items() if k != "rank"}}
+                            for r, (nid, lay) in enumerate(zip(g.where(), layouts))]
+        return {"nnodes": self.placement.nnodes, "per_node": self.placement.per_node,
+                "driver": {"node_id": here, "ip": ips.get(here, "?"), "is_head": here == head},
+                "head_node_id": head, "rendezvous": dict(self.rendezvous), "hybrid_rollout": self.hybrid,
+                "groups": groups}
+
+    def write_placement(self, path: str) -> None:
+        import json
+
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.placement_map(), f, indent=1)
 
     def trained(self) -> dict:
         """The groups whose weights a checkpoint holds, by name."""

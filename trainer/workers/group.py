@@ -1,18 +1,31 @@
 """Worker groups: N workers of one class as Ray actors (one per rank) or as plain in-process objects.
 
 Placement. On a GPU cluster each rank takes one GPU; on CPU each rank takes one CPU slot. ``colocated``
-puts the actor, reference, critic and rollout workers of rank ``i`` into bundle ``i`` of one
-placement group (they share the device; the rollout engine sleeps while the actor trains), ``split``
-gives the rollout fleet bundles of its own. Ray starts an embedded local cluster (``ray.init()`` with
-no address) unless ``RAY_ADDRESS`` names an existing one.
+puts the actor, reference, critic and rollout workers of rank ``i`` into bundle ``i`` (they share the
+device; the rollout engine sleeps while the actor trains), ``split`` gives the rollout engines bundles
+of their own. Ray starts an embedded local cluster (``ray.init()`` with no address) unless
+``RAY_ADDRESS`` names an existing one.
 
-Dead workers: a Ray actor that dies raises ``WorkerDiedError`` naming the group, the rank and what
-to check, instead of Ray's generic traceback.
+On one node the bundles are one placement group. On a cluster of ``trainer.nnodes`` > 1 nodes (verl's
+layout) each node gets one ``STRICT_PACK`` group of ``n_gpus_per_node`` bundles, pinned to that node by
+its ``ray.io/node-id`` label; rank ``i`` is bundle ``i % n_gpus_per_node`` of node ``i //
+n_gpus_per_node``, the driver's node first when it has the slots. Megatron orders ranks TP-innermost,
+so a TP group (whose size divides ``n_gpus_per_node``) never leaves its node, data parallelism spans
+the nodes, and a colocated engine shares its actor rank's bundle, hence its node. torch.distributed's
+rendezvous is on rank 0's node (its IP, a port free there). ``split`` engines get a group of their own.
+
+Dead workers and lost nodes: every wait on a group's results watches the group. A Ray actor that dies
+raises ``WorkerDiedError`` naming the group and the rank; when the reason is a node that left the
+cluster (its raylet killed, the machine gone) the error names the node (IP and Ray node id) and the
+ranks that were on it, within Ray's node-failure detection time (about 15 s by default) rather than a
+hang of the surviving ranks in a collective.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 # Torch tensors cross Ray without pickling (numpy-backed, zero copy) in the driver too; Ray reads the
@@ -105,34 +118,131 @@ def init_ray(num_cpus: int | None = None) -> bool:
     return False
 
 
-class Placement:
-    """One placement group with ``n_bundles`` slots; ``bundle(i)`` gives scheduling options for slot i."""
+def alive_nodes() -> list[dict]:
+    """The cluster's live nodes, as ``ray.nodes()`` lists them."""
+    import ray
 
-    def __init__(self, n_bundles: int, use_gpu: bool):
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def node_status(node_ids) -> dict[str, bool]:
+    """Ray's view (the GCS's) of whether each node is alive."""
+    import ray
+
+    want = set(node_ids)
+    return {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes() if n["NodeID"] in want}
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    ip: str
+
+    def __str__(self) -> str:
+        return f"{self.ip} (Ray node {self.node_id[:12]})"
+
+
+class Placement:
+    """The run's slots: ``n_bundles`` of ``{"CPU": 1}`` (``{"GPU": 1, "CPU": 1}`` on GPU);
+    ``options(i, share)`` gives scheduling options for slot i, ``node_of(i)`` its :class:`Node`.
+
+    ``nnodes`` > 1 (on a cluster joined with ``RAY_ADDRESS``): the first ``nnodes * per_node`` slots
+    are one ``STRICT_PACK`` placement group per node, each pinned to a distinct node; the rest (split
+    placement's engines) one ``PACK`` group. Otherwise one ``PACK`` group holds every slot."""
+
+    def __init__(self, n_bundles: int, use_gpu: bool, *, nnodes: int = 1, per_node: int | None = None,
+                 timeout_s: float = 120.0):
         import ray
         from ray.util.placement_group import placement_group
 
         res = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(res) for _ in range(n_bundles)], strategy="PACK")
+        self.use_gpu, self.n, self.nnodes = use_gpu, n_bundles, max(1, nnodes)
+        self.per_node = per_node or n_bundles
+        if self.nnodes == 1:
+            self.pgs = [placement_group([dict(res) for _ in range(n_bundles)], strategy="PACK")]
+            self._slot = [(0, i) for i in range(n_bundles)]
+        else:
+            world = self.nnodes * self.per_node
+            if world > n_bundles:
+                raise ValueError(f"{n_bundles} slots cannot hold {self.nnodes} nodes x {self.per_node}")
+            chosen = self.pick_nodes(self.nnodes, self.per_node, use_gpu)
+            self.pgs = [placement_group([dict(res) for _ in range(self.per_node)], strategy="STRICT_PACK",
+                                        bundle_label_selector=[{"ray.io/node-id": n.node_id}] * self.per_node)
+                        for n in chosen]
+            self._slot = [(i // self.per_node, i % self.per_node) for i in range(world)]
+            if n_bundles > world:  # split placement: the engines' own slots, wherever they fit
+                self.pgs.append(placement_group([dict(res) for _ in range(n_bundles - world)], strategy="PACK"))
+                self._slot += [(self.nnodes, j) for j in range(n_bundles - world)]
         try:
-            ray.get(self.pg.ready(), timeout=120)
+            ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
+            self.remove()
             raise RuntimeError(
-                f"Ray could not place {n_bundles} slots of {res} within 120 s; the cluster has "
-                f"{ray.cluster_resources()} ({ray.available_resources()} free). Lower trainer.n_gpus_per_node / "
-                f"trainer.nnodes, use trainer.placement=colocated, or add nodes to the Ray cluster.") from None
-        self.use_gpu = use_gpu
-        self.n = n_bundles
+                f"Ray could not place {n_bundles} slots of {res} within {timeout_s:.0f} s"
+                + (f" ({self.nnodes} nodes x {self.per_node})" if self.nnodes > 1 else "")
+                + f"; the cluster has {ray.cluster_resources()} ({ray.available_resources()} free). Lower "
+                f"trainer.n_gpus_per_node / trainer.nnodes, use trainer.placement=colocated, or add nodes to the Ray "
+                f"cluster.") from None
+        from ray.util.placement_group import placement_group_table
+
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        tables = [placement_group_table(pg)["bundles_to_node_id"] for pg in self.pgs]
+        self.nodes = [Node(tables[g][b], ips.get(tables[g][b], "?")) for g, b in self._slot]
+
+    @staticmethod
+    def pick_nodes(nnodes: int, per_node: int, use_gpu: bool) -> list[Node]:
+        """``nnodes`` live nodes with ``per_node`` devices each: the driver's node first (when it has
+        them: rank 0 and the rendezvous sit next to the driver), then by IP. Fails at once, listing the
+        cluster's nodes, when there are not enough (instead of waiting for a placement that cannot happen)."""
+        import ray
+
+        kind = "GPU" if use_gpu else "CPU"
+        here = ray.get_runtime_context().get_node_id()
+        nodes = alive_nodes()
+        fit = [n for n in nodes if n["Resources"].get(kind, 0) >= per_node]
+        fit.sort(key=lambda n: (n["NodeID"] != here, n["NodeManagerAddress"], n["NodeID"]))
+        if len(fit) < nnodes:
+            from trainer.config import ConfigError
+
+            have = "; ".join(f"{n['NodeManagerAddress']} ({kind} {n['Resources'].get(kind, 0):g})" for n in nodes)
+            raise ConfigError(
+                f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node} needs {nnodes} Ray nodes with {per_node} "
+                f"{kind} each; the cluster has {len(fit)} such node(s) among {len(nodes)}: {have}. Start the missing "
+                f"nodes (ray start --address=HEAD:PORT --num-{kind.lower()}s={per_node}) or lower trainer.nnodes.")
+        return [Node(n["NodeID"], n["NodeManagerAddress"]) for n in fit[:nnodes]]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(self.pg)
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - a group on a lost node: Ray reclaims it
+                pass
+
+    def node_of(self, i: int) -> Node:
+        return self.nodes[i % self.n]
+
+    def rendezvous(self) -> tuple[str, int]:
+        """torch.distributed's master address and port for ranks 0..: rank 0's node IP (loopback when
+        every rank shares one node) and a port free on that node."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from megatron_bridge.launch import find_free_port
+
+        node = self.node_of(0)
+        if self.nnodes == 1 and node.node_id == ray.get_runtime_context().get_node_id():
+            return "127.0.0.1", find_free_port()
+        port = ray.get(ray.remote(find_free_port).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote())
+        return ("127.0.0.1" if self.nnodes == 1 else node.ip), int(port)
 
     def options(self, i: int, share: float) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i % self.n),
+        g, b = self._slot[i % self.n]
+        opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pgs[g], placement_group_bundle_index=b),
                 "num_cpus": share}
         if self.use_gpu:
             opts["num_gpus"] = share
@@ -142,11 +252,18 @@ class Placement:
 class WorkerGroup:
     """``call(method, *per_rank_args)`` runs a method on every rank and returns the list of results."""
 
+    # how often a wait on the group checks Ray's view of the group's nodes, and how long a failure waits for
+    # Ray to declare a silent node dead (its default detection: 5 missed health checks, 3 s apart)
+    watch_interval_s: float = 2.0
+    node_grace_s: float = 30.0
+
     def __init__(self, name: str, cls, kwargs_per_rank: Sequence[dict], *, in_process: bool = False,
                  placement: Placement | None = None, bundle_of=lambda i: i, share: float = 0.5):
         self.name = name
         self.in_process = in_process
         self.size = len(kwargs_per_rank)
+        self.placement = placement
+        self.bundles = [bundle_of(i) for i in range(self.size)]
         if in_process:
             self.workers = [cls(**kw) for kw in kwargs_per_rank]
         else:
@@ -155,7 +272,7 @@ class WorkerGroup:
             remote = ray.remote(cls)
             self.workers = []
             for i, kw in enumerate(kwargs_per_rank):
-                opts = placement.options(bundle_of(i), share) if placement is not None else {"num_cpus": share}
+                opts = placement.options(self.bundles[i], share) if placement is not None else {"num_cpus": share}
                 self.workers.append(remote.options(**opts, name=f"{name}-{i}-{os.getpid()}",
                                                    max_concurrency=2).remote(**kw))
 
@@ -170,17 +287,110 @@ class WorkerGroup:
         return [getattr(w, method).options(num_returns=num_returns).remote(*a, **kwargs) if num_returns != 1
                 else getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, args_per_rank)]
 
+    # ---- where the ranks are, and what is lost -----------------------------------------------------------
+    def node_of(self, rank: int) -> Node | None:
+        """The node rank ``rank``'s bundle was placed on (None without a placement)."""
+        return self.placement.node_of(self.bundles[rank]) if self.placement is not None else None
+
+    def where(self) -> list[str]:
+        """Each rank's Ray node id, as the worker itself reports it."""
+        if self.in_process:
+            return [""] * self.size
+        import ray
+
+        return ray.get([w.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
+                        for w in self.workers])
+
+    def _lost_nodes(self) -> dict[Node, list[int]]:
+        """The group's nodes that Ray has declared dead, with the ranks that were on them."""
+        nodes = {r: self.node_of(r) for r in range(self.size)}
+        alive = node_status({n.node_id for n in nodes.values() if n is not None})
+        lost: dict[Node, list[int]] = {}
+        for r, n in nodes.items():
+            if n is not None and alive.get(n.node_id) is False:
+                lost.setdefault(n, []).append(r)
+        return lost
+
+    def _unreachable(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks whose actor Ray reports dead or unavailable (a busy rank is not counted)."""
+        import ray
+
+        refs = [w.__ray_call__.remote(lambda _self: 0) for w in self.workers]
+        out = []
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                out.append(r)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return out
+
+    def _node_lost_error(self, lost: dict[Node, list[int]], cause: str) -> WorkerDiedError:
+        what = "; ".join(f"node {n} left the Ray cluster with rank(s) {', '.join(map(str, rs))} of group '{self.name}'"
+                         for n, rs in lost.items())
+        return WorkerDiedError(
+            f"{what} ({cause}). The run stops; it can resume (trainer.resume_mode=auto) once the cluster again has "
+            f"trainer.nnodes nodes with trainer.n_gpus_per_node slots each.")
+
+    def _diagnose(self, e: BaseException) -> BaseException:
+        """A failure of a wait on this group, named: a lost node (waiting up to ``node_grace_s`` for Ray to
+        declare a rank's silent node dead), a dead worker, or the error itself."""
+        import ray
+
+        actor_died = isinstance(e, ray.exceptions.RayActorError)
+        cause = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if self.placement is not None:
+            lost = self._lost_nodes()
+            gone = [] if lost else self._unreachable()
+            if gone and not lost:  # ranks that do not answer: is their node gone? Ray decides within its detection time
+                deadline = time.monotonic() + self.node_grace_s
+                while not lost and time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    lost = self._lost_nodes()
+            if lost:
+                return self._node_lost_error(lost, cause)
+            if gone:
+                where = "; ".join(f"rank {r} on node {self.node_of(r)}" for r in gone)
+                return WorkerDiedError(f"worker(s) of group '{self.name}' died ({where}; {cause}). Check their log "
+                                       f"above for the cause (out of memory, a crash in megatron or the engine).")
+        if actor_died:
+            return WorkerDiedError(
+                f"a worker of group '{self.name}' died ({type(e).__name__}). Check its log above for the cause "
+                f"(out of memory, a crash in megatron or the engine).")
+        return e
+
+    def _wait(self, refs: list) -> list:
+        """``ray.get(refs)``, except that the first failure among them raises at once (not after the other
+        ranks, which may wait for the failed one in a collective forever), and that a node of the group
+        which Ray declares dead stops the wait."""
+        import ray
+
+        out: dict = {}
+        pending = list(dict.fromkeys(refs))  # ray.wait takes each ref once
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.watch_interval_s,
+                                      fetch_local=False)
+            for r in ready:
+                out[r] = ray.get(r)
+            if pending and not ready and self.placement is not None and self.placement.nnodes > 1:
+                lost = self._lost_nodes()
+                if lost:
+                    raise self._node_lost_error(lost, "Ray declared the node dead")
+        return [out[r] for r in refs]
+
     def get(self, refs: list) -> list:
         if self.in_process:
             return refs
-        import ray
-
         try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(
-                f"a worker of group '{self.name}' died ({type(e).__name__}). Check its log above for the cause "
-                f"(out of memory, a crash in megatron or the engine).") from e
+            return self._wait(refs)
+        except WorkerDiedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named when it is a lost worker or node, re-raised otherwise
+            err = self._diagnose(e)
+            if err is e:
+                raise
+            raise err from e
 
     def call(self, method: str, args_per_rank: Sequence[tuple] | None = None, **kwargs) -> list:
         return self.get(self.async_call(method, args_per_rank, **kwargs))
@@ -196,14 +406,15 @@ class WorkerGroup:
     def stream_get(self, item) -> Any:
         if self.in_process:
             return item
-        import ray
-
-        return ray.get(item)
+        return self.get([item])[0]
 
     def shutdown(self) -> None:
         if not self.in_process:
             import ray
 
             for w in self.workers:
-                ray.kill(w)
+                try:
+                    ray.kill(w)
+                except Exception:  # noqa: BLE001 - an actor on a lost node is gone already
+                    pass
         self.workers = []

@@ -1,0 +1,226 @@
+"""Coxswain on a Ray cluster of two nodes (two raylets on this machine, 2 CPU slots each: see
+``tests/ray_nodes.py``), with ``trainer.nnodes=2 trainer.n_gpus_per_node=2``: the actor at TP=2 x DP=2 and
+four colocated engines (not hybrid: each engine is its own process, so the weight sync crosses nodes
+through the object store, by reference).
+
+* Placement: each TP pair on one node, the two DP replicas on different nodes, engine i on actor rank
+  i's node, torch.distributed's rendezvous at rank 0's node IP, the driver on the head node.
+* The run equals the same run on one node (an embedded cluster, ``nnodes=1 n_gpus_per_node=4``): the same
+  metrics every step, the same bytes through the driver, the same exported weights.
+* The driver SIGKILLed inside step 2 leaves no worker behind, and its resume equals the uninterrupted
+  multi-node run.
+* A worker node's raylet SIGKILLed inside step 2: the run stops within a bounded time with an error
+  naming the node and the step, leaves no process behind, and once the node is back
+  ``trainer.resume_mode=auto`` finishes the run with the uninterrupted run's history and weights.
+
+One cluster serves the module; every run is a separate driver process (``bash recipes/cpu/run_tiny_grpo.sh``).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.ray_nodes import RayNodes, _cmdline
+from tests.tiny import checkpoint_history
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
+        "trainer.logger=[console]", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.hybrid_engine=false",
+        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1"]
+MULTI = ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
+SINGLE = ["trainer.nnodes=1", "trainer.n_gpus_per_node=4"]
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
+WORKER_TITLES = ("ray::MegatronWorker", "ray::RolloutWorker", "ray::HybridWorker")
+
+
+def driver(args, env, log) -> subprocess.Popen:
+    """The recipe script, as the Slurm template and the KubeRay entrypoint run it, in its own session."""
+    return subprocess.Popen(["bash", "recipes/cpu/run_tiny_grpo.sh", *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_to_end(args, env, log_path, timeout=420) -> str:
+    with open(log_path, "w") as log:
+        rc = driver(args, env, log).wait(timeout)
+    text = Path(log_path).read_text()
+    assert rc == 0, text[-4000:]
+    return text
+
+
+def kill_after_checkpoint(p: subprocess.Popen, run_dir: Path, log_path: Path, step: int = 1) -> None:
+    """Wait until checkpoint ``step`` is complete (the driver is then inside step ``step + 1``)."""
+    latest, t0 = run_dir / "latest_checkpointed_iteration.txt", time.time()
+    while not (latest.exists() and latest.read_text().strip() == str(step)):
+        assert p.poll() is None and time.time() - t0 < 420, log_path.read_text()[-4000:]
+        time.sleep(0.05)
+
+
+def stable(history):
+    return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in history]
+
+
+def assert_same_history(a, b, rel=1e-6):
+    a, b = stable(a), stable(b)
+    assert [h["step"] for h in a] == [h["step"] for h in b] == list(range(1, STEPS + 1))
+    for ha, hb in zip(a, b):
+        assert ha.keys() == hb.keys(), set(ha) ^ set(hb)
+        for k in ha:
+            assert hb[k] == pytest.approx(ha[k], rel=rel, abs=1e-9), (ha["step"], k, ha[k], hb[k])
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "hf_export" / "model.safetensors"))
+
+
+def job_workers(nodes: RayNodes) -> list[tuple[int, str]]:
+    """The cluster's processes that are a run's workers (Ray's own daemons and idle workers excluded)."""
+    return [(p, _cmdline(p)[:60]) for p in nodes.own_pids() if _cmdline(p).startswith(WORKER_TITLES)]
+
+
+def wait_no_workers(nodes: RayNodes, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while job_workers(nodes):
+        assert time.monotonic() < deadline, f"workers left behind: {job_workers(nodes)}"
+        time.sleep(0.25)
+
+
+def session_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with RayNodes(workers=1, cpus=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def runs(nodes, tmp_path_factory):
+    """The uninterrupted multi-node run and the same run on one node (an embedded Ray cluster)."""
+    d = tmp_path_factory.mktemp("multinode")
+    single_env = {k: v for k, v in nodes.base_env().items() if not k.startswith("RAY_AUTH")}
+    run_to_end(BASE + SINGLE + [f"trainer.default_local_dir={d / 'single'}"], single_env, d / "single.log")
+    run_to_end(BASE + MULTI + [f"trainer.default_local_dir={d / 'multi'}"], nodes.env(), d / "multi.log")
+    return d
+
+
+def test_placement_follows_the_nodes(nodes, runs):
+    import json
+
+    pm = json.loads((runs / "multi" / "placement.json").read_text())
+    head = next(n for n in nodes.nodes() if n["head"] and n["alive"])
+    assert pm["driver"]["is_head"] and pm["driver"]["node_id"] == head["node_id"]
+    actor = pm["groups"]["actor"]
+    assert [a["rank"] for a in actor] == [0, 1, 2, 3] and {a["tp_size"] for a in actor} == {2}
+    tp_groups = {}
+    for a in actor:
+        tp_groups.setdefault(a["dp_rank"], set()).add(a["node_id"])
+    assert all(len(s) == 1 for s in tp_groups.values()), tp_groups  # a TP group never spans nodes
+    assert len({next(iter(s)) for s in tp_groups.values()}) == 2  # the DP replicas are on both nodes
+    assert {a["ip"] for a in actor} == {head["ip"], "127.0.0.2"}
+    assert actor[0]["node_id"] == head["node_id"]  # rank 0 next to the driver
+    assert pm["rendezvous"]["actor"].rsplit(":", 1)[0] == actor[0]["ip"]  # the rendezvous on rank 0's node
+    engines = pm["groups"]["rollout"]
+    assert [e["node_id"] for e in engines] == [a["node_id"] for a in actor]  # each engine on its actor rank's node
+    single = json.loads((runs / "single" / "placement.json").read_text())
+    assert len({a["node_id"] for a in single["groups"]["actor"]}) == 1 and single["rendezvous"]["actor"].startswith("127.0.0.1:")
+
+
+def test_multinode_run_equals_the_single_node_run(runs):
+    single, multi = checkpoint_history(runs / "single"), checkpoint_history(runs / "multi")
+    assert_same_history(single, multi)
+    last = multi[-1]
+    assert last["sync/verified"] == 1.0 and last["actor/grad_norm"] > 0
+    # the batch reaches the ranks by reference: the same bytes through the driver as on one node, every step
+    assert [h["dataplane/driver_bytes_out"] for h in multi] == [h["dataplane/driver_bytes_out"] for h in single]
+    assert all(h["dataplane/driver_bytes_out"] > 0 for h in multi)
+    wa, wb = weights(runs / "single"), weights(runs / "multi")
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=1e-6, atol=1e-8) for k in wa)
+
+
+def test_sigkilled_driver_resumes_identically_on_the_cluster(nodes, runs):
+    cut, log_path = runs / "cut", runs / "cut.log"
+    args = BASE + MULTI + [f"trainer.default_local_dir={cut}"]
+    with open(log_path, "w") as log:
+        p = driver(args, nodes.env(), log)
+        kill_after_checkpoint(p, cut, log_path)
+        assert job_workers(nodes), "the run's workers should be up inside step 2"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    wait_no_workers(nodes)  # Ray ends a dead driver's actors on every node
+    text = run_to_end(args, nodes.env(), runs / "cut_resume.log")
+    assert "resumed from" in text and "global_step_1" in text
+    assert_same_history(checkpoint_history(runs / "multi"), checkpoint_history(cut), rel=0)
+    wa, wb = weights(runs / "multi"), weights(cut)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_lost_node_stops_the_run_with_its_name_then_resume_continues(nodes, runs):
+    lost, log_path = runs / "lost", runs / "lost.log"
+    args = BASE + MULTI + [f"trainer.default_local_dir={lost}"]
+    with open(log_path, "w") as log:
+        p = driver(args, nodes.env(), log)
+        kill_after_checkpoint(p, lost, log_path)
+        t0 = time.monotonic()
+        nodes.kill_node(1)  # node 127.0.0.2: actor ranks 2-3 and engines 2-3 go with it
+        rc = p.wait(120)
+        took = time.monotonic() - t0
+    text = log_path.read_text()
+    err = [ln for ln in text.splitlines() if ln.startswith("error during")]
+    assert rc == 1 and err, text[-4000:]
+    assert took < 90, took  # Ray's node-failure detection (~15 s) plus teardown, not a hang
+    assert f"error during step 2 of {STEPS}" in err[0] and "node 127.0.0.2" in err[0] and "left the Ray cluster" in err[0], err
+    assert "trainer.resume_mode=auto" in err[0] and "global_step_1" in err[0]  # what a rerun resumes from
+    wait_no_workers(nodes)  # nothing left on the surviving head node
+    deadline = time.monotonic() + 15  # nor of the driver's own processes (scorer pool: they watch their parent)
+    while not session_gone(p.pid):
+        assert time.monotonic() < deadline, subprocess.run(["ps", "-o", "pid,args", "-g", str(p.pid)],
+                                                           capture_output=True, text=True).stdout
+        time.sleep(0.2)
+    print(f"node lost -> driver exited in {took:.1f} s")
+    nodes.add_node(1)  # the node is back (a new Ray node id, the same address)
+    text = run_to_end(args + ["trainer.resume_mode=auto"], nodes.env(), runs / "lost_resume.log")
+    assert "resumed from" in text and "global_step_1" in text
+    assert_same_history(checkpoint_history(runs / "multi"), checkpoint_history(lost), rel=0)
+    wa, wb = weights(runs / "multi"), weights(lost)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_too_few_nodes_fail_fast_with_the_cluster_listed(nodes, tmp_path):
+    """trainer.nnodes=4 on the two-node cluster: a clear error at start-up, not a wait for a placement."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "recipes/cpu/tiny_grpo.yaml", *BASE,
+                          "trainer.nnodes=4", "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={tmp_path}"],
+                         cwd=ROOT, env=nodes.env(), capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and time.monotonic() - t0 < 100
+    assert "trainer.nnodes=4 x trainer.n_gpus_per_node=2 needs 4 Ray nodes" in out.stderr, out.stderr[-3000:]
+    assert "127.0.0.2 (CPU 2)" in out.stderr
+
+
+def test_a_tp_group_that_would_span_nodes_is_refused():
+    from tests.tiny import tiny_config
+    from trainer.config import ConfigError
+    from trainer.workers.cluster import check_node_layout
+
+    cfg = tiny_config(["trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
+    with pytest.raises(ConfigError, match="would span nodes"):
+        check_node_layout(cfg)
+    check_node_layout(tiny_config(["trainer.nnodes=1", "trainer.n_gpus_per_node=4",
+                                   "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"]))
