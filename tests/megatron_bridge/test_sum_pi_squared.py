@@ -3,9 +3,9 @@ baseline's input) from the actor's old-log-prob pass, against a float64 referenc
 
 * The vocab-parallel function alone (no process group): logits far apart (a float32 ``exp`` of the raw
   logits would overflow) and vocabulary padding, against ``softmax(float64)^2`` summed.
-* The workers, one two-rank job: the megatron actor at TP=1 (two data-parallel ranks) and at TP=2 (each
-  rank half of the padded vocabulary: the max and both sums go through the TP group), padded and packed
-  micro-batches, and the DeepSpeed actor (ZeRO-3 over the two ranks). Reference: transformers on each
+* The workers, one two-rank job: the megatron actor at TP=1 (two data-parallel ranks), TP=2 (each rank
+  half of the padded vocabulary: the max and both sums go through the TP group), PP=2 and CP=2, padded and
+  packed micro-batches, and the DeepSpeed actor (ZeRO-3 over the two ranks). Reference: transformers on each
   sequence alone in float64, ``sum exp(2 log_softmax(logits / T))`` at the position that chose the token.
   The tiny model's final norm is scaled up so that the distributions range from near-uniform to peaked
   (sum pi^2 from ~0.2 to ~0.95 here; a random tiny model alone gives ~1/V everywhere, where any
@@ -23,6 +23,9 @@ from bridge_tiny import VOCAB, make_hf, random_seqs
 PROMPTS = [4, 7, 2, 5]
 RESPONSES = [9, 3, 6, 1]
 TEMP = 0.7
+# two ranks each: data parallel, tensor parallel (vocab-parallel sums), pipeline parallel (the last stage
+# broadcasts the field), context parallel (each rank half of every sequence; the field is gathered)
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
 
 
 def test_vocab_parallel_sum_pi_squared_is_stable_and_masks_padding():
@@ -71,12 +74,11 @@ def job(src):
     fwd = {"padded": ForwardSettings(micro_batch_size=3, packed=False, temperature=TEMP, with_sum_pi_squared=True),
            "packed": ForwardSettings(micro_batch_size=4, packed=True, temperature=TEMP, with_sum_pi_squared=True)}
     out = {}
-    for tp in (1, 2):  # the process group exists: each worker only re-lays megatron's mesh
-        w = MegatronWorker(role="actor", tp=tp, **common)
-        assert w.mesh["tp_size"] == tp
+    for lname, par in LAYOUTS.items():  # the process group exists: each worker only re-lays megatron's mesh
+        w = MegatronWorker(role="actor", **par, **common)
         for name, s in fwd.items():
             res, _ = w.log_probs(shard, settings=s, entropy=True, key="old_log_probs")
-            out[(f"megatron_tp{tp}", name)] = {k: part.gather([v]) for k, v in res.items()}
+            out[(f"megatron_{lname}", name)] = {k: part.gather([v]) for k, v in res.items()}
     out["fields_without_the_key"] = sorted(w.log_probs(shard, settings=replace(fwd["padded"], with_sum_pi_squared=False),
                                                        key="old_log_probs")[0])
     del w
@@ -120,7 +122,7 @@ def test_actor_sum_pi_squared_matches_transformers_float64(tmp_path):
     for rank_out in out:
         assert rank_out["fields_without_the_key"] == ["old_log_probs"]  # computed only when asked
         runs = {k: v for k, v in rank_out.items() if isinstance(k, tuple)}
-        assert len(runs) == 5, sorted(runs)
+        assert len(runs) == 2 * len(LAYOUTS) + 1, sorted(runs)
         for name, res in runs.items():
             spp = res["sum_pi_squared"].double()
             worst = float((spp - spp_ref)[mask].abs().max())
