@@ -84,7 +84,7 @@ def test_optimal_token_baseline_trains_on_the_estimator_of_recomputed_inputs(tmp
 
     b = load_batch(dumped_steps(str(dump))[0])
     mask = b.response_mask.bool()  # [B, T]
-    P, T = b.prompt_width, b.response_width
+    P = b.prompt_width
     model = AutoModelForCausalLM.from_pretrained(TINY).double().eval()
     old = torch.zeros(mask.shape, dtype=torch.float64)
     spp = torch.zeros(mask.shape, dtype=torch.float64)
