@@ -507,7 +507,7 @@ class TrainerConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)  # debugging modes
     hooks: HooksConfig = field(default_factory=HooksConfig)  # user stages at named points of the step (trainer.pipeline)
     pipeline: Optional[str] = None  # 'pkg.module:function' f(step: trainer.pipeline.Step) replacing the step (default: trainer.pipeline.default_pipeline)
-    parallel_phases: bool = True  # run the old-log-prob, reference and critic-value passes at the same time (each on its own group; colocated groups then share their devices)
+    parallel_phases: Optional[bool] = None  # run the old-log-prob, reference and critic-value passes at the same time (each on its own group); null = on for trainer.device=cpu, off on GPU (the groups share each GPU: concurrent passes raise its peak memory and time-slice it)
 
 
 @dataclass

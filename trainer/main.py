@@ -256,7 +256,8 @@ def train(cfg) -> dict:
             state.last_eval = 0
 
         rt = Runtime(plan=plan, cfg=cfg, cluster=cluster, state=state, batches=batches, hooks=hooks, evaluate=evaluate,
-                     judge=judge, tokenizer=tok, parallel_phases=cfg.trainer.parallel_phases)
+                     judge=judge, tokenizer=tok, parallel_phases=(cfg.trainer.device == "cpu" if cfg.trainer.parallel_phases is None
+                                      else cfg.trainer.parallel_phases))
         pipeline = load_pipeline(cfg.trainer.pipeline)
 
         for step in range(state.step + 1, plan.total_steps + 1):

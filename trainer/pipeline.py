@@ -36,7 +36,7 @@ around it, so a user pipeline resumes exactly like the default one.
 Parallel phases. The old log-probs (actor), the reference log-probs and the critic's values depend
 on the batch only, not on each other (the dependency graph of a PPO step: Schulman et al. 2017;
 siiRL's DAG workers, Wang et al. 2025, arXiv:2507.13833). With ``trainer.parallel_phases=true``
-(the default) the groups that hold them are called at the same time from driver threads, one thread
+(the default on CPU; on GPU the groups share each device, so it is off unless asked for) the groups that hold them are called at the same time from driver threads, one thread
 per group, and the step waits for all. Each group's calls stay in order on its own ranks (a collective
 needs every rank to run the same calls in the same order, so two threads never call one group).
 Workers running in the driver (``trainer.debug.in_process``) run them one after the other.
