@@ -272,7 +272,7 @@ def train(cfg) -> dict:
             if not s.trained:  # generate and score only (debug.rollout_only, or a pipeline without updates)
                 log({**m, **batch_metrics(batch, plan)}, step)
                 continue
-            m.update(batch_metrics(batch, plan, entropy=s.entropy, kl_coef=state.kl_ctrl.value))
+            m.update(batch_metrics(batch, plan, entropy=s.entropy, kl_coef=state.kl_ctrl.value, grad_norm=m.get("actor/grad_norm")))
             m.update(cluster.transport.take_metrics())
             m["timing_s/step"] = time.perf_counter() - t_step
             m.update(timing_metrics(m, batch, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node))
