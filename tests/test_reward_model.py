@@ -61,8 +61,8 @@ def test_a_complete_reward_model_config_loads():
 
 
 @pytest.mark.parametrize("line,why", [
-    ("reward_model.model.input_tokenizer=/other/tokenizer", "another tokenizer / chat template (re-tokenising"),
-    ("reward_model.max_length=1024", "re-tokenisation is not built"),
+    ("reward_model.max_length=0", "reward_model.max_length=0 must be >= 1"),
+    ("reward_model.model.input_tokenizer=null reward_model.max_length=64", "nothing is re-tokenised"),
     ("reward_model.micro_batch_size=8", "legacy) micro-batch size is not supported"),
     ("reward_model.enable_resource_pool=true", "a separate resource pool is not built"),
     ("reward_model.n_gpus_per_node=4", "a separate resource pool is not built"),
@@ -77,7 +77,38 @@ def test_a_complete_reward_model_config_loads():
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "scoring whole episodes with a reward model is not built"),
 ])
 def test_unbuilt_reward_model_keys_are_refused_with_the_reason(line, why):
-    assert why in _problems(RM_ON + [line])
+    assert why in _problems(RM_ON + line.split())
+
+
+# ----------------------------------------------------------------------------------------------------- re-tokenising
+def test_rm_inputs_are_the_rm_templates_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rm_tokenizer import ANSWERS, PROMPTS, by_hand, generated as _generated, make_rm_tokenizer
+    from trainer.rewards.reward_model import RMInputs
+
+    actor = AutoTokenizer.from_pretrained(TINY)
+    make_rm_tokenizer(str(tmp_path / "rmtok"))
+    conv = RMInputs(actor, AutoTokenizer.from_pretrained(tmp_path / "rmtok"))
+    batch = _generated(actor, PROMPTS, ANSWERS)
+    want = [by_hand([{"role": "user", "content": p}], a) for p, a in zip(PROMPTS, ANSWERS)]
+    assert conv.ids(batch) == want  # the actor's EOS dropped, one BOS, the RM's ids (not the actor's)
+    rm_batch = conv(batch)
+    got = [row[m.bool()].tolist() for row, m in zip(rm_batch.input_ids, rm_batch.attention_mask)]
+    assert got == want  # prompt + one-token response = the whole sequence, the last token last
+    assert (RMInputs(actor, AutoTokenizer.from_pretrained(tmp_path / "rmtok"), max_length=5).ids(batch)
+            == [w[:5] for w in want])  # verl's truncation='right'
+
+
+def test_an_rm_tokenizer_without_a_chat_template_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trainer.rewards.reward_model import RMInputs
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template.*input_tokenizer=null"):
+        RMInputs(tok, tok)
 
 
 def test_run_refuses_a_checkpoint_without_a_score_head(tmp_path):
@@ -165,6 +196,7 @@ def train_reward_model(out_dir: str, *, steps: int = 300, seed: int = 0) -> floa
         good, bad = pairs(val_ds, 256)
         acc = float((score(good) > score(bad)).float().mean())
     model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)  # an RM checkpoint carries its tokenizer (verl loads it from the RM's path)
     return acc
 
 
@@ -186,6 +218,7 @@ def test_grpo_with_a_trained_reward_model_raises_its_score(tmp_path, monkeypatch
             "trainer.val_before_train=false", "data.train_batch_size=16", "actor_rollout_ref.rollout.n=8",
             "actor_rollout_ref.actor.optim.lr=3e-4",
             "reward_model.enable=true", f"reward_model.model.path={rm_dir}", "reward_model.micro_batch_size_per_gpu=32",
+            "reward_model.model.input_tokenizer=null",  # it was trained on the actor's ids, EOS included: feed those
             "reward_model.megatron.dtype=float32", "reward_model.megatron.sequence_parallel=false"]))
     finally:
         import ray

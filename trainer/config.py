@@ -321,7 +321,7 @@ class SandboxConfig:
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = None  # HF *ForSequenceClassification checkpoint (num_labels=1, head 'score'); required with reward_model.enable
-    input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"  # the tokenizer of the token ids the RM reads: the actor's (or null); another one (re-tokenisation) is refused
+    input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"  # the tokenizer that made the rollout's ids: each response is decoded with it and re-rendered by the RM's chat template and tokenizer (verl's switch); null = the RM reads the actor's ids as they are (same vocabulary)
 
 
 @dataclass
@@ -342,7 +342,7 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward on one rank (required unless use_dynamic_bsz)
     use_dynamic_bsz: bool = "${critic.use_dynamic_bsz}"  # fill reward-model micro-batches up to a token budget instead of a count
     forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # token budget per reward-model micro-batch when use_dynamic_bsz
-    max_length: Optional[int] = None  # verl's truncation of re-tokenised RM inputs: not built (refused when set); the RM reads the actor's ids whole
+    max_length: Optional[int] = None  # truncate each re-tokenised RM input to its first N tokens (verl's truncation='right'); null = whole
     megatron: MegatronConfig = field(default_factory=lambda: RewardModelMegatronConfig())  # strategy=megatron: the reward model's parallelism
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision
     reward_manager: str = "naive"  # naive | prime | dapo | batch: verl's reward managers (trainer/rewards/manager.py)
@@ -638,6 +638,13 @@ def _reward_model_errors(cfg) -> list[str]:
         errs.append("DAPO overlong shaping (reward_model.overlong_buffer / reward_kwargs.overlong_buffer_cfg) with "
                     "reward_model.enable=true: verl's reward managers return the reward model's score unchanged, so "
                     "verl never shapes it; shaping a learned score is not built. Remove one of the two.")
+    if rm.max_length is not None:
+        if rm.max_length < 1:
+            errs.append(f"reward_model.max_length={rm.max_length} must be >= 1 (or null: the whole input).")
+        elif rm.model.input_tokenizer is None:
+            errs.append("reward_model.max_length truncates re-tokenised reward-model inputs, and with "
+                        "reward_model.model.input_tokenizer=null nothing is re-tokenised (the RM reads the actor's ids "
+                        "whole): set input_tokenizer to the actor's tokenizer path, or remove max_length.")
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         errs.append("reward_model.enable=true with actor_rollout_ref.rollout.multi_turn.enable=true: an episode's reward "
                     "is the environment's return; scoring whole episodes with a reward model is not built.")

@@ -127,14 +127,31 @@ def check_model(cfg) -> None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"reward_model.model.path='{path}' is not a Hugging Face model directory (no config.json).")
         rm_hf, actor_hf = read_hf_config(path), read_hf_config(arr.model.path)
-        if rm_hf.vocab_size != actor_hf.vocab_size:
+        if cfg.reward_model.model.input_tokenizer is None and rm_hf.vocab_size != actor_hf.vocab_size:
             raise ConfigError(f"reward_model.model.path={path} has a vocabulary of {rm_hf.vocab_size} tokens, the actor "
-                              f"{actor_hf.vocab_size}: the reward model reads the actor's token ids, so it needs the "
-                              f"actor's tokenizer (re-tokenisation is not built).")
+                              f"{actor_hf.vocab_size}: with reward_model.model.input_tokenizer=null the reward model "
+                              f"reads the actor's token ids, so it needs the actor's tokenizer. Set input_tokenizer to "
+                              f"the actor's tokenizer path to re-tokenise each response with the reward model's own.")
         try:
             check_score_head(path, rm_hf.hidden_size)
-        except ValueError as e:
+            rm_inputs(cfg)  # the tokenizers load and the RM's has a chat template
+        except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
+
+
+def rm_inputs(cfg):
+    """The reward model's input builder: re-tokenising (``reward_model.model.input_tokenizer`` set, verl's
+    default) or None (the RM reads the actor's ids)."""
+    from transformers import AutoTokenizer
+
+    from trainer.rewards.reward_model import RMInputs
+
+    rm = cfg.reward_model
+    if rm.model.input_tokenizer is None:
+        return None
+    trust = bool(cfg.actor_rollout_ref.model.trust_remote_code)
+    return RMInputs(AutoTokenizer.from_pretrained(rm.model.input_tokenizer, trust_remote_code=trust),
+                    AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=trust), max_length=rm.max_length)
 
 
 def resume(cluster, state, ckpt_dir: str, load_contents) -> None:
@@ -229,7 +246,9 @@ def train(cfg) -> dict:
         state.run_id = tracker.run_id
         actor, rollout = cluster.actor, cluster.rollout
         rm_group = cluster.reward_model  # a learned reward model scores each generated batch (its own shards)
-        score_rm = (lambda b: rm_group.scores(StepData(b, cluster.transport), plan.rm_scores)) if rm_group else None
+        to_rm = rm_inputs(cfg) if rm_group else None  # re-tokenised for the RM's tokenizer, or the actor's ids
+        score_rm = (lambda b: rm_group.scores(StepData(to_rm(b) if to_rm else b, cluster.transport), plan.rm_scores)
+                    ) if rm_group else None
         hooks = Hooks(OmegaConf.to_container(cfg.trainer.hooks))  # user stages (trainer.pipeline)
         gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds, reward_model=score_rm, hooks=hooks,
                          row_multiple=row_multiple(cluster))

@@ -58,6 +58,8 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
         outs = rollout.generate(prompts, params)
     meta = {"data_source": [it["data_source"] for it in items], "ground_truth": [it["ground_truth"] for it in items],
             "extra_info": [it.get("extra_info") for it in items]}
+    if reward_model is not None:  # verl's raw_prompt: the RM re-renders the conversation with its own template
+        meta["raw_prompt"] = [it["messages"] for it in items]
     batch = outputs_to_batch(prompts, outs, group_ids, max_prompt_length=max_prompt_length,
                              max_response_length=params["max_new_tokens"], pad_id=tokenizer.pad_token_id, meta=meta)
     if hooks:

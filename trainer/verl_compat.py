@@ -208,13 +208,6 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
      "(issue #18)"),
     ("reward_model.micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set reward_model.micro_batch_size_per_gpu"),
-    ("reward_model.max_length", lambda v, c: v is not None,
-     "it truncates verl's re-tokenised reward-model inputs, and re-tokenisation is not built: the reward model reads "
-     "the actor's token ids, whole (trainer/rewards/reward_model.py)"),
-    ("reward_model.model.input_tokenizer", lambda v, c: v is not None and v not in (
-        c.actor_rollout_ref.model.path, c.actor_rollout_ref.model.tokenizer_path, c.data.tokenizer),
-     "a reward model with another tokenizer / chat template (re-tokenising each response) is not built: the reward "
-     "model reads the actor's token ids, so its vocabulary must be the actor's; set it to the actor's model path or null"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v) and bool(
         c.algorithm.rollout_correction.bypass_mode), "batch-normalised IS weights inside the bypass-mode loss are not "
      "built yet (issue #15); they are in decoupled mode (bypass_mode=false)"),

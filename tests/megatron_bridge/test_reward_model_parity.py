@@ -11,6 +11,11 @@ The worker reads the head at each row's last valid token (``trainer.rewards.rewa
 * DeepSpeed ZeRO-3 on two ranks (parameters partitioned) and ZeRO-1 on one.
 
 A checkpoint without a ``score`` head (a causal LM) is refused by both strategies with the reason.
+
+Re-tokenised inputs (``reward_model.model.input_tokenizer``, verl's default): an RM with its own
+tokenizer and chat template scores what the actor generated; the worker's scores of the
+:class:`~trainer.rewards.reward_model.RMInputs` batch equal transformers on the conversation tokenized by
+hand from the template's definition.
 """
 
 import pytest
@@ -70,6 +75,54 @@ def hf_scores(model) -> torch.Tensor:
     ids = torch.tensor([s + [PAD] * (L - len(s)) for s in seqs])
     am = (ids != PAD).long()
     return model(input_ids=ids, attention_mask=am).logits[:, 0].float()
+
+
+def retok_job(src, tok_dir, port, tp=1):
+    """Megatron ranks score the actor's generated batch re-tokenised for the RM."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from trainer.plan import ForwardSettings
+    from trainer.rewards.reward_model import RMInputs
+    from trainer.workers.dataplane import StepData, Transport
+    from trainer.workers.megatron_worker import MegatronWorker
+    from rm_tokenizer import ANSWERS, PROMPTS, TINY, generated as _generated
+
+    actor = AutoTokenizer.from_pretrained(TINY)
+    rm_batch = RMInputs(actor, AutoTokenizer.from_pretrained(tok_dir))(_generated(actor, PROMPTS, ANSWERS))
+    w = MegatronWorker(role="reward", rank=dist.get_rank(), world_size=dist.get_world_size(), master_addr="127.0.0.1",
+                       master_port=port, model_path=src, tp=tp, sequence_parallel=tp > 1)
+    data = StepData(rm_batch, Transport(in_process=True))
+    part, shard = data.partition(1), data.shards(1)[0]
+    return part.gather([w.rm_scores(shard, settings=ForwardSettings(micro_batch_size=2, packed=True))["rm_scores"]])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_retokenised_inputs_score_as_transformers_on_the_rm_template(tmp_path, tp):
+    from megatron_bridge.launch import find_free_port, spawn
+    from rm_tokenizer import VOCAB as RM_VOCAB, by_hand, make_rm_tokenizer
+    from rm_tokenizer import ANSWERS, PROMPTS
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok_dir, src = str(tmp_path / "tok"), str(tmp_path / "rm")
+    make_rm_tokenizer(tok_dir)
+    pad = RM_VOCAB["<pad>"]
+    cfg = Qwen2Config(vocab_size=len(RM_VOCAB), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
+                      pad_token_id=pad, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    model = Qwen2ForSequenceClassification(cfg).float().eval()
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn_like(model.score.weight))
+    model.save_pretrained(src)
+    seqs = [by_hand([{"role": "user", "content": p}], a) for p, a in zip(PROMPTS, ANSWERS)]
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [pad] * (L - len(s)) for s in seqs])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=(ids != pad).long()).logits[:, 0].float()
+    assert want.std() > 0.05
+    for got in spawn(retok_job, tp, src, tok_dir, find_free_port(), tp):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def job(kind, src, port, tp=1, zero_stage=1):

@@ -33,10 +33,26 @@ and every verl reward manager returns them unchanged when present):
 * the RM score's batch statistics are logged as ``reward/rm_score/{mean,min,max}``
   (:func:`rm_metrics`); validation logs its mean as ``val-aux/rm_score/mean``.
 
-Not built (each refused by the config with the reason): re-tokenising for an RM with another tokenizer
-or chat template (``reward_model.model.input_tokenizer`` other than the actor's, ``max_length``),
-generative reward models (``reward_model.rollout``), a separate resource pool, and DAPO overlong shaping
-on top of an RM score (verl's managers return ``rm_scores`` as they are, so verl never shapes them).
+What the RM reads (verl's rule: ``verl/experimental/reward_loop/reward_loop.py``
+``_preprocess_reward_inputs``, and the ``input_tokenizer`` switch of verl's legacy reward-model worker).
+With ``reward_model.model.input_tokenizer`` set (verl's default: the actor's model path) each sample is
+re-tokenised for the RM (:class:`RMInputs`): the response is decoded with ``input_tokenizer`` (the
+tokenizer that produced the ids), its EOS text removed, appended to the prompt's chat messages as the
+assistant turn, and the conversation is rendered by the RM tokenizer's own chat template
+(``add_generation_prompt=False``) and tokenized by the RM tokenizer::
+
+    x_rm = tok_rm( template_rm( messages + [{"role": "assistant", "content": dec_in(y) - eos}] ) )
+
+A BOS the template writes is dropped before tokenizing, and the tokenizer's own special tokens are
+added, so a Llama-style template yields one BOS (verl strips it for the engine, which adds it back).
+``reward_model.max_length`` truncates ``x_rm`` to its first ``max_length`` tokens (verl's
+``truncation='right'``: the end of a long response is then cut and the score is read at the last kept
+token). With ``input_tokenizer=null`` the RM reads the actor's ids as they are (prompt + response,
+EOS included), which needs the actor's vocabulary (checked before any worker starts).
+
+Not built (each refused by the config with the reason): generative reward models
+(``reward_model.rollout``), a separate resource pool, and DAPO overlong shaping on top of an RM score
+(verl's managers return ``rm_scores`` as they are, so verl never shapes them).
 """
 
 from __future__ import annotations
@@ -101,3 +117,56 @@ def check_score_head(model_path: str, hidden_size: int) -> None:
     if shape != (1, hidden_size):
         raise ValueError(f"reward_model.model.path={model_path}: score.weight has shape {shape}; a reward model has "
                          f"one label (shape (1, {hidden_size})): save it with num_labels=1")
+
+
+class RMInputs:
+    """The reward model's input batch from a generated one (see the module docstring): the rollout's
+    prompt messages (``meta["raw_prompt"]``) and decoded responses, rendered by the RM tokenizer's chat
+    template. Each RM sequence goes in as a one-token response after a left-padded prompt, so the
+    workers' last-valid-token read is its last token."""
+
+    def __init__(self, input_tokenizer, rm_tokenizer, max_length: int | None = None):
+        if not getattr(rm_tokenizer, "chat_template", None):
+            raise ValueError("the reward model's tokenizer has no chat template, and re-tokenising renders the "
+                             "conversation with it (as verl does): add a chat_template to its tokenizer_config.json, "
+                             "or set reward_model.model.input_tokenizer=null to feed it the actor's token ids")
+        self.src, self.rm, self.max_length = input_tokenizer, rm_tokenizer, max_length
+
+    def texts(self, batch) -> list[str]:
+        """The RM's input text of every sample."""
+        msgs = batch.get_meta("raw_prompt")
+        lengths = batch.response_length.tolist()
+        eos = self.src.eos_token
+        out = []
+        for chat, resp, n in zip(msgs, batch.responses, lengths):
+            text = self.src.decode(resp[:n].tolist())
+            if eos:
+                text = text.replace(eos, "")
+            conv = list(chat) + [{"role": "assistant", "content": text}]
+            rendered = self.rm.apply_chat_template(conv, add_generation_prompt=False, tokenize=False)
+            bos = self.rm.bos_token
+            if bos and rendered.startswith(bos):
+                rendered = rendered[len(bos):]
+            out.append(rendered)
+        return out
+
+    def ids(self, batch) -> list[list[int]]:
+        """The RM's token ids of every sample (truncated to ``max_length`` from the right)."""
+        seqs = [self.rm(t, add_special_tokens=True)["input_ids"] for t in self.texts(batch)]
+        if self.max_length:
+            seqs = [s[: self.max_length] for s in seqs]
+        bad = [i for i, s in enumerate(seqs) if not s]
+        if bad:
+            raise ValueError(f"samples {bad[:5]} render to no reward-model token at all")
+        return seqs
+
+    def __call__(self, batch):
+        from trainer.batch import RolloutBatch
+        from trainer.rollout.single_turn import pad_left, pad_right
+
+        seqs = self.ids(batch)
+        pad = self.rm.pad_token_id if self.rm.pad_token_id is not None else 0
+        heads = [s[:-1] for s in seqs]
+        p_ids, p_mask = pad_left(heads, max(1, max(map(len, heads))), pad)
+        r_ids, r_mask = pad_right([s[-1:] for s in seqs], 1, pad, torch.long)
+        return RolloutBatch.from_tokens(p_ids, r_ids, p_mask, r_mask)
