@@ -371,8 +371,8 @@ class WorkerGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.watch_interval_s,
                                       fetch_local=False)
-            for r in ready:
-                out[r] = ray.get(r)
+            if ready:  # one call for what is done (an error among them raises here)
+                out.update(zip(ready, ray.get(ready)))
             if pending and not ready and self.placement is not None and self.placement.nnodes > 1:
                 lost = self._lost_nodes()
                 if lost:
