@@ -6,8 +6,15 @@ Baselines, measured in the same run:
     the groups), the way these functions are often first written;
   * ``copy``: a plain tensor copy of the same input bytes (the time to read the inputs once).
 
-Headline (last line): the vectorised total against the loop total, as a ratio (target >= 20x), and
-the vectorised total over the copy time (target <= 3x).
+And verl 0.9.1's own functions on the same inputs (installed ``--no-deps`` from requirements-peers.txt;
+``--no-verl`` skips them), each checked to compute the same values first: GRPO advantages (verl's
+``compute_grpo_outcome_advantage``, what ``adv_estimator=grpo`` runs, and its vectorised variant, whose
+score sum does not mask the padding), the rollout-IS weights with verl's IS and off-policy metric sets,
+the token_k1 rejection mask, and the low_var_kl estimator. verl gets a float mask (its fastest input;
+its trainer passes the attention mask's integer slice), ours the bool mask the trainer holds.
+
+Headline (last line): verl's time over ours on the whole set, ours over one copy of the inputs (target
+<= 3x), and the vectorised total against the per-sample loop.
 
     python benchmarks/bench_algos.py [--quick] [--json out.json]
 """
@@ -23,6 +30,7 @@ from collections import defaultdict
 
 import torch
 
+import _common  # noqa: F401,E402  (the repository root on sys.path)
 from trainer.algos.advantages import compute_grpo_outcome_advantage
 from trainer.algos.filtering import group_filter
 from trainer.algos.rollout_is import compute_rollout_is_weights
@@ -103,6 +111,74 @@ def loop_filter(acc, index):
 
 
 # ---------------------------------------------------------------------------------------------
+# verl's own functions on the same inputs
+# ---------------------------------------------------------------------------------------------
+def verl_version() -> str:
+    from importlib.metadata import version
+
+    return version("verl")
+
+
+def bench_against_verl(x: dict, repeat: int) -> list[dict]:
+    """Each function of ours against verl's that computes the same thing, after checking that the two
+    agree on these inputs (a faster function that computes something else proves nothing)."""
+    import numpy as np
+    from verl.trainer.ppo import core_algos as V
+    from verl.trainer.ppo import rollout_corr_helper as RC
+
+    from trainer.algos.kl import kl_penalty
+    from trainer.algos.rollout_is import compute_rejection_mask
+    from trainer.verl_compat import parse_rejection
+
+    mask, rewards, old, rollout, index = (x[k] for k in ("mask", "rewards", "old", "rollout", "index"))
+    fmask = mask.float()  # verl's functions take a float mask
+    uid = np.array([str(int(i)) for i in index])  # verl's index: the uid strings of its DataProto
+    ref = rollout - 0.02  # a reference policy near the rollout's
+    rows = []
+
+    def row(name, ours, verl, inputs, check):
+        check(ours(), verl())
+        t_o, t_v = timeit(ours, repeat), timeit(verl, repeat)
+        t_c = timeit(lambda: [torch.empty_like(t).copy_(t) for t in inputs], repeat)
+        rows.append(dict(name=name, ours_s=t_o, verl_s=t_v, copy_s=t_c, verl_over_ours=t_v / t_o, ours_over_copy=t_o / t_c))
+
+    def same(a, b, atol=1e-5):
+        assert torch.allclose(a.float(), b.float(), atol=atol), (a - b).abs().max()
+
+    row("grpo_advantages",
+        lambda: compute_grpo_outcome_advantage(token_level_rewards=rewards, response_mask=mask, index=index)[0],
+        lambda: V.compute_grpo_outcome_advantage(token_level_rewards=rewards, response_mask=fmask, index=uid)[0],
+        [rewards, mask, index], same)
+    row("grpo_advantages (verl vec)",
+        lambda: compute_grpo_outcome_advantage(token_level_rewards=rewards, response_mask=mask, index=index)[0],
+        lambda: V.compute_grpo_vectorized_outcome_advantage(token_level_rewards=rewards, response_mask=fmask,
+                                                            index=uid)[0],
+        [rewards, mask, index], same)
+
+    def ours_is():  # the weights, verl's IS statistics and the mismatch metrics, as verl's trainer logs them
+        w, _, m = compute_rollout_is_weights(old, rollout, mask, rollout_is_level="token", rollout_is_mode="truncate",
+                                             rollout_is_threshold=2.0, rollout_is_veto_threshold=None)
+        return w, m
+
+    def verl_is():
+        proto, _, m = RC.compute_rollout_correction_and_rejection_mask(old, rollout, fmask, rollout_is="token",
+                                                                      rollout_is_threshold=2.0)
+        m.update(RC.compute_offpolicy_metrics(old, rollout, fmask))
+        return proto.batch["rollout_is_weights"], m
+
+    row("rollout_is weights+metrics", ours_is, verl_is, [old, rollout, mask],
+        lambda a, b: same(a[0] * mask, b[0] * fmask))
+    rej = parse_rejection("token_k1", "0.7_1.3", None)[0]  # verl's option in our units, as the config maps it
+    row("rejection token_k1 0.7-1.3",
+        lambda: compute_rejection_mask(old, rollout, mask, **{k: rej[k] for k in ("divergence", "agg", "lower", "upper")})[0],
+        lambda: RC.compute_rollout_rejection_mask(old - rollout, fmask, rollout_rs="token_k1",
+                                                  rollout_rs_threshold="0.7_1.3")[0],
+        [old, rollout, mask], lambda a, b: same(a, b, atol=0))
+    row("kl low_var_kl", lambda: kl_penalty(old, ref, "low_var_kl"), lambda: V.kl_penalty(old, ref, "low_var_kl"),
+        [old, ref], same)
+    return rows
+
+
 def timeit(fn, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -118,6 +194,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--repeat", type=int, default=3, help="best of N (the first call may compile)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--no-verl", action="store_true", help="skip the comparison with verl's functions")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,6 +239,7 @@ def main() -> None:
                                              percentile_sample_size=2**17),
           lambda: loop_rollout_is(old, rollout, lengths), [old, rollout, mask])
     bench("group_filter", lambda: group_filter(acc, index), lambda: loop_filter(acc, index), [acc, index])
+    verl_rows = bench_against_verl(x, args.repeat) if not args.no_verl else []
 
     main_rows = [r for r in rows if "sampled" not in r["name"]]  # the headline is the default (exact) path
     tot = {k: sum(r[k] for r in main_rows) for k in ("vectorised_s", "loop_s", "copy_s")}
@@ -177,6 +255,27 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(B=B, T=T, machine=machine, rows=rows, total=tot, speedup_vs_loop=speed,
                            ratio_to_copy=to_copy, mismatch_metrics={k: float(v) for k, v in m_v.items()}), f, indent=2)
+    if verl_rows:
+        print()
+        print(f"against verl {verl_version()}'s own functions (installed --no-deps: requirements-peers.txt), same inputs:")
+        print(f"{'function':<28}{'ours s':>10}{'verl s':>10}{'copy s':>10}{'verl / ours':>13}{'ours / copy':>13}")
+        for r in verl_rows:
+            print(f"{r['name']:<28}{r['ours_s']:>10.4f}{r['verl_s']:>10.4f}{r['copy_s']:>10.4f}{r['verl_over_ours']:>13.2f}"
+                  f"{r['ours_over_copy']:>13.2f}")
+        vt = {k: sum(r[k] for r in verl_rows) for k in ("ours_s", "verl_s", "copy_s")}
+        print(f"{'total':<28}{vt['ours_s']:>10.4f}{vt['verl_s']:>10.4f}{vt['copy_s']:>10.4f}{vt['verl_s'] / vt['ours_s']:>13.2f}"
+              f"{vt['ours_s'] / vt['copy_s']:>13.2f}")
+        if args.json:
+            with open(args.json) as f:
+                res = json.load(f)
+            res["against_verl"] = dict(rows=verl_rows, total=vt)
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        worst = min(verl_rows, key=lambda r: r["verl_over_ours"])
+        print(f"headline: verl's functions take {vt['verl_s'] / vt['ours_s']:.2f}x our time on the whole set (slowest of ours "
+              f"relative to verl: {worst['name']} at {worst['verl_over_ours']:.2f}x); ours is {vt['ours_s'] / vt['copy_s']:.2f}x "
+              f"a copy of the inputs; {speed:.1f}x the per-sample loop")
+        return
     print(f"headline: vectorised {speed:.1f}x faster than the per-sample loop; {to_copy:.2f}x the time of one copy of the inputs")
 
 

@@ -235,3 +235,23 @@ def test_adaptive_coef_moves_toward_target(init, target, kl, n, horizon):
         assert c.value < init  # too little -> weaker penalty
     # the clipped error bounds the step: |mult - 1| <= 0.2 n / horizon
     assert abs(c.value / init - 1) <= 0.2 * n / horizon + 1e-12
+
+
+@pytest.mark.parametrize("name", ["kl", "abs", "mse", "low_var_kl", "k3+", "k2"])
+def test_the_chunked_no_grad_path_equals_verl_and_the_autograd_path(name):
+    """A whole-batch no-grad call (more than one row chunk, a ragged last chunk) takes the cache-sized
+    row-chunk path: its values equal verl 0.9.1's ``kl_penalty`` and this function's own autograd path
+    bit for bit."""
+    from verl.trainer.ppo.core_algos import kl_penalty as verl_kl
+
+    from trainer.algos.kl import _CHUNK_NUMEL
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 3 * (_CHUNK_NUMEL // 1000) + 7, 1000  # > 3 chunks, the last one partial
+    lp = -torch.rand(B, T, generator=g) * 4
+    ref = lp + 0.3 * torch.randn(B, T, generator=g)
+    ref[0, 0] = lp[0, 0] + 40.0  # past the clamps
+    fast = kl_penalty(lp, ref, name)
+    slow = kl_penalty(lp.clone().requires_grad_(), ref, name).detach()  # the plain (autograd) path
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast, verl_kl(lp, ref, name))

@@ -66,12 +66,32 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 
 
+_CHUNK_NUMEL = 1 << 18  # elements per row chunk of a no-grad call: ~1 MiB of float32 temporaries
+
+
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
     """Per-token KL estimate ``[B, T]`` by the estimator named ``kl_penalty`` (see module docstring).
 
     A trailing ``"+"`` gives the straight-through variant (value of the estimator, gradient of k2).
     ``"pkg.module:function"`` loads a user's ``f(logprob, ref_logprob) -> [B, T]``.
     """
+    needs_grad = torch.is_grad_enabled() and (logprob.requires_grad or ref_logprob.requires_grad)
+    one_op = kl_penalty in ("kl", "k1")  # a single subtraction makes no temporary to keep in cache
+    if (not needs_grad and not one_op and logprob.dim() == 2 and logprob.shape == ref_logprob.shape
+            and logprob.numel() > _CHUNK_NUMEL):
+        # the driver's whole-batch call (KL in reward, metrics): row chunks whose temporaries stay in cache, so
+        # each element is read once and written once (a 4-op estimator on [8192, 4096] would otherwise make
+        # four [B, T] temporaries: 3x the time, measured in benchmarks/bench_algos.py). Same values exactly.
+        name = kl_penalty[:-1] if isinstance(kl_penalty, str) and kl_penalty.endswith("+") else kl_penalty
+        fn = load_fn(name, KL_ESTIMATORS, "kl_penalty")
+        B, T = logprob.shape
+        step = max(1, _CHUNK_NUMEL // T)
+        first = fn(logprob[:step], ref_logprob[:step])
+        out = torch.empty((B, T), dtype=first.dtype, device=first.device)
+        out[:step] = first
+        for s in range(step, B, step):
+            out[s:s + step] = fn(logprob[s:s + step], ref_logprob[s:s + step])
+        return out
     if isinstance(kl_penalty, str) and kl_penalty.endswith("+"):
         value = load_fn(kl_penalty[:-1], KL_ESTIMATORS, "kl_penalty")(logprob, ref_logprob)  # [B, T]
         grad_carrier = _k2(logprob, ref_logprob)  # [B, T]
