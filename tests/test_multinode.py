@@ -13,6 +13,9 @@ through the object store, by reference).
   naming the node and the step, leaves no process behind, and once the node is back
   ``trainer.resume_mode=auto`` finishes the run with the uninterrupted run's history and weights.
 
+* ``rollout.mode=server``: the HTTP servers on other nodes than the trainer; one server node's raylet
+  SIGKILLed mid-step: the fleet drops that server, retries its requests on the other, and the run finishes.
+
 One cluster serves the module; every run is a separate driver process (``bash recipes/cpu/run_tiny_grpo.sh``).
 """
 
@@ -224,3 +227,38 @@ def test_a_tp_group_that_would_span_nodes_is_refused():
         check_node_layout(cfg)
     check_node_layout(tiny_config(["trainer.nnodes=1", "trainer.n_gpus_per_node=4",
                                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"]))
+
+
+def test_a_lost_rollout_server_node_is_dropped_and_the_run_goes_on(nodes, tmp_path):
+    """rollout.mode=server, split placement: the trainer's two ranks on the head node, the two HTTP servers
+    spread over the two other nodes (a host actor each, the router on the driver's node). Node 127.0.0.3's
+    raylet is SIGKILLed inside step 2: its server is dropped (not restarted), the requests it held are
+    retried on the other one, and the run finishes every step with verified weight pushes. (Last in the
+    module: it adds the third node and leaves it dead.)"""
+    import json
+
+    nodes.add_node(2)
+    run, log_path = tmp_path / "fleet", tmp_path / "fleet.log"
+    args = BASE + ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "trainer.placement=split",
+                   "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_engines=2",
+                   "trainer.total_training_steps=3", f"trainer.default_local_dir={run}"]
+    with open(log_path, "w") as log:
+        p = driver(args, nodes.env(), log)
+        kill_after_checkpoint(p, run, log_path)
+        pm = json.loads((run / "placement.json").read_text())
+        head = next(n for n in nodes.nodes() if n["head"] and n["alive"])
+        assert {a["node_id"] for a in pm["groups"]["actor"]} == {head["node_id"]}  # the trainer on the head
+        assert sorted(s["ip"] for s in pm["fleet"]) == ["127.0.0.2", "127.0.0.3"], pm["fleet"]  # a server per node
+        nodes.kill_node(2)
+        rc = p.wait(300)
+    text = log_path.read_text()
+    assert rc == 0, text[-4000:]
+    dropped = [ln for ln in text.splitlines() if "dropped: its node 127.0.0.3 left the Ray cluster" in ln]
+    assert dropped and "1 server(s) left" in dropped[0], text[-4000:]
+    assert "restarted at" not in text  # the lost node's server is dropped, not restarted
+    hist = checkpoint_history(run)
+    assert [h["step"] for h in hist] == [1, 2, 3] and all(h["sync/verified"] == 1.0 for h in hist)
+    deadline = time.monotonic() + 30  # the servers (and their host actors) are gone with the run
+    while any("native_server" in _cmdline(q) for q in nodes.own_pids()):
+        assert time.monotonic() < deadline, [_cmdline(q)[:80] for q in nodes.own_pids() if "native_server" in _cmdline(q)]
+        time.sleep(0.5)

@@ -106,10 +106,10 @@ def test_a_node_that_does_not_join_fails_the_job_fast_with_its_name(slurm, tmp_p
     (shim / "ray").write_text(f'#!/usr/bin/env bash\ncase " $* " in *" --address="*) exec sleep 600;; esac\n'
                               f'exec "{real}" "$@"\n')
     (shim / "ray").chmod(stat.S_IRWXU)
-    env = job_env(slurm, tmp_path, RAY_WAIT_S="15", PATH=f"{shim}:{os.environ['PATH']}")
+    env = job_env(slurm, tmp_path, RAY_WAIT_S="10", PATH=f"{shim}:{os.environ['PATH']}")
     state, log, took = sbatch(slurm, tmp_path, env, *RECIPE_ARGS, f"trainer.default_local_dir={tmp_path / 'run'}")
     assert state["JobState"] == "FAILED" and state["ExitCode"] == "1:0", (state, log[-3000:])
-    assert "1 of 2 Ray nodes joined" in log and "1 did not: cx2 (127.0.0.2)" in log and "timed out after 15 s" in log, log
+    assert "1 of 2 Ray nodes joined" in log and "1 did not: cx2 (127.0.0.2)" in log and "timed out after 10 s" in log, log
     assert "error: not every node joined the Ray cluster" in log
     assert "running recipes/cpu/run_tiny_grpo.sh" not in log  # the recipe never started
     assert took < 90, took

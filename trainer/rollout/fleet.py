@@ -10,7 +10,7 @@ API (what the controller calls):
 
 ``Fleet(model, *, num_servers=2, threads_per_server=1, max_batch_size=32, max_seq_len=None,
 dtype="float32", host="127.0.0.1", policy="round_robin", health_interval_s=1.0, server_args=(),
-router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={})``
+router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={}, hosts=None)``
     ``start()`` (or ``with``) launches ``num_servers`` ``python -m trainer.rollout.native_server``
     processes on free loopback ports (``--threads threads_per_server``, ``OMP_NUM_THREADS`` likewise),
     waits for each one's ready line, then launches ``python -m sglang_router.launch_router`` (sglang-router
@@ -22,6 +22,12 @@ router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={})``
     runs under a small supervisor that kills it if the trainer dies without closing (SIGKILL included). A monitor thread health-checks the servers every
     ``health_interval_s`` (process alive, and ``GET /health`` answering), and at once when the client
     reports a failed request; a dead or hung server is restarted (:meth:`Fleet.restart_server`).
+    ``hosts`` (on a Ray cluster): one dict of Ray actor options per server (a placement-group bundle);
+    server ``k`` then runs on that bundle's node, started by a small :class:`ServerHost` actor there and
+    bound to the node's IP (the router and the client on the trainer's node reach it over the network).
+    When such a server's node leaves the Ray cluster, the fleet drops the server instead of restarting
+    it (its requests are already retried on the others): ``fleet/dropped`` counts them, and the run goes
+    on with the remaining servers (:meth:`Fleet.drop_server`).
 
 ``FleetClient(router_url, worker_urls, *, max_concurrency=64, request_timeout_s=600, max_retries=4,
 retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=False)``
@@ -180,6 +186,7 @@ class FleetStats:
     generated_tokens: int = 0
     weight_pushes: int = 0
     restarts: int = 0  # servers the Fleet restarted
+    dropped: int = 0  # servers the Fleet dropped (their Ray node left the cluster)
 
     def as_metrics(self) -> dict[str, float]:
         return {f"fleet/{k}": float(v) for k, v in self.__dict__.items()}
@@ -450,6 +457,8 @@ FLEET_KEY_ENV = "COXSWAIN_FLEET_KEY"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if isinstance(proc, RemoteProc):
+        return  # ended through its host actor (_kill_group)
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -459,6 +468,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 def _kill_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
     """End a process group the fleet started: SIGTERM and up to ``grace_s`` to exit (the supervisor then
     reaps its child, so no zombie is left behind), then SIGKILL whatever is left in the group."""
+    if isinstance(proc, RemoteProc):
+        proc.kill(grace_s)
+        return
     if grace_s > 0 and proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -472,6 +484,100 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
         pass
 
 
+class ServerHost:
+    """A Ray actor that runs one fleet server on its own node: the command under the orphan supervisor
+    (so the server ends when this actor's process does, e.g. when the node's raylet dies), with
+    ``--host`` set to the node's IP; ``wait_ready`` returns the server's URL."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: str):
+        import ray
+
+        self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        cmd = list(cmd)
+        cmd[cmd.index("--host") + 1] = self.node_ip
+        self.log_path = log_path
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        with open(log_path, "ab") as logf:
+            self.proc = subprocess.Popen(supervised(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **env}, start_new_session=True)
+
+    def where(self) -> tuple[str, str]:
+        return self.node_id, self.node_ip
+
+    def wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    url = ready_url(line, SERVER_READY_PREFIX)
+                    if url is not None:
+                        return url
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        _kill_group(self.proc)
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise FleetError(f"rollout server on node {self.node_ip} did not start (log {self.log_path}):\n{tail}")
+
+    def poll(self):
+        return self.proc.poll()
+
+    def terminate(self, grace_s: float) -> None:
+        _kill_group(self.proc, grace_s)
+
+
+class RemoteProc:
+    """A server started by a :class:`ServerHost` actor, seen like a ``Popen`` (``poll``; ``kill``)."""
+
+    def __init__(self, handle):
+        self.handle, self.returncode, self.pid = handle, None, None
+        self.node_id = self.node_ip = None
+
+    def poll(self):
+        import ray
+
+        if self.returncode is None:
+            try:
+                self.returncode = ray.get(self.handle.poll.remote(), timeout=3)
+            except ray.exceptions.GetTimeoutError:
+                return None  # busy: not known dead
+            except Exception:  # noqa: BLE001 - the host actor (or its node, or Ray) is gone, and the server with it
+                self.returncode = -9
+        return self.returncode
+
+    def host_answers(self, timeout_s: float = 3.0) -> bool:
+        import ray
+
+        try:
+            ray.get(self.handle.where.remote(), timeout=timeout_s)
+            return True
+        except Exception:  # noqa: BLE001 - dead, unavailable or not answering
+            return False
+
+    def node_alive(self) -> bool | None:
+        """Ray's view of the server's node (None before it is known)."""
+        import ray
+
+        if self.node_id is None:
+            return None
+        return next((bool(n.get("Alive")) for n in ray.nodes() if n["NodeID"] == self.node_id), False)
+
+    def kill(self, grace_s: float = 0.0) -> None:
+        import ray
+
+        try:
+            ray.get(self.handle.terminate.remote(grace_s), timeout=grace_s + 15)
+        except Exception:  # noqa: BLE001 - a lost node: the supervisor ended the server with the actor
+            pass
+        try:
+            ray.kill(self.handle)
+        except Exception:  # noqa: BLE001
+            pass
+        self.returncode = self.returncode if self.returncode is not None else -9
+
+
 @dataclass
 class _Server:
     index: int
@@ -480,6 +586,7 @@ class _Server:
     log_path: str
     failed_checks: int = 0
     generation: int = 0
+    dropped: bool = False
 
 
 @dataclass
@@ -500,6 +607,8 @@ class Fleet:
     log_dir: str | None = None
     startup_timeout_s: float = 180.0
     client_kwargs: dict = field(default_factory=dict)
+    hosts: Sequence[dict] | None = None  # Ray actor options per server: run server k on that node (see above)
+    node_grace_s: float = 30.0  # how long a dead remote server waits for Ray's verdict on its node
 
     def __post_init__(self):
         self.servers: list[_Server] = []
@@ -527,7 +636,7 @@ class Fleet:
 
     @property
     def server_urls(self) -> list[str]:
-        return [s.url for s in self.servers]
+        return [s.url for s in self.servers if not s.dropped]
 
     def start(self) -> "Fleet":
         atexit.register(self.close)
@@ -592,9 +701,31 @@ class Fleet:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         path = os.path.join(self.log_dir, f"server-{k}-{generation}.log")
+        if self.hosts is not None:  # on server k's own node, through a host actor there
+            import ray
+
+            extra = {k2: env[k2] for k2 in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", FLEET_KEY_ENV, "PYTHONPATH")}
+            opts = dict(self.hosts[k % len(self.hosts)])
+            handle = ray.remote(ServerHost).options(**opts, max_concurrency=4).remote(cmd, extra, path)
+            proc = RemoteProc(handle)
+            self._pending.append(proc)
+            return proc, path
         return self._spawn(cmd, path, env), path
 
     def _await_server(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
+        if isinstance(proc, RemoteProc):
+            import ray
+
+            try:
+                url = ray.get(proc.handle.wait_ready.remote(self.startup_timeout_s), timeout=self.startup_timeout_s + 60)
+                proc.node_id, proc.node_ip = ray.get(proc.handle.where.remote())
+            except ray.exceptions.RayTaskError as e:
+                proc.kill()
+                raise FleetError(f"rollout server {k} did not start: {e.cause if hasattr(e, 'cause') else e}") from e
+            except ray.exceptions.RayError as e:
+                proc.kill()
+                raise FleetError(f"rollout server {k} did not start ({type(e).__name__}: {e})") from e
+            return _Server(k, proc, url, path, generation=generation)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -672,6 +803,8 @@ class Fleet:
             if self._stop.is_set():
                 return
             for s in list(self.servers):
+                if s.dropped:
+                    continue
                 dead = s.proc.poll() is not None
                 if not dead:
                     try:
@@ -690,7 +823,11 @@ class Fleet:
         """Replace server ``k`` (killed if still running) by a fresh one on a new port; returns its URL."""
         with self._lock:
             old = self.servers[k]
-            self.client.set_workers([s.url for s in self.servers if s.index != k])
+            if old.dropped:
+                return old.url
+            self.client.set_workers([s.url for s in self.servers if s.index != k and not s.dropped])
+            if isinstance(old.proc, RemoteProc) and self._node_lost(old.proc):
+                return self.drop_server(k, f"its node {old.proc.node_ip} left the Ray cluster")
             _kill_group(old.proc, grace_s=2.0)
             try:
                 wid = next((w["id"] for w in self._router_workers() if w["url"] == old.url), None)
@@ -701,7 +838,12 @@ class Fleet:
                 log.warning("fleet: could not remove %s from the router: %s", old.url, e)
             gen = old.generation + 1
             proc, path = self._spawn_server(k, gen)
-            new = self._await_server(k, proc, path, gen)
+            try:
+                new = self._await_server(k, proc, path, gen)
+            except FleetError:  # a remote server's node may be going down as it is replaced: then drop it
+                if isinstance(old.proc, RemoteProc) and self._node_lost(old.proc):
+                    return self.drop_server(k, f"its node {old.proc.node_ip} left the Ray cluster")
+                raise
             with self.client.weights_lock:  # no push in flight: copy the fleet's current weights
                 self._sync_from_peer(new.url)
                 self.servers[k] = new
@@ -711,6 +853,42 @@ class Fleet:
             self.stats.restarts += 1
             log.warning("fleet: server %d restarted at %s (was %s)", k, new.url, old.url)
             return new.url
+
+    def _node_lost(self, proc: RemoteProc) -> bool:
+        """Whether a failed remote server's node has left the cluster: no when its host actor still answers
+        (the server itself died or hung); otherwise Ray's verdict on the node, which comes within its
+        detection time (about 15 s), waited for up to ``node_grace_s``."""
+        if proc.host_answers():
+            return False
+        deadline = time.monotonic() + self.node_grace_s
+        while True:
+            alive = proc.node_alive()
+            if alive is False:
+                return True
+            if alive is None or time.monotonic() > deadline or self._stop.is_set():
+                return False
+            time.sleep(1.0)
+
+    def drop_server(self, k: int, why: str) -> str:
+        """Take server ``k`` out of the fleet for good (the router, the client's list, the monitor): its
+        node is gone. The other servers serve on; raises :class:`FleetError` when none is left."""
+        with self._lock:
+            old = self.servers[k]
+            old.dropped = True
+            self.client.set_workers(self.server_urls)
+            _kill_group(old.proc)
+            try:
+                wid = next((w["id"] for w in self._router_workers() if w["url"] == old.url), None)
+                if wid is not None:
+                    self._router_call("DELETE", f"/workers/{wid}")
+                    self._await_router(set(), {old.url}, timeout=30)
+            except OSError as e:
+                log.warning("fleet: could not remove %s from the router: %s", old.url, e)
+            self.stats.dropped += 1
+            log.warning("fleet: server %d at %s dropped: %s; %d server(s) left", k, old.url, why, len(self.server_urls))
+            if not self.server_urls:
+                raise FleetError(f"every rollout server is lost (the last: {old.url}, {why})")
+            return old.url
 
     def _sync_from_peer(self, url: str) -> None:
         import urllib.request

@@ -100,7 +100,8 @@ class Cluster:
             # an embedded cluster lives as long as this Cluster (a later one may need other resources)
             self.owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
             # an embedded cluster is one node, whatever trainer.nnodes says; a joined one is laid out node by node
-            placement = Placement(n_slots, use_gpu, nnodes=1 if self.owns_ray else t.nnodes, per_node=t.n_gpus_per_node)
+            placement = Placement(n_slots, use_gpu, nnodes=1 if self.owns_ray else t.nnodes, per_node=t.n_gpus_per_node,
+                                  joined=not self.owns_ray)
         self.placement = placement
         rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
         # CPU threads. A local CPU cluster runs one phase at a time (sync mode): the megatron ranks share
@@ -199,10 +200,13 @@ class Cluster:
         # colocated engines give their memory back while the trainer runs
         free = self.colocated and r.free_cache_engine
         if r.mode in ("server", "async"):  # verl's async mode: HTTP engine servers behind sglang-router, outside Ray
+            # on a joined cluster each server runs on its slot's node (a host actor there); embedded: local processes
+            hosts = ([placement.options(rollout_bundle(i), 0.25) for i in range(n_eng)]
+                     if placement is not None and not self.owns_ray else None)
             self.rollout = FleetRollout(model_path, num_servers=n_eng, threads_per_server=rkw["generate_threads"],
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
                                         tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
-                                        log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"))
+                                        log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts)
         elif self.hybrid:
             self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
         else:
@@ -222,6 +226,16 @@ class Cluster:
             out["rollout"] = self.rollout.group
         return out
 
+    def fleet_servers(self) -> list[dict]:
+        """Where each HTTP rollout server runs (server mode on a joined cluster)."""
+        from trainer.rollout.fleet import RemoteProc
+
+        if not isinstance(self.rollout, FleetRollout):
+            return []
+        return [{"server": s.index, "url": s.url, "node_id": s.proc.node_id, "ip": s.proc.node_ip}
+                if isinstance(s.proc, RemoteProc) else {"server": s.index, "url": s.url, "node_id": None, "ip": "local"}
+                for s in self.rollout.fleet.servers]
+
     def placement_map(self) -> dict:
         """Where every rank runs, as its worker reports it: ``{"driver": {...}, "groups": {name: [{"rank",
         "node_id", "ip", mesh coordinates...}]}}``; ``hybrid_rollout``: the engines are in the actor's ranks."""
@@ -240,7 +254,7 @@ class Cluster:
         return {"nnodes": self.placement.nnodes, "per_node": self.placement.per_node,
                 "driver": {"node_id": here, "ip": ips.get(here, "?"), "is_head": here == head},
                 "head_node_id": head, "rendezvous": dict(self.rendezvous), "hybrid_rollout": self.hybrid,
-                "groups": groups}
+                "groups": groups, "fleet": self.fleet_servers()}
 
     def write_placement(self, path: str) -> None:
         import json

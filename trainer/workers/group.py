@@ -146,19 +146,21 @@ class Placement:
     """The run's slots: ``n_bundles`` of ``{"CPU": 1}`` (``{"GPU": 1, "CPU": 1}`` on GPU);
     ``options(i, share)`` gives scheduling options for slot i, ``node_of(i)`` its :class:`Node`.
 
-    ``nnodes`` > 1 (on a cluster joined with ``RAY_ADDRESS``): the first ``nnodes * per_node`` slots
-    are one ``STRICT_PACK`` placement group per node, each pinned to a distinct node; the rest (split
-    placement's engines) one ``PACK`` group. Otherwise one ``PACK`` group holds every slot."""
+    On a cluster joined with ``RAY_ADDRESS`` (``joined``; or ``nnodes`` > 1): the first ``nnodes * per_node``
+    slots are one ``STRICT_PACK`` placement group per node, each pinned to a distinct node (one node's
+    ranks never straddle two nodes: their rendezvous is on loopback); the rest (split placement's engines
+    or servers) one ``SPREAD`` group. Otherwise (an embedded cluster: one node) one ``PACK`` group holds
+    every slot."""
 
     def __init__(self, n_bundles: int, use_gpu: bool, *, nnodes: int = 1, per_node: int | None = None,
-                 timeout_s: float = 120.0):
+                 joined: bool = False, timeout_s: float = 120.0):
         import ray
         from ray.util.placement_group import placement_group
 
         res = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.use_gpu, self.n, self.nnodes = use_gpu, n_bundles, max(1, nnodes)
         self.per_node = per_node or n_bundles
-        if self.nnodes == 1:
+        if self.nnodes == 1 and not joined:
             self.pgs = [placement_group([dict(res) for _ in range(n_bundles)], strategy="PACK")]
             self._slot = [(0, i) for i in range(n_bundles)]
         else:
@@ -170,8 +172,8 @@ class Placement:
                                         bundle_label_selector=[{"ray.io/node-id": n.node_id}] * self.per_node)
                         for n in chosen]
             self._slot = [(i // self.per_node, i % self.per_node) for i in range(world)]
-            if n_bundles > world:  # split placement: the engines' own slots, wherever they fit
-                self.pgs.append(placement_group([dict(res) for _ in range(n_bundles - world)], strategy="PACK"))
+            if n_bundles > world:  # split placement: the engines' own slots, spread over the nodes that have room
+                self.pgs.append(placement_group([dict(res) for _ in range(n_bundles - world)], strategy="SPREAD"))
                 self._slot += [(self.nnodes, j) for j in range(n_bundles - world)]
         try:
             ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)

@@ -216,12 +216,15 @@ class FleetRollout:
     The router balances requests, so this is one "engine" to the loop: every prompt of a batch
     goes to the router at once (a server that dies mid-batch costs a retry on another, counted in
     ``fleet/retries``); the multi-turn agent loop runs on the driver, its turns sent through the
-    router (``concurrency`` episodes in flight). The servers own their devices: nothing to free."""
+    router (``concurrency`` episodes in flight). The servers own their devices: nothing to free.
+    ``hosts`` (a joined Ray cluster): Ray options per server, so each runs on its slot's node; a server
+    whose node leaves the cluster is dropped and the others serve on (``fleet/dropped``)."""
 
     size = 1
 
     def __init__(self, model_path: str, *, num_servers: int, threads_per_server: int, max_batch_size: int,
-                 max_seq_len: int, dtype: str, tokenizer_path: str | None, log_dir: str, bucket_bytes: int = 512 << 20):
+                 max_seq_len: int, dtype: str, tokenizer_path: str | None, log_dir: str, bucket_bytes: int = 512 << 20,
+                 hosts: list[dict] | None = None):
         from trainer.rollout.fleet import Fleet
 
         self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None
@@ -229,7 +232,7 @@ class FleetRollout:
         os.makedirs(log_dir, exist_ok=True)
         self.fleet = Fleet(model_path, num_servers=num_servers, threads_per_server=threads_per_server,
                            max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                           log_dir=log_dir).start()
+                           log_dir=log_dir, hosts=hosts).start()
         self.client = self.fleet.client
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
