@@ -26,6 +26,7 @@ install_requires = [
     "math-verify>=0.9",
     "aiohttp>=3.9",  # OpenAI-compatible server (trainer.serve) and LLM-judge client  # math answer equivalence for the math scorers (pure python, no torch)
     "deepspeed==0.19.8",  # the DeepSpeed strategy (trainer/workers/deepspeed_worker.py); its ops build on first use only, none is used on CPU
+    "xxhash>=3.4",  # the weight-sync check's hash (trainer/rollout/engine.py: new_hasher); C wheel, no dependencies
     "sglang-router==0.3.2",  # the rollout fleet's router (trainer/rollout/fleet.py); Rust wheel, no torch (deps: aiohttp, fastapi, uvicorn, orjson, setproctitle)
 ]
 

@@ -131,7 +131,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.hf_io import SafetensorsDir, iter_safetensors, read_config
-from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, iter_buckets, tensor_digest
+from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, iter_buckets, new_hasher, tensor_digest
 
 SGLANG_VERSION = "0.5.21"
 INSTALL_HINT = f"pip install 'coxswain[sglang]'  (sglang=={SGLANG_VERSION}, CUDA only)"
@@ -464,8 +464,8 @@ def unflatten_bucket(flat: torch.Tensor, metas: Sequence[FlatMeta]) -> list[tupl
 
 def combine_digests(digests: Mapping[str, bytes]) -> str:
     """The whole-model checksum from per-tensor :func:`~trainer.rollout.engine.tensor_digest`\\ s:
-    equal to ``checksum_named_tensors`` over the same tensors (sha256 of the digests in name order)."""
-    total = hashlib.sha256()
+    equal to ``checksum_named_tensors`` over the same tensors (the sync hash of the digests in name order)."""
+    total = new_hasher()
     for name in sorted(digests):
         total.update(digests[name])
     return total.hexdigest()

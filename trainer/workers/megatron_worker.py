@@ -13,7 +13,6 @@ come back at that width, for the response part only (``[b, T_d]``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import os
 import threading
@@ -93,9 +92,11 @@ def resident(*parts: str):
 
 
 def combine_digests(digests: dict[str, bytes]) -> str:
-    """``trainer.rollout.engine.checksum_named_tensors`` from per-tensor ``tensor_digest``s: sha256
-    over the digests in sorted name order (tests check the two agree)."""
-    total = hashlib.sha256()
+    """``trainer.rollout.engine.checksum_named_tensors`` from per-tensor ``tensor_digest``s: the
+    sync hash over the digests in sorted name order (tests check the two agree)."""
+    from trainer.rollout.engine import new_hasher
+
+    total = new_hasher()
     for name in sorted(digests):
         total.update(digests[name])
     return total.hexdigest()
