@@ -50,7 +50,7 @@ def job_env(slurm: LocalSlurm, tmp: Path, **extra) -> dict:
     ray_tmp = slurm.path("ray")  # short (Ray's socket paths), and not /tmp/ray: no other ray.init() may find it
     env = slurm.env(N_GPUS_PER_NODE="2", RAY_NUM_GPUS="0", RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp,
                     RAY_AUTH_TOKEN_PATH=str(tmp / "ray_token"), RAY_WAIT_S="60", COXSWAIN_DIR=str(ROOT),
-                    MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db")
+                    MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", RAY_LOG_DIR=str(tmp / "ray-logs"))
     return {**env, **extra}
 
 
@@ -86,6 +86,7 @@ def test_sbatch_runs_the_recipe_over_two_nodes(slurm, tmp_path):
     assert state["NodeList"] == "cx[1-2]" and state["NumNodes"] == "2"
     assert "ray cluster ready at" in log and "2 of 2 nodes alive" in log, log[-4000:]
     assert "done: 2 steps" in log and "exited with 0" in log
+    assert (tmp_path / "ray-logs" / "ray-head-cx1.log").exists() and (tmp_path / "ray-logs" / "ray-worker-cx2.log").exists()
     for f in ("config.yaml", "placement.json", "report.png", "hf_export/model.safetensors",
               "global_step_2/actor", "latest_checkpointed_iteration.txt"):
         assert (run_dir / f).exists(), (f, sorted(p.name for p in run_dir.iterdir()))
