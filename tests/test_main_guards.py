@@ -20,9 +20,10 @@ def _main(*args, tmp_path):
 
 def test_unsupported_options_are_refused_with_reasons(tmp_path):
     for dry in ([], ["--print-config"]):  # a dry run refuses exactly what a run refuses
-        p = _main(*dry, "reward_model.max_length=512", "async_training.partial_rollout=true", tmp_path=tmp_path)
+        p = _main(*dry, "reward_model.enable_resource_pool=true", "reward_model.load_weight=false", tmp_path=tmp_path)
         assert p.returncode == 2
-        assert "reward_model.max_length=512" in p.stderr and "async_training.partial_rollout=True" in p.stderr and "2 problems" in p.stderr
+        assert "'reward_model.enable_resource_pool'" in p.stderr and "'reward_model.load_weight'" in p.stderr
+        assert "2 problems" in p.stderr and "a separate resource pool is not built" in p.stderr
 
 
 def test_gpu_recipe_resolves_on_a_cpu_node_and_refuses_to_run(tmp_path):
