@@ -286,6 +286,8 @@ def train(cfg) -> dict:
             first = {}
             pipeline(s)  # the step's phases (trainer.pipeline; default: trainer.pipeline.default_pipeline)
             m, batch = s.metrics, s.batch
+            if hasattr(rollout, "metrics"):  # the HTTP fleet's running counters: fleet/{retries,restarts,dropped,...}
+                m.update(rollout.metrics())
             if batch is None:
                 raise PipelineError(f"the pipeline {cfg.trainer.pipeline} did not call Step.generate(): a step needs a batch.")
             if not s.trained:  # generate and score only (debug.rollout_only, or a pipeline without updates)
