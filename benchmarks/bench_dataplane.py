@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _common import load_average, machine, summary, table, write_json  # noqa: E402
+from trainer.workers.metrics import MEAN  # noqa: E402
 
 
 class NullWorker:
@@ -54,7 +55,7 @@ class NullWorker:
         self.rank, self.dp = rank, dp
 
     def layout(self) -> dict:
-        return {"rank": self.rank, "dp_rank": self.rank, "dp_size": self.dp, "tp_rank": 0, "pp_rank": 0}
+        return {"rank": self.rank, "dp_rank": self.rank, "dp_size": self.dp, "tp_rank": 0, "pp_rank": 0, "pp_size": 1}
 
     # the product's methods ------------------------------------------------------------------
     def log_probs(self, shard, *, settings, entropy=False, key="log_probs"):
@@ -62,9 +63,10 @@ class NullWorker:
         return {key: np.zeros((b, t), np.float32)}, ({"sum": 0.0, "count": 1.0} if entropy else {})
 
     def update_actor(self, shard, mini_batches, *extras, settings, counts, on_policy=False, rollout_is=None,
-                     return_log_probs=False):
+                     return_log_probs=False, bypass=None):
         assert all(e is None or all(v.shape[0] == shard["responses"].shape[0] for v in e.values()) for e in extras)
-        return {"metrics": [{"actor/pg_loss": 0.0}] * len(mini_batches), "log_probs": None, "entropy": None}
+        # the metrics partials format (trainer.workers.metrics): (kind, numerator, denominator)
+        return {"metrics": [{"actor/pg_loss": (MEAN, 0.0, 1.0)}] * len(mini_batches), "log_probs": None, "entropy": None}
 
     # the previous methods (baseline) --------------------------------------------------------------
     def compute_log_prob(self, batch_np, *, temperature, micro_batch_size, with_entropy=False):
@@ -186,8 +188,9 @@ def by_reference_step(actor, ref, transport, batch, settings) -> int:
     batch.old_log_probs = old.fetch()["old_log_probs"]  # rollout IS reads them on the driver
     driver_math(batch)
 
-    class _P:  # loss_fields reads only whether rejection sampling is on
+    class _P:  # loss_fields reads only whether rejection sampling and bypass mode are on
         rejection = None
+        bypass = None
 
     actor.update(data, settings, [old, ref_lp, data.scatter(actor.dp, loss_fields(batch, _P))], seed=1)
     m = transport.take_metrics()
