@@ -237,7 +237,7 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     keys = ["actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
             "critic.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
             "actor_rollout_ref.actor.megatron.override_transformer_config.moe_expert_capacity_factor=1.5",
-            "critic.deepspeed_config.zero_stage=3", "async_training.partial_rollout=true"]
+            "critic.deepspeed_config.zero_stage=3", "async_training.staleness_threshold=0.5"]
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
     msg = str(e.value)
@@ -245,7 +245,8 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
                  "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size >= 2",
                  "critic.megatron.param_offload=True: offload frees accelerator memory",
                  "optimizer_offload=True: offload frees accelerator memory", "['moe_expert_capacity_factor'] not supported",
-                 "critic.deepspeed_config.{zero_stage} set, but critic.strategy=megatron", "async_training.partial_rollout=True"):
+                 "critic.deepspeed_config.{zero_stage} set, but critic.strategy=megatron",
+                 "async_training.staleness_threshold=0.5 applies to async_training.mode=fully_async only"):
         assert want in msg, want
     assert msg.startswith("7 problems"), msg  # the reference follows the actor's transformer overrides: both named
     # offload is a GPU feature: refused on CPU (above), taken on GPU

@@ -512,11 +512,11 @@ class TrainerConfig:
 
 @dataclass
 class AsyncTrainingConfig:
-    mode: str = "sync"  # sync | one_step_off (step t+1's batch is generated while step t trains, one policy version stale; needs trainer.placement=split) | fully_async (refused: not built yet)
-    staleness_threshold: float = 0.0  # verl's fully-async recipe: refused until fully_async is built
-    trigger_parameter_sync_step: int = 1  # verl's fully-async recipe: refused until fully_async is built
-    partial_rollout: bool = False  # verl's fully-async recipe: refused until fully_async is built
-    require_batches: int = 1  # verl's fully-async recipe: refused until fully_async is built
+    mode: str = "sync"  # sync | one_step_off (step t+1's batch is generated while step t trains, one policy version stale; needs trainer.placement=split) | fully_async (a rollouter thread generates continuously into a bounded queue; trainer/async_rollout.py; needs trainer.placement=split)
+    staleness_threshold: float = 0.1  # fully_async (verl's meaning): per weight version the engines start at most ppo_mini_batch_size x require_batches x trigger_parameter_sync_step x (1 + staleness_threshold) prompts; a sample more than ceil(staleness_threshold) versions behind is dropped (counted)
+    trigger_parameter_sync_step: int = 4  # fully_async: trainer updates (steps) between weight pushes to the engines
+    partial_rollout: bool = True  # fully_async: at a weight push in-flight generations stop and then continue under the new weights (each token keeps the version that sampled it); false = the push waits for them
+    require_batches: int = 1  # fully_async: mini-batches per trainer step (the step takes ppo_mini_batch_size x require_batches prompt groups)
 
 
 @dataclass
@@ -1098,15 +1098,50 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def _async_errors(cfg: DictConfig) -> list[str]:
-    """one_step_off overlaps generation with training: the engines need their own resources."""
+    """one_step_off and fully_async overlap generation with training: the engines need their own
+    resources. fully_async's keys (verl's fully-async recipe) apply to that mode only."""
     at, errs = cfg.async_training, []
-    if at.mode == "one_step_off":
+    if at.mode in ("one_step_off", "fully_async"):
         if cfg.trainer.placement != "split":
-            errs.append("async_training.mode=one_step_off generates the next batch while this one trains, on the "
-                        "engines' own resources: set trainer.placement=split (colocated engines share the trainer's).")
+            errs.append(f"async_training.mode={at.mode} generates while the trainer trains, on the engines' own "
+                        f"resources: set trainer.placement=split (colocated engines share the trainer's).")
         if cfg.trainer.debug.train_only:
-            errs.append("async_training.mode=one_step_off with trainer.debug.train_only=true: replayed batches are not "
-                        "generated; remove one of the two.")
+            errs.append(f"async_training.mode={at.mode} with trainer.debug.train_only=true: replayed batches are not "
+                        f"generated; remove one of the two.")
+    defaults = AsyncTrainingConfig()
+    if at.mode != "fully_async":
+        for key in ("staleness_threshold", "trigger_parameter_sync_step", "partial_rollout", "require_batches"):
+            if at[key] != getattr(defaults, key):
+                errs.append(f"async_training.{key}={at[key]} applies to async_training.mode=fully_async only (this run "
+                            f"is mode={at.mode}); set the mode or remove the line.")
+        return errs
+    a, r, d = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.data
+    if not at.staleness_threshold >= 0:
+        errs.append(f"async_training.staleness_threshold={at.staleness_threshold} must be >= 0 (verl's fraction of "
+                    f"extra prompts per weight version).")
+    if at.trigger_parameter_sync_step < 1:
+        errs.append(f"async_training.trigger_parameter_sync_step={at.trigger_parameter_sync_step} must be >= 1.")
+    if at.require_batches < 1:
+        errs.append(f"async_training.require_batches={at.require_batches} must be >= 1.")
+    elif d.train_batch_size != a.ppo_mini_batch_size * at.require_batches:
+        errs.append(f"async_training.mode=fully_async: a trainer step takes actor.ppo_mini_batch_size x "
+                    f"async_training.require_batches = {a.ppo_mini_batch_size} x {at.require_batches} prompt groups "
+                    f"(verl's rule), but data.train_batch_size={d.train_batch_size}: set data.train_batch_size="
+                    f"{a.ppo_mini_batch_size * at.require_batches} (or change require_batches).")
+    if at.partial_rollout:
+        if r.mode in ("async", "server"):
+            errs.append("async_training.partial_rollout=true is built for engines in Ray workers (rollout.mode=sync), "
+                        "not yet for the HTTP fleet (rollout.mode=server): set async_training.partial_rollout=false "
+                        "(each push then waits for the in-flight generation).")
+        if r.multi_turn.enable:
+            errs.append("async_training.partial_rollout=true resumes single-turn responses only; with "
+                        "rollout.multi_turn.enable=true set async_training.partial_rollout=false.")
+        if r.name == "sglang":
+            errs.append("async_training.partial_rollout=true resumes aborted requests on the native engine only (built "
+                        "and tested on CPU); with rollout.name=sglang set async_training.partial_rollout=false.")
+    if cfg.trainer.critic_warmup:
+        errs.append("async_training.mode=fully_async with trainer.critic_warmup > 0 is not built: the rollouter's weight "
+                    "versions count actor updates; set trainer.critic_warmup=0.")
     return errs
 
 

@@ -252,7 +252,12 @@ def train(cfg) -> dict:
         hooks = Hooks(OmegaConf.to_container(cfg.trainer.hooks))  # user stages (trainer.pipeline)
         gen = Generation(plan, rollout, reward_mgr, tok, train_ds, val_ds, reward_model=score_rm, hooks=hooks,
                          row_multiple=row_multiple(cluster))
-        batches = BatchSource(gen, state, one_step_off=plan.one_step_off, total_steps=plan.total_steps)
+        if plan.fully_async is not None:  # a rollouter thread generating into a queue (trainer/async_rollout.py)
+            from trainer.async_rollout import AsyncBatchSource
+
+            batches = AsyncBatchSource(gen, state, plan)
+        else:
+            batches = BatchSource(gen, state, one_step_off=plan.one_step_off, total_steps=plan.total_steps)
         if resume_from and batches.load(resume_from):  # one-step-off: the batch generated during the saved step
             print(f"resumed with the prefetched batch of step {state.step + 1}", flush=True)
         first = rollout.sync_from(actor)

@@ -56,6 +56,16 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
     prompts = [it["input_ids"] for it in items]
     with timer(m, "generate"):
         outs = rollout.generate(prompts, params)
+    return score_outputs(reward_mgr, tokenizer, items, outs, group_ids, params, m, max_prompt_length=max_prompt_length,
+                         overlong=overlong, reward_keys=reward_keys, reward_model=reward_model, hooks=hooks)
+
+
+def score_outputs(reward_mgr, tokenizer, items: list[dict], outs: list, group_ids: list[int], params: dict, m: dict, *,
+                  max_prompt_length: int, overlong: dict | None, reward_keys: tuple = (), reward_model=None,
+                  hooks=None) -> tuple[RolloutBatch, dict]:
+    """:func:`generate_scored` after the rollout: ``outs[i]`` (the responses of ``items[i]``) into a
+    scored batch (the fully-async rollouter assembles ``outs`` itself, across weight pushes)."""
+    prompts = [it["input_ids"] for it in items]
     meta = {"data_source": [it["data_source"] for it in items], "ground_truth": [it["ground_truth"] for it in items],
             "extra_info": [it.get("extra_info") for it in items]}
     if reward_model is not None:  # verl's raw_prompt: the RM re-renders the conversation with its own template

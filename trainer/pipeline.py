@@ -362,7 +362,12 @@ class Step:
     # ------------------------------------------------------------------ 9 weight sync
     def sync_weights(self) -> None:
         """The actor's weights into the rollout engines, checksum-verified (one-step-off: after the
-        engines finish the next batch with the old weights)."""
+        engines finish the next batch with the old weights; fully async: every
+        ``trigger_parameter_sync_step`` steps, the rollouter paused around it)."""
+        push = getattr(self.rt.batches, "push", None)
+        if push is not None:  # fully async (trainer.async_rollout): the source owns the engines' schedule
+            self.metrics.update(push(self.step, lambda: self.rt.cluster.rollout.sync_from(self.actor)))
+            return
         self.metrics.update(self.rt.batches.settle())
         with self._timer("update_weights"):
             self.metrics.update(self.rt.cluster.rollout.sync_from(self.actor))

@@ -167,6 +167,7 @@ class Plan:
     val_before_train: bool
     save_freq: int
     one_step_off: bool = False  # async_training.mode=one_step_off (trainer.batch_source)
+    fully_async: Optional[Any] = None  # async_training.mode=fully_async: trainer.async_rollout.AsyncSettings
     # the estimator's own keywords (GDPO's reward-component weights, CPGD's weighting); GDPO's components
     # are read from the scorer's dict under these keys (``reward_keys``) when the batch is scored
     adv_kwargs: dict = field(default_factory=dict)
@@ -258,7 +259,7 @@ class Plan:
             kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),
             critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
             val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
-            one_step_off=cfg.async_training.mode == "one_step_off", adv_kwargs=adv_kwargs(al),
+            one_step_off=cfg.async_training.mode == "one_step_off", fully_async=async_settings(cfg), adv_kwargs=adv_kwargs(al),
             reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else (),
             rm_scores=rm_forward(cfg))
 
@@ -273,7 +274,8 @@ class Plan:
         u = self.actor_update
         return (is_on_policy(num_samples=num_samples, mini_batch_size=u.mini_batch_size, epochs=u.epochs)
                 and step > self.critic_warmup and self.rejection is None and not self.use_kl_in_reward
-                and not self.is_batch_normalize and self.bypass is None and not self.sum_pi_squared)
+                and not self.is_batch_normalize and self.bypass is None and not self.sum_pi_squared
+                and self.fully_async is None)  # fully async: stale samples, the proximal policy's own pass
 
     def trains_actor(self, step: int) -> bool:
         return step > self.critic_warmup
@@ -406,6 +408,15 @@ class LoopState:
         self.step, self.next_group_id, self.last_eval = st["step"], st["next_group_id"], st["last_eval"]
         self.run_id, self.history = st.get("mlflow_run_id"), list(st.get("history", []))
         return st.get("worker_rng", {})
+
+
+def async_settings(cfg):
+    """``async_training.mode=fully_async``: its resolved settings (None in the other modes)."""
+    if cfg.async_training.mode != "fully_async":
+        return None
+    from trainer.async_rollout import AsyncSettings
+
+    return AsyncSettings.from_config(cfg)
 
 
 def overlong_shaping(cfg) -> dict:

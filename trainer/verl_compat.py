@@ -196,16 +196,6 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
      "dumping routes to a file is not built; remove the line"),
     ("actor_rollout_ref.ref.router_replay.replay_file", lambda v, c: v is not None,
      "replaying routes from a file is not built; remove the line"),
-    ("async_training.mode", lambda v, c: v == "fully_async",
-     "fully asynchronous training (a continuous rollout stream with a staleness bound and partial rollouts) is not "
-     "built yet (issue #18); async_training.mode=one_step_off is"),
-    ("async_training.staleness_threshold", lambda v, c: v != 0.0, "belongs to fully asynchronous training, not built "
-     "yet (issue #18); one_step_off is one policy version stale by construction"),
-    ("async_training.trigger_parameter_sync_step", lambda v, c: v != 1, "belongs to fully asynchronous training, not "
-     "built yet (issue #18); one_step_off syncs after every step"),
-    ("async_training.partial_rollout", lambda v, c: bool(v), "partial rollouts are not built yet (issue #18)"),
-    ("async_training.require_batches", lambda v, c: v != 1, "belongs to fully asynchronous training, not built yet "
-     "(issue #18)"),
     ("reward_model.micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set reward_model.micro_batch_size_per_gpu"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v) and bool(

@@ -40,6 +40,7 @@ boundary (probability ~1e-7 per token).
 from __future__ import annotations
 
 import functools
+import os
 import random
 import secrets
 import threading
@@ -481,6 +482,8 @@ class NativeEngine(RolloutEngine):
         cache = self._ensure_cache(rows=len(reqs), length=max((len(r.prompt) + r.params.max_new_tokens for r in reqs),
                                                               default=1))
         self.stats = dict(decode_steps=0, prefill_forwards=0, prefill_tokens=0, max_active=0, row_moves=0)
+        # fault injection for tests (a slow engine): sleep this long before every decode step
+        delay = float(os.environ.get("COXSWAIN_FAULT_DECODE_DELAY_S") or 0.0)
         waiting = deque(reqs)
         active: list[_Request] = []  # sorted by slot
         while True:
@@ -518,6 +521,8 @@ class NativeEngine(RolloutEngine):
             active.sort(key=lambda r: r.slot)
             self.stats["max_active"] = max(self.stats["max_active"], B)
             # Decode one token for every active row.
+            if delay:
+                time.sleep(delay)
             tokens = torch.tensor([r.tokens[-1] for r in active], device=self.device)
             pos_list = [r.cached for r in active]
             positions = torch.tensor(pos_list, device=self.device)

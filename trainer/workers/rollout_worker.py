@@ -36,13 +36,21 @@ class RolloutWorker:
         else:
             raise ValueError(f"unknown rollout engine '{name}'; actor_rollout_ref.rollout.name is native or sglang")
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
+    def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
+        """``params``: one dict for every prompt, or a list with one per prompt (a resumed partial
+        rollout: each its own remaining budget and seed)."""
         prev = torch.get_num_threads()
         torch.set_num_threads(self.generate_threads)
+        sp = [SamplingParams(**p) for p in params] if isinstance(params, list) else SamplingParams(**params)
         try:
-            return self.engine.generate(prompts, SamplingParams(**params))
+            return self.engine.generate(prompts, sp)
         finally:
             torch.set_num_threads(prev)
+
+    def abort(self) -> None:
+        """End the running :meth:`generate` (this call runs in the actor's second thread): unfinished
+        responses come back with ``finish_reason == "abort"`` and the tokens sampled so far."""
+        self.engine.abort()
 
     def generate_multi_turn(self, tasks: list[dict], params: dict, multi_turn: dict) -> list:
         """``params["n"]`` episodes per task with the agent loop over this engine (its turns batched

@@ -92,11 +92,17 @@ class _EngineCalls:
     def _call(self, method: str, args_per_engine=None, **kw) -> list:
         return self._get(self._async(method, args_per_engine, **kw))
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
+    def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
         k = self.size
-        chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
-        return [per_prompt for per_engine in self._call("generate", [(c, params) for c in chunks])
-                for per_prompt in per_engine]
+        bounds = [i * len(prompts) // k for i in range(k + 1)]
+        per = isinstance(params, list)  # one params dict per prompt (a resumed partial rollout)
+        args = [(prompts[a:b], params[a:b] if per else params) for a, b in zip(bounds, bounds[1:])]
+        return [per_prompt for per_engine in self._call("generate", args) for per_prompt in per_engine]
+
+    def abort(self) -> None:
+        """End every engine's running ``generate`` (from another driver thread): its unfinished
+        responses return with ``finish_reason == "abort"`` (fully-async partial rollout)."""
+        self._call("abort")
 
     def play(self, tasks: list[dict], params: dict, settings: dict) -> list:
         k = self.size

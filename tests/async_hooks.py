@@ -1,0 +1,26 @@
+"""Hooks for tests/test_async_fully.py, loaded by name in the driver (``trainer.hooks.after_update=[...]``):
+fault injection (a slow trainer) and a record of the prompts each update trained on."""
+
+import json
+import os
+import time
+
+
+def slow_trainer(batch, metrics):
+    """after_update: sleep ``COXSWAIN_TEST_SLOW_TRAINER_S`` seconds (a slow trainer)."""
+    time.sleep(float(os.environ.get("COXSWAIN_TEST_SLOW_TRAINER_S") or 0.0))
+
+
+def record_trained(batch, metrics):
+    """after_update: append the dataset indices of the step's prompts (one per group, in batch order)
+    as one JSON line to ``COXSWAIN_TEST_TRAINED_LOG``."""
+    idx, gids, seen = batch.get_meta("prompt_index"), batch.group_ids.tolist(), set()
+    prompts = []
+    for i, g in zip(idx, gids):
+        if g not in seen:
+            seen.add(g)
+            prompts.append(int(i))
+    with open(os.environ["COXSWAIN_TEST_TRAINED_LOG"], "a") as f:
+        f.write(json.dumps(prompts) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

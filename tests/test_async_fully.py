@@ -1,0 +1,190 @@
+"""Fully asynchronous training (async_training.mode=fully_async, trainer/async_rollout.py) in the whole
+loop on a real local Ray cluster with split placement: the quota and the staleness bound under a slow
+engine and a slow trainer (fault injection), partial rollouts whose every token's version and
+log-prob are checked against transformers on that version's weights, a SIGKILL then resume that
+loses no prompt and trains none twice, DAPO's filter in the rollouter on the HTTP fleet, and the
+config's refusals."""
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import ROOT, checkpoint_history, start_driver, tiny_config
+
+TINY = str(Path(ROOT) / "recipes" / "cpu" / "tiny_model")
+BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
+        f"actor_rollout_ref.model.path={TINY}", "trainer.logger=[mlflow]", "data.val_batch_size=64",
+        "trainer.placement=split", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "async_training.mode=fully_async", "async_training.require_batches=2"]  # R = 4 x 2 = 8 groups a step
+
+
+def run(tmp_path, *overrides, name="run"):
+    from trainer.main import train
+
+    return train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / name}", *overrides]))
+
+
+@pytest.fixture
+def _mlflow(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@torch.no_grad()
+def logp_under(model_dir: str, batch) -> torch.Tensor:
+    """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    P = batch.prompt_width
+    out = torch.zeros(batch.responses.shape)
+    for i in range(batch.num_samples):
+        real = batch.attention_mask[i].bool()
+        ids = batch.input_ids[i][real]
+        n_p = int(real[:P].sum())
+        logp = torch.log_softmax(m(ids[None]).logits[0].float(), -1)
+        r = ids[n_p:]
+        out[i, :len(r)] = logp[n_p - 1:-1].gather(-1, r[:, None])[:, 0]
+    return out
+
+
+@pytest.mark.slow
+def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _mlflow, monkeypatch):
+    """A slow engine (a sleep before every decode step) keeps a generation call in flight at every push:
+    the push aborts it and the responses continue under the new weights. Every token's version is the
+    one whose weights give its sampler log-prob (transformers on each version's saved weights), the
+    tokens of one response span two versions, the quota and the staleness bound hold, and the
+    proximal (old) log-probs come from their own pass at every step."""
+    from trainer.debug import load_batch
+
+    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.03")
+    dumps = tmp_path / "dumps"
+    K, s, steps = 2, 0.5, 6
+    h = run(tmp_path, f"trainer.total_training_steps={steps}", f"async_training.trigger_parameter_sync_step={K}",
+            f"async_training.staleness_threshold={s}", "async_training.partial_rollout=true",
+            f"trainer.save_freq={K}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+            f"trainer.debug.dump_batch_path={dumps}", name="partial")["history"]
+    Q, bound = int(8 * (1 + s) * K), math.ceil(s)
+    pushes = [x for x in h if x.get("async/pushed") == 1.0]
+    assert [x["step"] for x in pushes] == [2, 4, 6]
+    assert all(0 < x["async/started_prompts"] <= Q for x in pushes), [x["async/started_prompts"] for x in pushes]
+    assert all(x["async/staleness/max"] <= bound for x in h)
+    assert all(x["timing_s/old_log_prob"] > 0 for x in h)  # never the on-policy shortcut
+    assert all(x["sync/verified"] == 1.0 for x in pushes)
+    weights = {0: TINY, **{v: str(tmp_path / "partial" / f"global_step_{v * K}" / "actor" / "huggingface")
+                           for v in (1, 2)}}
+    split = 0
+    for t in range(1, steps + 1):
+        b = load_batch(str(dumps / f"step_{t:06d}"))
+        mask = b.response_mask.bool()
+        tv = b.get_meta("token_versions")
+        ver = torch.full(b.responses.shape, -1, dtype=torch.long)
+        for i, v in enumerate(tv):
+            ver[i, :len(v)] = torch.tensor(v, dtype=torch.long)
+        assert bool((ver[mask] >= 0).all()) and bool((ver[~mask] == -1).all())  # a version on every sampled token
+        assert b.get_meta("param_version") == [min(v) for v in tv]
+        for v in sorted(set(ver[mask].tolist())):
+            sel = mask & (ver == v)
+            lp = logp_under(weights[v], b)
+            assert (b.rollout_log_probs - lp)[sel].abs().max() < 1e-4, (t, v)
+            if v > 0:  # not the previous version's: the weights changed at the push
+                assert (b.rollout_log_probs - logp_under(weights[v - 1], b))[sel].abs().max() > 1e-3, (t, v)
+        split += sum(len(set(v)) > 1 for v in tv)
+    assert split > 0, "no response was continued across a push"
+    assert sum(x["async/partial_samples"] for x in h) > 0
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_loses_no_prompt_and_trains_none_twice(tmp_path):
+    """A slow trainer lets the rollouter run ahead to its quota (s = 1: one version; every trained
+    sample at most 1 version behind, some exactly 1). Killed after the checkpoint of step 3 (with groups
+    queued and in flight), the resumed run regenerates them: the prompts trained by steps 1-3 of the
+    killed run and steps 4-6 of the resumed run are, in order, the uninterrupted run's."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COXSWAIN_TEST_SLOW_TRAINER_S="0.4",
+               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    common = BASE + ["trainer.total_training_steps=6", "trainer.save_freq=3", "async_training.staleness_threshold=1",
+                     "async_training.trigger_parameter_sync_step=1",
+                     "trainer.hooks.after_update=[tests.async_hooks:slow_trainer,tests.async_hooks:record_trained]"]
+    logs = {k: tmp_path / f"{k}.jsonl" for k in ("ref", "cut", "resume")}
+    ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
+    with open(tmp_path / "ref.log", "w") as log:
+        p = start_driver(common + [f"trainer.default_local_dir={ref_dir}"], {**env, "COXSWAIN_TEST_TRAINED_LOG": str(logs["ref"])}, log)
+        assert p.wait(600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    with open(tmp_path / "cut.log", "w") as log:
+        p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], {**env, "COXSWAIN_TEST_TRAINED_LOG": str(logs["cut"])}, log)
+        latest = cut_dir / "latest_checkpointed_iteration.txt"
+        t0 = time.time()
+        while not (latest.exists() and latest.read_text().strip() == "3"):
+            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    front = json.loads((cut_dir / "global_step_3" / "async_frontier.json").read_text())
+    with open(tmp_path / "resume.log", "w") as log:
+        p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], {**env, "COXSWAIN_TEST_TRAINED_LOG": str(logs["resume"])}, log)
+        assert p.wait(600) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    assert "the sampler restarts at the first untrained prompt" in (tmp_path / "resume.log").read_text()
+    read = lambda k: [json.loads(x) for x in logs[k].read_text().splitlines()]  # noqa: E731
+    ref, cut, resumed = read("ref"), read("cut"), read("resume")
+    assert len(ref) == 6 and len(cut) >= 3 and len(resumed) == 3
+    joined = [i for step in cut[:3] + resumed for i in step]
+    want = [i for step in ref for i in step]
+    assert len(want) == 48 and joined == want
+    # the queued / in-flight work at the kill was regenerated: the frontier was inside the drawn prompts
+    assert front["sampler"]["offset"] + front["skip"] < 24 + 8 * 2 * 1 + 8
+    hist = checkpoint_history(ref_dir)
+    assert all(x["async/staleness/max"] <= 1 for x in hist)
+    assert any(x["async/staleness_hist/1"] > 0 for x in hist)  # the rollouter did run ahead of the slow trainer
+    assert all(x["async/started_prompts"] <= 16 for x in hist)
+    assert [x["step"] for x in checkpoint_history(cut_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_in_the_rollouter_on_the_http_fleet(tmp_path, _mlflow):
+    """DAPO's group filter runs in the rollouter (constant groups never reach the queue) over the HTTP
+    fleet behind sglang-router, pushes waiting for the call in flight (partial_rollout=false)."""
+    h = run(tmp_path, "trainer.total_training_steps=3", "async_training.trigger_parameter_sync_step=1",
+            "async_training.partial_rollout=false", "actor_rollout_ref.rollout.mode=server",
+            "actor_rollout_ref.rollout.num_engines=1", "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=acc", "data.gen_batch_size=8", name="dapo")["history"]
+    assert [x["step"] for x in h] == [1, 2, 3]
+    assert all(x["sync/verified"] == 1.0 and x["async/pushed"] == 1.0 for x in h)
+    assert all(x["async/staleness/max"] <= 1 for x in h)
+    assert any(x["filter/kept_group_fraction"] < 1.0 for x in h)
+    # every trained group has a non-constant accuracy (the filter ran before the queue)
+    assert all(0.0 < x["reward/acc"] < 1.0 for x in h)
+
+
+def test_config_keys_follow_verl_and_refuse_what_is_not_built():
+    from trainer.config import AsyncTrainingConfig, ConfigError
+    from trainer.plan import async_settings
+
+    d = AsyncTrainingConfig()
+    assert (d.mode, d.staleness_threshold, d.trigger_parameter_sync_step, d.partial_rollout, d.require_batches) == \
+        ("sync", 0.1, 4, True, 1)  # verl's fully-async recipe defaults; sync stays the mode
+    cfg = tiny_config(["trainer.placement=split", "async_training.mode=fully_async", "async_training.require_batches=2"])
+    st = async_settings(cfg)
+    assert (st.required, st.trigger, st.quota, st.max_staleness) == (16, 4, int(16 * 1.1 * 4), 1)
+    for bad, want in [
+        (["async_training.staleness_threshold=0.5"], "applies to async_training.mode=fully_async only"),
+        (["async_training.mode=fully_async", "async_training.require_batches=2"], "set trainer.placement=split"),
+        (["trainer.placement=split", "async_training.mode=fully_async"], "set data.train_batch_size=8"),
+        (["trainer.placement=split", "async_training.mode=fully_async", "async_training.require_batches=2",
+          "actor_rollout_ref.rollout.mode=server"], "not yet for the HTTP fleet"),
+        (["trainer.placement=split", "async_training.mode=fully_async", "async_training.require_batches=2",
+          "async_training.staleness_threshold=-1"], "must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            tiny_config(bad)
+        assert want in str(e.value), (bad, str(e.value))
