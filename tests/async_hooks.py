@@ -1,4 +1,5 @@
-"""Hooks for tests/test_async_fully.py, loaded by name in the driver (``trainer.hooks.after_update=[...]``):
+"""Hooks for tests/test_async_fully.py, loaded by name in a driver subprocess with tests/ on its PYTHONPATH
+(``trainer.hooks.after_update=[async_hooks:...]``):
 fault injection (a slow trainer) and a record of the prompts each update trained on."""
 
 import json
