@@ -1,4 +1,5 @@
-"""Synchronous against one-step-off training, on the same resources, with long-tailed response lengths.
+"""Synchronous against one-step-off and fully async training, on the same resources, with long-tailed response
+lengths.
 
 What is timed: ``trainer.main.train`` (the product's loop) for ``--steps`` GRPO steps in three runs:
 
@@ -6,6 +7,9 @@ What is timed: ``trainer.main.train`` (the product's loop) for ``--steps`` GRPO 
   generates, then trains, then syncs: one side always waits for the other;
 * ``one-step-off, split``: the same placement with ``async_training.mode=one_step_off``: step t+1's batch
   is generated while step t trains (trainer/batch_source.py);
+* ``fully-async, split``: the same placement with ``async_training.mode=fully_async`` and verl's defaults
+  (``trigger_parameter_sync_step=4``, ``staleness_threshold=0.1``, ``partial_rollout=true``): a rollouter
+  thread keeps the engine generating into a queue, weights pushed every 4 steps (trainer/async_rollout.py);
 * ``sync, colocated``: the synchronous loop's other placement, the engine inside the training rank's
   process (hybrid engine), each phase with both cores' worth of threads available to it.
 
@@ -21,8 +25,8 @@ the engines' (waiting for weights and for the next request; in sync mode the who
 
     python benchmarks/bench_async.py [--quick] [--json PATH] [--steps 8] [--max-len 128]
 
-Baseline: ``sync, split``. Headline (last line): one-step-off tokens/s over it, and over the best
-synchronous placement.
+Baseline: ``sync, split``. Headline (last lines): one-step-off's and fully async's tokens/s over it, and
+over the best synchronous placement.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from _common import ROOT, load_average, machine, table, write_json  # noqa: E402
 RUNS = {
     "sync, split": ["trainer.placement=split"],
     "one-step-off, split": ["trainer.placement=split", "async_training.mode=one_step_off"],
+    "fully-async, split": ["trainer.placement=split", "async_training.mode=fully_async"],
     "sync, colocated": ["trainer.placement=colocated"],
 }
 
@@ -88,7 +93,10 @@ def summarize(hist: list[dict], skip: int, batch: int) -> dict:
     rows = [h for h in hist if h["step"] > skip]
     secs = [h["timing_s/step"] for h in rows]
     tokens = [h["response_length/mean"] * batch for h in rows]
-    if "async/staleness" in rows[0]:  # one-step-off: the trainer waits only for a late batch or the sync
+    if "async/trainer_idle_s" in rows[0]:  # fully async: the trainer waits for the queue; the engine idles
+        t_idle = [h["async/trainer_idle_s"] + h.get("async/pause_s", 0.0) for h in rows]  # ... paused for pushes,
+        e_idle = [h["async/engine_idle_s"] for h in rows]  # at its quota, or scoring
+    elif "async/staleness" in rows[0]:  # one-step-off: the trainer waits only for a late batch or the sync
         t_idle = [h.get("async/trainer_wait_s", 0.0) + h.get("async/sync_wait_s", 0.0) for h in rows]
         e_idle = [h.get("async/engine_idle_s", 0.0) for h in rows]
     else:  # sync: the trainer idles while the engines generate (and score), and the other way round
@@ -128,10 +136,14 @@ def main() -> None:
                 rows, floatfmt="{:.3g}"))
     best_sync = max(res["sync, split"]["tokens_per_s"], res["sync, colocated"]["tokens_per_s"])
     off = res["one-step-off, split"]["tokens_per_s"]
+    full = res["fully-async, split"]["tokens_per_s"]
     write_json(a.json, {"machine": machine(), "steps": steps, "max_len": max_len, "results": res,
-                        "headline_vs_sync_split": off / base, "headline_vs_best_sync": off / best_sync})
+                        "headline_vs_sync_split": off / base, "headline_vs_best_sync": off / best_sync,
+                        "fully_async_vs_sync_split": full / base, "fully_async_vs_best_sync": full / best_sync})
     print(f"\nheadline: one-step-off = {off / base:.2f}x the synchronous tokens/s on the same split placement, "
           f"{off / best_sync:.2f}x the best synchronous placement")
+    print(f"headline: fully async = {full / base:.2f}x the synchronous tokens/s on the same split placement, "
+          f"{full / best_sync:.2f}x the best synchronous placement")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The loop sees only this interface::
     rollout.play(tasks, params, settings)  -> list[Trajectory]               (the multi-turn agent loop)
     with rollout.awake(): ...              # colocated engines give their memory back outside it
     rollout.sync_from(actor)               -> metrics                        (bucketed, checksum-verified)
+    rollout.abort()                        # from another thread: the running generate returns early
 
 Implementations, each owning its transport:
 
@@ -243,6 +244,10 @@ class FleetRollout:
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
         return self.client.generate(prompts, SamplingParams(**params))
+
+    def abort(self) -> None:
+        """Abort every server's requests in flight (they return with ``finish_reason == "abort"``)."""
+        self.client.abort()
 
     def play(self, tasks: list[dict], params: dict, settings: dict) -> list:
         from trainer.rollout.multi_turn import loop_kwargs, rollout_trajectories
