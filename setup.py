@@ -34,7 +34,9 @@ extras = {
     "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "wandb>=0.19", "tensorboard>=2.14"],
     "trackers": ["wandb>=0.19", "tensorboard>=2.14"],  # trainer.logger wandb (offline without WANDB_API_KEY) and tensorboard; no torch
     "gpu": ["transformer-engine[pytorch]"],
-    "sglang": ["sglang==0.5.21"],  # exact API of trainer/rollout/sglang_engine.py; the newest release pinning torch==2.13.0 (CUDA only)
+    # exact API of trainer/rollout/sglang_engine.py; the newest release pinning torch==2.13.0. GPU only: its dependencies
+    # are CUDA builds. On CPU: `python -m trainer.rollout.sglang_cpu install` (requirements-sglang-cpu.txt, a second venv).
+    "sglang": ["sglang==0.5.21"],
     "bench": ["trl==1.16.0"],  # only benchmarks/bench_e2e.py's baseline; never a product dependency
 }
 

@@ -451,24 +451,24 @@ def held_checksum(fake: FakeEngine) -> str:
 
 def test_missing_sglang_names_the_extra(ckpts, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` raise ImportError
-    with pytest.raises(ImportError, match=r"coxswain\[sglang\].*sglang==0\.5\.21"):
-        se.SGLangEngine(ckpts["qwen2"][1])
+    with pytest.raises(ImportError, match=r"coxswain\[sglang\].*sglang==0\.5\.21.*sglang_cpu install"):
+        se.SGLangEngine(device="cuda", model_path=ckpts["qwen2"][1])
 
 
 def test_engine_constructs_sglang_with_exact_args(ckpts, fake_sglang):
-    e = se.SGLangEngine(ckpts["qwen2"][1], tp_size=2, dtype="bfloat16", seed=9, engine_kwargs={"attention_backend": "triton"})
+    e = se.SGLangEngine(device="cuda", model_path=ckpts["qwen2"][1], tp_size=2, dtype="bfloat16", seed=9, engine_kwargs={"attention_backend": "triton"})
     assert e.engine.kw == {"model_path": ckpts["qwen2"][1], "tp_size": 2, "mem_fraction_static": 0.5, "dtype": "bfloat16",
                            "random_seed": 9, "skip_tokenizer_init": True, "enable_memory_saver": True,
                            "enable_deterministic_inference": False, "log_level": "error", "attention_backend": "triton"}
     fake_sglang["sglang"].__version__ = "0.4.0"
     with pytest.warns(UserWarning, match="0.5.21"):
-        se.SGLangEngine(ckpts["qwen2"][1])
+        se.SGLangEngine(device="cuda", model_path=ckpts["qwen2"][1])
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_running_checksum_tracks_what_the_engine_holds(ckpts, fake_sglang, arch):
     hf, path = ckpts[arch]
-    e = se.SGLangEngine(path, dtype="bfloat16", bucket_bytes=20_000)
+    e = se.SGLangEngine(path, device="cuda", dtype="bfloat16", bucket_bytes=20_000)
     fake = e.engine
     # At start: the checkpoint, in the engine dtype, tied lm_head left out.
     assert e.weights_checksum() == held_checksum(fake) == checksum_named_tensors(hf_weights(hf, arch == "qwen2").items(), dtype=torch.bfloat16)
@@ -494,7 +494,7 @@ def test_running_checksum_tracks_what_the_engine_holds(ckpts, fake_sglang, arch)
 
 
 def test_a_bad_name_pushes_nothing(ckpts, fake_sglang):
-    e = se.SGLangEngine(ckpts["llama"][1], dtype="float32")
+    e = se.SGLangEngine(device="cuda", model_path=ckpts["llama"][1], dtype="float32")
     before = held_checksum(e.engine)
     w = hf_weights(make_hf_model("llama", seed=2), False)
     with pytest.raises(KeyError):
@@ -504,7 +504,7 @@ def test_a_bad_name_pushes_nothing(ckpts, fake_sglang):
 
 def test_sleep_wake_and_lost_weights(ckpts, fake_sglang):
     hf, path = ckpts["llama"]
-    e = se.SGLangEngine(path, dtype="float32")
+    e = se.SGLangEngine(path, device="cuda", dtype="float32")
     fake = e.engine
     first = e.generate([[3, 4]], SamplingParams(n=2))
     e.sleep()
@@ -529,7 +529,7 @@ def test_sleep_wake_and_lost_weights(ckpts, fake_sglang):
 
 @pytest.mark.parametrize("kw", [dict(release_weights_on_sleep=False), dict(engine_kwargs={"enable_weights_cpu_backup": True})])
 def test_sleep_wake_keeps_weights(ckpts, fake_sglang, kw):
-    e = se.SGLangEngine(ckpts["llama"][1], dtype="float32", **kw)
+    e = se.SGLangEngine(device="cuda", model_path=ckpts["llama"][1], dtype="float32", **kw)
     first, ck = e.generate([[3, 4]], SamplingParams()), e.weights_checksum()
     e.sleep()
     e.sleep()  # idempotent
@@ -539,7 +539,7 @@ def test_sleep_wake_keeps_weights(ckpts, fake_sglang, kw):
 
 
 def test_abort_is_handed_to_the_running_loop(ckpts, fake_sglang):
-    e = se.SGLangEngine(ckpts["llama"][1], dtype="float32")
+    e = se.SGLangEngine(device="cuda", model_path=ckpts["llama"][1], dtype="float32")
     e.abort()  # nothing running: nothing sent
     assert not any(c.startswith("abort") for c in e.engine.calls)
     loop = e.engine.loop

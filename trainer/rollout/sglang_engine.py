@@ -1,4 +1,9 @@
-"""The SGLang rollout engine (GPU): one ``sglang.Engine`` behind :class:`~trainer.rollout.engine.RolloutEngine`.
+"""The SGLang rollout engine: one ``sglang.Engine`` behind :class:`~trainer.rollout.engine.RolloutEngine`.
+
+One adapter for GPU and CPU: the DEVICE decides the engine arguments (:func:`engine_args`), nothing else.
+On a machine without CUDA the engine runs SGLang's own CPU path (plain torch layers, ``torch_native``
+attention, no memory saver), set up by :mod:`trainer.rollout.sglang_cpu` (the pinned install and two
+small shims); that is what CI tests. On GPU the kernels are SGLang's (untested here: no GPU is lent).
 
 Pinned: **sglang==0.5.21** (the ``sglang`` extra): the newest release whose own torch pin
 (``torch==2.13.0``) agrees with Coxswain's, so ``coxswain[sglang]`` resolves (0.5.22 and 0.5.23 pin
@@ -109,6 +114,10 @@ Memory (:meth:`SGLangEngine.sleep` / :meth:`SGLangEngine.wake`)
     ``enable_memory_saver=True`` and an idle engine. Released weights lose their contents unless
     ``enable_weights_cpu_backup``; the engine then refuses to generate or report a checksum until
     every weight was pushed again (the trainer's sync does exactly that while the engine sleeps).
+    SGLang asserts an idle scheduler on release, and a failed assertion kills the scheduler and the
+    calling process; :meth:`SGLangEngine.sleep` first waits until ``flush_cache`` succeeds (idle).
+    CPU form: the memory saver needs CUDA, so it is off; the same calls run, SGLang frees nothing but
+    the prefix cache, and the weights survive a sleep (no re-push needed).
 
 Abort
     ``Engine`` has no abort method in 0.5.21; ``engine.tokenizer_manager.abort_request(rid="",
@@ -134,7 +143,8 @@ from trainer.hf_io import SafetensorsDir, iter_safetensors, read_config
 from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, iter_buckets, new_hasher, tensor_digest
 
 SGLANG_VERSION = "0.5.21"
-INSTALL_HINT = f"pip install 'coxswain[sglang]'  (sglang=={SGLANG_VERSION}, CUDA only)"
+INSTALL_HINT = (f"GPU: pip install 'coxswain[sglang]' (sglang=={SGLANG_VERSION}); "
+                f"CPU: python -m trainer.rollout.sglang_cpu install (a venv at .venv-sglang-cpu)")
 
 # SGLang's dtype spellings (arg_groups/fields/model.py, ``dtype``) -> torch. "auto" is refused: the checksum
 # needs the dtype the weights are held in, which "auto" leaves to SGLang.
@@ -317,9 +327,13 @@ def engine_args(
     seed: int = 0,
     deterministic: bool = False,
     enable_memory_saver: bool = True,
+    device: str = "cuda",
     engine_kwargs: Mapping | None = None,
 ) -> dict:
     """Keyword arguments for ``sglang.Engine`` (= ``ServerArgs`` fields, arg_groups/fields/*.py).
+
+    ``device="cpu"`` adds :func:`trainer.rollout.sglang_cpu.cpu_engine_args` (``torch_native`` attention, no
+    CUDA graphs, no overlap scheduler, a bounded KV cache) and turns the memory saver off (it needs CUDA).
 
     ``engine_kwargs`` are passed through last, so they override (e.g. ``attention_backend``,
     ``max_running_requests``, ``chunked_prefill_size``, ``disable_cuda_graph``,
@@ -339,6 +353,12 @@ def engine_args(
         "enable_deterministic_inference": bool(deterministic),  # makes sampling_seed take effect
         "log_level": "error",
     }
+    if device == "cpu":
+        from trainer.rollout.sglang_cpu import cpu_engine_args
+
+        args.update(cpu_engine_args())
+    elif device != "cuda":
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     extra = dict(engine_kwargs or {})
     bad = sorted(k for k in extra if k in ADAPTER_KWARGS)
     if bad:
@@ -518,6 +538,8 @@ class SGLangEngine(RolloutEngine):
     ``bucket_bytes``: largest flat buffer sent at once (after the dtype cast).
     ``probe_names``: parameters :meth:`verify_weights_on_gpu` reads back (default: a few).
     ``engine_kwargs``: passed to ``sglang.Engine`` (see :func:`engine_args`).
+    ``device``: "cuda" | "cpu"; default: "cuda" when torch sees a GPU, else "cpu" (SGLang's CPU path,
+    :mod:`trainer.rollout.sglang_cpu`). It decides the engine arguments only.
     """
 
     def __init__(
@@ -533,10 +555,14 @@ class SGLangEngine(RolloutEngine):
         bucket_bytes: int = 512 << 20,
         probe_names: Sequence[str] | None = None,
         engine_kwargs: Mapping | None = None,
+        device: str | None = None,
     ):
         check_logprob_env(os.environ)
+        device = str(device or (engine_kwargs or {}).get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         args = engine_args(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-                           dtype=dtype, seed=seed, deterministic=deterministic, engine_kwargs=engine_kwargs)
+                           dtype=dtype, seed=seed, deterministic=deterministic, device=device,
+                           engine_kwargs=engine_kwargs)
+        self.device = device
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
         self.tp_size = int(args["tp_size"])
@@ -553,6 +579,10 @@ class SGLangEngine(RolloutEngine):
         self._released: set[str] = set()
         self._repushed: set[str] | None = None  # names pushed since the weights were released and lost
         self._needs_flush = False
+        if device == "cpu":
+            from trainer.rollout import sglang_cpu
+
+            sglang_cpu.activate()  # env + the sgl_kernel stand-in on PYTHONPATH, before sglang is imported
         try:
             import sglang
         except ImportError as e:
@@ -623,8 +653,23 @@ class SGLangEngine(RolloutEngine):
             loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, "", True)
 
     def flush_cache(self) -> None:
-        _check(self.engine.flush_cache(), "flush_cache")
+        self._wait_idle()  # SGLang flushes only an idle scheduler (and then answers success)
         self._needs_flush = False
+
+    def _wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Flush the prefix cache, retrying until the scheduler is idle (it refuses, with success=False,
+        while a batch is still being finished)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.engine.flush_cache()
+            ok = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                _check(result, f"flush_cache (scheduler not idle after {timeout_s:.0f} s)")
+            time.sleep(0.02)
 
     # ---- memory ------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -632,6 +677,10 @@ class SGLangEngine(RolloutEngine):
         tags = [t for t in self.sleep_tags if t not in self._released]
         if not tags:
             return
+        # SGLang ASSERTS an idle scheduler here (weight_updater.py ~320; a failed assertion kills the
+        # scheduler and, with it, this process). Right after generate() returns the scheduler can still be
+        # finishing its last batch, so wait until it is idle: flush_cache succeeds only then (scheduler.py ~5189).
+        self._wait_idle()
         self.engine.release_memory_occupation(tags=tags)
         self._released.update(tags)
         if "weights" in tags and not self._weights_survive_sleep:
@@ -671,8 +720,11 @@ class SGLangEngine(RolloutEngine):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-        monkey_patch_torch_reductions()  # the sender side of SGLang's CUDA-IPC device mapping (weight_sync/utils.py ~42)
         flat, metas = flatten_bucket(bucket, self.dtype)
+        if flat.is_cuda:
+            # The sender side of SGLang's CUDA-IPC device mapping (weight_sync/utils.py ~42). Only for CUDA
+            # tensors: it replaces torch's tensor reductions, and CPU tensors then no longer pickle.
+            monkey_patch_torch_reductions()
         payload = {"flattened_tensor": flat,
                    "metadata": [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype,
                                                         start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)

@@ -1,0 +1,77 @@
+"""``python -m trainer.rollout.sglang_cpu install [--venv DIR]`` / ``check [--python PY]``.
+
+install: a venv (``--system-site-packages``: it sees this environment's torch 2.13.0 CPU build and the
+project) holding sglang 0.5.21 for CPU; see :mod:`trainer.rollout.sglang_cpu`. Prints each step's time.
+check: in the given interpreter, activate the CPU setup and import SGLang's engine (about 10 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from trainer.rollout import sglang_cpu
+from trainer.rollout.sglang_engine import SGLANG_VERSION
+
+
+def _run(cmd: list[str], what: str) -> None:
+    t = time.monotonic()
+    print(f"[sglang-cpu] {what}: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True)
+    print(f"[sglang-cpu] {what}: {time.monotonic() - t:.0f} s", flush=True)
+
+
+def venv_python(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+def install(venv: str) -> str:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise SystemExit(f"SGLang on CPU is set up for Linux x86_64 only (this is {sys.platform} {platform.machine()})")
+    t0 = time.monotonic()
+    py = venv_python(venv)
+    if not os.path.exists(py):
+        _run([sys.executable, "-m", "venv", "--system-site-packages", venv], "venv")
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _run(pip + ["--no-deps", f"sglang=={SGLANG_VERSION}"], "sglang wheel (no deps)")
+    _run(pip + ["-r", str(sglang_cpu.REQUIREMENTS), "-c", str(sglang_cpu.CONSTRAINTS)], "CPU requirements")
+    out = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], check=True, capture_output=True, text=True)
+    if not out.stdout.strip().startswith("2.13.0"):
+        raise SystemExit(f"torch moved to {out.stdout.strip()} in {venv}; expected 2.13.0 (CPU)")
+    _run([py, "-m", "trainer.rollout.sglang_cpu", "check"], "import check")
+    print(f"[sglang-cpu] installed in {time.monotonic() - t0:.0f} s: {py}", flush=True)
+    return py
+
+
+def check() -> None:
+    reason = sglang_cpu.missing_reason()
+    if reason:
+        raise SystemExit(reason)
+    sglang_cpu.activate()
+    import sglang  # noqa: F401
+    from sglang.srt.entrypoints.engine import Engine  # noqa: F401  the scheduler's imports, sgl_kernel included
+    from sglang.srt.managers import scheduler  # noqa: F401
+
+    print(f"[sglang-cpu] sglang {sglang.__version__} imports on CPU in {sys.executable}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m trainer.rollout.sglang_cpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("install")
+    p.add_argument("--venv", default=str(sglang_cpu.DEFAULT_VENV))
+    sub.add_parser("check")
+    a = ap.parse_args(argv)
+    if a.cmd == "install":
+        install(a.venv)
+    else:
+        check()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""Started in every Python process that has ``trainer/rollout/sglang_cpu/site`` on its path: set by
+:func:`trainer.rollout.sglang_cpu.activate` through PYTHONPATH, so SGLang's scheduler / detokenizer
+subprocesses and ``python -m sglang.launch_server`` get it too. CPU and test support only."""
+
+import coxswain_torchvision_hook
+
+coxswain_torchvision_hook.install()
