@@ -26,7 +26,9 @@ What :func:`activate` does, and why:
   (``assign_req_to_token_pool_cpu`` runs on every step); with no kernel op registered SGLang finds no AMX and
   runs each layer's plain torch forward. ``sitecustomize.py`` + ``coxswain_torchvision_hook.py``: the
   registry's torchvision is a CUDA build whose import dies on ``torchvision::nms`` being undefined; the hook
-  defines the ``nms`` / ``qnms`` schemas first when its ``_C`` does not load.
+  defines the ``nms`` / ``qnms`` schemas first when its ``_C`` does not load. The installer also puts
+  ``site/`` on the venv's path with a ``.pth`` file, since transformers imports torchvision before any
+  Coxswain code runs.
 
 Not used: SGLang's compiled Intel-AMX CPU kernels (they need SGLang's source tree, and with AMX weight
 packing ``update_weights_from_tensor`` fails in 0.5.21 on ``'Parameter' object has no attribute 'weight_loader'``).

@@ -39,6 +39,12 @@ def install(venv: str) -> str:
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     _run(pip + ["--no-deps", f"sglang=={SGLANG_VERSION}"], "sglang wheel (no deps)")
     _run(pip + ["-r", str(sglang_cpu.REQUIREMENTS), "-c", str(sglang_cpu.CONSTRAINTS)], "CPU requirements")
+    # Every process of this venv gets site/ on its path (the torchvision hook through its sitecustomize, and
+    # the sgl_kernel stand-in): transformers imports torchvision before any Coxswain code could run.
+    site_packages = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(site_packages, "coxswain_sglang_cpu.pth"), "w") as f:
+        f.write(sglang_cpu.SITE_DIR + "\n")
     out = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], check=True, capture_output=True, text=True)
     if not out.stdout.strip().startswith("2.13.0"):
         raise SystemExit(f"torch moved to {out.stdout.strip()} in {venv}; expected 2.13.0 (CPU)")
