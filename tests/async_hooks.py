@@ -25,3 +25,12 @@ def record_trained(batch, metrics):
         f.write(json.dumps(prompts) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def double_push(s):
+    """trainer.pipeline: the default step, then a second weight push (fault injection: the versions run
+    ahead of what the quota plans for, so queued samples fall behind the staleness bound)."""
+    from trainer.pipeline import default_pipeline
+
+    default_pipeline(s)
+    s.sync_weights()

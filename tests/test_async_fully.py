@@ -68,7 +68,7 @@ def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _
     proximal (old) log-probs come from their own pass at every step."""
     from trainer.debug import load_batch
 
-    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.03")
+    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.08")  # the engine is the bottleneck: busy at every push
     dumps = tmp_path / "dumps"
     K, s, steps = 2, 0.5, 6
     h = run(tmp_path, f"trainer.total_training_steps={steps}", f"async_training.trigger_parameter_sync_step={K}",
@@ -111,7 +111,7 @@ def test_sigkill_then_resume_loses_no_prompt_and_trains_none_twice(tmp_path):
     sample at most 1 version behind, some exactly 1). Killed after the checkpoint of step 3 (with groups
     queued and in flight), the resumed run regenerates them: the prompts trained by steps 1-3 of the
     killed run and steps 4-6 of the resumed run are, in order, the uninterrupted run's."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COXSWAIN_TEST_SLOW_TRAINER_S="0.4",
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COXSWAIN_TEST_SLOW_TRAINER_S="0.25",
                MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db",  # the hooks' module as a user's would be:
                PYTHONPATH=os.pathsep.join([str(Path(ROOT) / "tests"), os.environ.get("PYTHONPATH", "")]))  # importable
     common = BASE + ["trainer.total_training_steps=6", "trainer.save_freq=3", "async_training.staleness_threshold=1",
@@ -156,9 +156,26 @@ def test_sigkill_then_resume_loses_no_prompt_and_trains_none_twice(tmp_path):
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_in_the_rollouter_on_the_http_fleet(tmp_path, _mlflow):
+def test_samples_beyond_the_bound_are_dropped_and_counted(tmp_path, _mlflow, monkeypatch):
+    """A pipeline that pushes twice per step (versions run ahead of the quota's plan): the groups queued
+    under version t-1 are 2 versions behind at step t+1, beyond ceil(0.5) = 1: dropped and counted,
+    never trained, and their quota comes back (the run finishes)."""
+    monkeypatch.setenv("COXSWAIN_TEST_SLOW_TRAINER_S", "0.3")
+    h = run(tmp_path, "trainer.total_training_steps=3", "async_training.trigger_parameter_sync_step=1",
+            "async_training.staleness_threshold=0.5", "async_training.partial_rollout=false",
+            "trainer.pipeline=tests.async_hooks:double_push", "trainer.hooks.after_update=[tests.async_hooks:slow_trainer]",
+            name="drop")["history"]
+    assert [x["step"] for x in h] == [1, 2, 3]
+    assert h[-1]["async/dropped_for_staleness"] > 0
+    assert all(x["async/staleness/max"] <= 1 for x in h)
+    assert [x["async/param_version"] for x in h] == [0.0, 2.0, 4.0]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_the_http_fleet_and_multi_turn(tmp_path, _mlflow):
     """DAPO's group filter runs in the rollouter (constant groups never reach the queue) over the HTTP
-    fleet behind sglang-router, pushes waiting for the call in flight (partial_rollout=false)."""
+    fleet behind sglang-router, pushes waiting for the call in flight (partial_rollout=false); and
+    multi-turn episodes of the agent loop stream through the same queue."""
     h = run(tmp_path, "trainer.total_training_steps=3", "async_training.trigger_parameter_sync_step=1",
             "async_training.partial_rollout=false", "actor_rollout_ref.rollout.mode=server",
             "actor_rollout_ref.rollout.num_engines=1", "algorithm.filter_groups.enable=true",
@@ -169,6 +186,15 @@ def test_dynamic_sampling_in_the_rollouter_on_the_http_fleet(tmp_path, _mlflow):
     assert any(x["filter/kept_group_fraction"] < 1.0 for x in h)
     # every trained group has a non-constant accuracy (the filter ran before the queue)
     assert all(0.0 < x["reward/acc"] < 1.0 for x in h)
+    agent = str(Path(ROOT) / "recipes" / "cpu" / "tiny_agent_model")
+    mt = run(tmp_path, "trainer.total_training_steps=2", "data.train_batch_size=4", "async_training.require_batches=1",
+             "async_training.trigger_parameter_sync_step=1", "async_training.partial_rollout=false",
+             f"actor_rollout_ref.model.path={agent}", "data.max_prompt_length=384", "data.max_response_length=96",
+             "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=hanoi",
+             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+             "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", name="mt")["history"]
+    assert [x["step"] for x in mt] == [1, 2] and all(x["sync/verified"] == 1.0 for x in mt)
+    assert all("multi_turn/turns_mean" in x and x["async/staleness/max"] <= 1 for x in mt)
 
 
 def test_config_keys_follow_verl_and_refuse_what_is_not_built():

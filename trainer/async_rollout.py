@@ -125,6 +125,7 @@ class AsyncBatchSource:
         self._stop = False
         self._hold = False  # the trainer holds the engines (push, validation, checkpoint)
         self._generating = False
+        self._working = False  # a call's generation and scoring, until its groups are queued
         self.version = 0  # pushes done (the engines' weights)
         self._count = 0  # prompts started under this version (verl's staleness_samples)
         self._drawn: deque[_Prompt] = deque()  # drawn from the sampler, not started
@@ -162,6 +163,14 @@ class AsyncBatchSource:
             depth = len(self._queue)
             while len(groups) < R:
                 while not self._queue and self._error is None:
+                    if not self._working and not self._pending and self._count >= self.st.quota:
+                        from trainer.pipeline import PipelineError
+
+                        raise PipelineError(
+                            f"step {step}: the rollouter has started its quota of {self.st.quota} prompts for weight "
+                            f"version {self.version} and the queue is empty: nothing more comes until the next push. "
+                            f"A trainer.pipeline must call Step.sync_weights() every step (it pushes every "
+                            f"async_training.trigger_parameter_sync_step steps).")
                     self._cond.wait()
                 if self._error is not None:
                     raise RuntimeError(f"the fully-async rollouter failed: {type(self._error).__name__}: "
@@ -334,7 +343,7 @@ class AsyncBatchSource:
         except BaseException as e:  # noqa: BLE001 - surfaced to the trainer at its next take / push
             with self._cond:
                 self._error = e
-                self._generating = False
+                self._generating = self._working = False
                 self._cond.notify_all()
 
     def _needed(self) -> int:
@@ -360,7 +369,7 @@ class AsyncBatchSource:
                         break
                 self._cond.wait()
             self._inflight = work
-            self._generating = True
+            self._generating = self._working = True
             self._busy_since = time.perf_counter()
             return work
 
@@ -492,6 +501,7 @@ class AsyncBatchSource:
                     self._origins.pop(w.seq, None)
                 else:
                     self._queue.append((w, grp))
+            self._working = False
             self._cond.notify_all()
 
 

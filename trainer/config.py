@@ -1139,6 +1139,9 @@ def _async_errors(cfg: DictConfig) -> list[str]:
         if r.name == "sglang":
             errs.append("async_training.partial_rollout=true resumes aborted requests on the native engine only (built "
                         "and tested on CPU); with rollout.name=sglang set async_training.partial_rollout=false.")
+    if cfg.trainer.debug.rollout_only:
+        errs.append("async_training.mode=fully_async with trainer.debug.rollout_only=true: without updates there are "
+                    "no weight pushes, and the rollouter stops at its per-version quota; remove one of the two.")
     if cfg.trainer.critic_warmup:
         errs.append("async_training.mode=fully_async with trainer.critic_warmup > 0 is not built: the rollouter's weight "
                     "versions count actor updates; set trainer.critic_warmup=0.")
