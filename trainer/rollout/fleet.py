@@ -829,13 +829,7 @@ class Fleet:
             if isinstance(old.proc, RemoteProc) and self._node_lost(old.proc):
                 return self.drop_server(k, f"its node {old.proc.node_ip} left the Ray cluster")
             _kill_group(old.proc, grace_s=2.0)
-            try:
-                wid = next((w["id"] for w in self._router_workers() if w["url"] == old.url), None)
-                if wid is not None:
-                    self._router_call("DELETE", f"/workers/{wid}")
-                    self._await_router(set(), {old.url}, timeout=30)
-            except OSError as e:
-                log.warning("fleet: could not remove %s from the router: %s", old.url, e)
+            self._unroute(old.url)
             gen = old.generation + 1
             proc, path = self._spawn_server(k, gen)
             try:
@@ -869,6 +863,16 @@ class Fleet:
                 return False
             time.sleep(1.0)
 
+    def _unroute(self, url: str) -> None:
+        """Take ``url`` off the router (and wait until it is gone); a router that cannot be reached is logged."""
+        try:
+            wid = next((w["id"] for w in self._router_workers() if w["url"] == url), None)
+            if wid is not None:
+                self._router_call("DELETE", f"/workers/{wid}")
+                self._await_router(set(), {url}, timeout=30)
+        except OSError as e:
+            log.warning("fleet: could not remove %s from the router: %s", url, e)
+
     def drop_server(self, k: int, why: str) -> str:
         """Take server ``k`` out of the fleet for good (the router, the client's list, the monitor): its
         node is gone. The other servers serve on; raises :class:`FleetError` when none is left."""
@@ -877,13 +881,7 @@ class Fleet:
             old.dropped = True
             self.client.set_workers(self.server_urls)
             _kill_group(old.proc)
-            try:
-                wid = next((w["id"] for w in self._router_workers() if w["url"] == old.url), None)
-                if wid is not None:
-                    self._router_call("DELETE", f"/workers/{wid}")
-                    self._await_router(set(), {old.url}, timeout=30)
-            except OSError as e:
-                log.warning("fleet: could not remove %s from the router: %s", old.url, e)
+            self._unroute(old.url)
             self.stats.dropped += 1
             log.warning("fleet: server %d at %s dropped: %s; %d server(s) left", k, old.url, why, len(self.server_urls))
             if not self.server_urls:
