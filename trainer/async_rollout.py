@@ -56,6 +56,8 @@ where that suffix starts (the sampler state before the draw holding its first pr
 and the prompt's place in it: ``async_frontier.json``); a resume restarts the sampler there, so the
 queued, in-flight and drawn-but-not-started prompts are generated again (with the resumed weights),
 none is lost and none trained twice. (Groups DAPO dropped after the frontier are generated again too.)
+The engines restart from the checkpoint's weights, labelled with the number of pushes the run had done
+(``step // trigger_parameter_sync_step``).
 
 DAPO dynamic sampling runs in the rollouter: each generation call's constant groups are dropped before
 they reach the queue. Multi-turn episodes run as whole calls (no partial rollout).
@@ -138,7 +140,7 @@ class AsyncBatchSource:
         self._live = 0  # drawn and not yet taken / dropped
         self._resume_draw: Optional[tuple[int, int]] = None  # (draw size, skip) of the first draw after a resume
         self._origins: dict[int, tuple] = {}  # seq -> origin, for every live prompt
-        self._taken_steps = 0
+        self._trained = 0  # groups handed to the trainer since the start (or the resume)
         self._start_step = 0
         # metrics
         self.dropped_for_staleness = 0
@@ -184,7 +186,7 @@ class AsyncBatchSource:
                     self._cond.notify_all()
                     continue
                 groups.append((p, g))
-            self._taken_steps += 1
+                self._trained += 1
             self._cond.notify_all()
             now = time.perf_counter()
             busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
@@ -347,7 +349,8 @@ class AsyncBatchSource:
                 self._cond.notify_all()
 
     def _needed(self) -> int:
-        return (self.plan.total_steps - self._start_step - self._taken_steps) * self.st.required
+        """Groups the rest of the run will train: the rollouter draws no further."""
+        return (self.plan.total_steps - self._start_step) * self.st.required - self._trained
 
     def _next_work(self):
         """Under the lock: wait until the engines may work, then the next call's prompts (the resumed
