@@ -106,6 +106,15 @@ class BatchSource:
         are already consumed from the sampler, so a resume must train on it whatever the mode."""
         from trainer.debug import load_batch
 
+        frontier = os.path.join(ckpt_dir, "async_frontier.json")  # a fully-async run's checkpoint
+        if os.path.isfile(frontier):
+            with open(frontier) as f:
+                front = json.load(f)
+            self.state.sampler.load_state_dict(front["sampler"])  # its untrained prompts are drawn again
+            if front.get("skip"):
+                print(f"warning: {ckpt_dir} was saved in async_training.mode=fully_async; resumed in another mode, "
+                      f"the {front['skip']} prompts trained from the first untrained prompt's draw are drawn again "
+                      f"(resume in fully_async mode to train none twice)", flush=True)
         info = os.path.join(ckpt_dir, PREFETCH_DIR, "info.json")
         if not os.path.isfile(info):
             return False
