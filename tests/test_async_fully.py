@@ -208,6 +208,13 @@ def test_config_keys_follow_verl_and_refuse_what_is_not_built():
     cfg = tiny_config(["trainer.placement=split", "async_training.mode=fully_async", "async_training.require_batches=2"])
     st = async_settings(cfg)
     assert (st.required, st.trigger, st.quota, st.max_staleness) == (16, 4, int(16 * 1.1 * 4), 1)
+    from trainer.plan import Plan
+
+    # decoupled PPO's proximal policy is the start-of-update actor: with one mini-batch x one epoch the
+    # update's own forward runs at exactly those weights, so the separate pass is skipped; with two it runs
+    one = tiny_config(["trainer.placement=split", "async_training.mode=fully_async", "data.train_batch_size=8"])
+    assert Plan.from_config(one, total_steps=1).on_policy(8 * one.actor_rollout_ref.rollout.n, 2)
+    assert not Plan.from_config(cfg, total_steps=1).on_policy(16 * cfg.actor_rollout_ref.rollout.n, 2)
     for bad, want in [
         (["async_training.staleness_threshold=0.5"], "applies to async_training.mode=fully_async only"),
         (["async_training.mode=fully_async", "async_training.require_batches=2"], "set trainer.placement=split"),

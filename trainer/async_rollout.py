@@ -42,8 +42,8 @@ token's version and log-prob are still exact). The first generation after a push
 so FIFO order holds.
 
 Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025). The proximal policy is the actor at the
-start of each update: the separate old-log-prob pass always runs in this mode (never the on-policy
-shortcut, :meth:`trainer.plan.Plan.on_policy`); the behaviour policy is the sampler's per-token
+start of each update: the separate old-log-prob pass, or with one mini-batch x one epoch the update's
+own forward, which runs at exactly those weights (:meth:`trainer.plan.Plan.on_policy`); the behaviour policy is the sampler's per-token
 log-probs whatever version sampled each token, and rollout IS / rejection and the PPO clip see exactly
 those. (Deviation from verl: verl's fully-async trainer computes old log-probs with the weights of
 the last push for every step of a sync period; here it is each step's start-of-step actor, the

@@ -270,12 +270,14 @@ class Plan:
         old log-probs and their separate forward is skipped (verl takes the same shortcut).
         Never with ``sum_pi_squared``: the optimal token baseline's advantages are made from the old
         log-probs and ``sum pi^2``, and the update reads the advantages, so both must exist before the
-        update's forward runs; the separate old-log-prob pass (which also returns ``sum pi^2``) runs."""
+        update's forward runs; the separate old-log-prob pass (which also returns ``sum pi^2``) runs.
+        Fully async included: decoupled PPO's proximal policy is the actor at the start of the update,
+        which is exactly what the update's one forward runs at (stale samples change the behaviour
+        log-probs, the sampler's, not the proximal ones), so the shortcut gives the same numbers."""
         u = self.actor_update
         return (is_on_policy(num_samples=num_samples, mini_batch_size=u.mini_batch_size, epochs=u.epochs)
                 and step > self.critic_warmup and self.rejection is None and not self.use_kl_in_reward
-                and not self.is_batch_normalize and self.bypass is None and not self.sum_pi_squared
-                and self.fully_async is None)  # fully async: stale samples, the proximal policy's own pass
+                and not self.is_batch_normalize and self.bypass is None and not self.sum_pi_squared)
 
     def trains_actor(self, step: int) -> bool:
         return step > self.critic_warmup
