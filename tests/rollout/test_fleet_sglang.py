@@ -141,4 +141,8 @@ def test_push_tensors_then_disk_through_sglang_endpoints(sglang_fleet):
     sglang_http.push_from_disk([url], sglang_fleet["path_a"])
     assert set(sglang_http.read_back(url, {n: hf_weights(hf_a, False)[n] for n in probes}, torch.float32).values()) == {0.0}
     restored = client.generate(prompts, greedy)
-    assert [(o.token_ids, o.logprobs) for (o,) in restored] == [(o.token_ids, o.logprobs) for (o,) in before]
+    assert [o.token_ids for (o,) in restored] == [o.token_ids for (o,) in before]
+    # the same weights again: the same tokens, and log-probs equal up to float32 reduction order (the
+    # engine's batch and cache state differ from the first call's; measured differences ~1e-6)
+    for (o,), (b,) in zip(restored, before):
+        assert o.logprobs == pytest.approx(b.logprobs, abs=1e-4)
