@@ -1398,8 +1398,8 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                     f"temperature={r.temperature} >= 0.")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         errs.append("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
-    if cfg.trainer.device == "cpu" and r.name == "sglang":
-        errs.append("actor_rollout_ref.rollout.name=sglang needs trainer.device=cuda; use rollout.name=native on CPU.")
+    # rollout.name=sglang with trainer.device=cpu runs SGLang's CPU path (trainer/rollout/sglang_cpu); whether it is
+    # installed is checked at run time (trainer.main.check_supported), so --print-config resolves anywhere.
     errs.extend(_rollout_correction_errors(al))
     errs.extend(_algorithm_variant_errors(cfg))
     from trainer.checkpoint import contents_errors  # verl's save_contents / load_contents, honoured or refused

@@ -105,8 +105,12 @@ def check_supported(cfg) -> None:
         gaps.append("trainer.device=cuda but this machine has no CUDA GPU: run on GPU nodes, or set trainer.device=cpu "
                     "(with actor_rollout_ref.rollout.name=native)")
     if r.name == "sglang" and not torch.cuda.is_available():
-        gaps.append("actor_rollout_ref.rollout.name=sglang needs CUDA GPUs (and pip install 'coxswain[sglang]'); "
-                    "on CPU use the native engine (rollout.name=native)")
+        from trainer.rollout.sglang_cpu import missing_reason  # SGLang's CPU path (tested in CI) where installed
+
+        why = missing_reason()
+        if why:
+            gaps.append("actor_rollout_ref.rollout.name=sglang needs CUDA GPUs with pip install 'coxswain[sglang]', or on "
+                        f"CPU the SGLang CPU install, absent here ({why}); or use the native engine (rollout.name=native)")
     if gaps:
         raise NotSupportedYet("this machine cannot run the requested configuration:\n  - " + "\n  - ".join(gaps))
 
