@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny import checkpoint_history, start_driver, tiny_config
+from tests.tiny import checkpoint_history, rollout_logp_under, start_driver, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -46,24 +46,6 @@ def _mlflow(tmp_path, monkeypatch):
 
     if ray.is_initialized():
         ray.shutdown()
-
-
-@torch.no_grad()
-def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
-    """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    P = batch.prompt_width
-    out = torch.zeros(batch.responses.shape)
-    for i in range(batch.num_samples):
-        real = batch.attention_mask[i].bool()
-        ids = batch.input_ids[i][real]
-        n_p = int(real[:P].sum())
-        logp = torch.log_softmax(m(ids[None]).logits[0].float(), -1)
-        r = ids[n_p:]
-        out[i, :len(r)] = logp[n_p - 1:-1].gather(-1, r[:, None])[:, 0]
-    return out
 
 
 def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_reference(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import ROOT, checkpoint_history, start_driver, tiny_config
+from tests.tiny import ROOT, checkpoint_history, rollout_logp_under, start_driver, tiny_config
 
 TINY = str(Path(ROOT) / "recipes" / "cpu" / "tiny_model")
 BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -39,24 +39,6 @@ def _mlflow(tmp_path, monkeypatch):
 
     if ray.is_initialized():
         ray.shutdown()
-
-
-@torch.no_grad()
-def logp_under(model_dir: str, batch) -> torch.Tensor:
-    """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    P = batch.prompt_width
-    out = torch.zeros(batch.responses.shape)
-    for i in range(batch.num_samples):
-        real = batch.attention_mask[i].bool()
-        ids = batch.input_ids[i][real]
-        n_p = int(real[:P].sum())
-        logp = torch.log_softmax(m(ids[None]).logits[0].float(), -1)
-        r = ids[n_p:]
-        out[i, :len(r)] = logp[n_p - 1:-1].gather(-1, r[:, None])[:, 0]
-    return out
 
 
 @pytest.mark.slow
@@ -96,10 +78,10 @@ def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _
         assert b.get_meta("param_version") == [min(v) for v in tv]
         for v in sorted(set(ver[mask].tolist())):
             sel = mask & (ver == v)
-            lp = logp_under(weights[v], b)
+            lp = rollout_logp_under(weights[v], b)
             assert (b.rollout_log_probs - lp)[sel].abs().max() < 1e-4, (t, v)
             if v > 0:  # not the previous version's: the weights changed at the push
-                assert (b.rollout_log_probs - logp_under(weights[v - 1], b))[sel].abs().max() > 1e-3, (t, v)
+                assert (b.rollout_log_probs - rollout_logp_under(weights[v - 1], b))[sel].abs().max() > 1e-3, (t, v)
         split += sum(len(set(v)) > 1 for v in tv)
     assert split > 0, "no response was continued across a push"
     assert sum(x["async/partial_samples"] for x in h) > 0

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,3 +38,21 @@ def checkpoint_history(run_dir) -> list:
     from trainer.checkpoint import CheckpointManager, load_driver_state
 
     return load_driver_state(CheckpointManager(str(run_dir)).find_latest())["history"]
+
+
+@torch.no_grad()
+def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
+    """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    P = batch.prompt_width
+    out = torch.zeros(batch.responses.shape)
+    for i in range(batch.num_samples):
+        real = batch.attention_mask[i].bool()
+        ids = batch.input_ids[i][real]
+        n_p = int(real[:P].sum())
+        logp = torch.log_softmax(m(ids[None]).logits[0].float(), -1)
+        r = ids[n_p:]
+        out[i, :len(r)] = logp[n_p - 1:-1].gather(-1, r[:, None])[:, 0]
+    return out

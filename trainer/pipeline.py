@@ -408,16 +408,16 @@ def run_concurrently(jobs: dict[str, Callable], metrics: dict, *, parallel: bool
     """Run each job (each on a different worker group) and time it as ``timing_s/<name>``: in driver
     threads at once (``parallel``), else in order. The first error is raised after all have ended,
     so no call is left running on a group the caller will use next."""
-    def timed(name, fn):
+    def timed(fn):
         t0 = time.perf_counter()
         out = fn()
         return out, time.perf_counter() - t0
 
     if not parallel or len(jobs) < 2:
-        results = {k: timed(k, fn) for k, fn in jobs.items()}
+        results = {k: timed(fn) for k, fn in jobs.items()}
     else:
         with ThreadPoolExecutor(len(jobs), thread_name_prefix="phase") as pool:
-            futs = {k: pool.submit(timed, k, fn) for k, fn in jobs.items()}
+            futs = {k: pool.submit(timed, fn) for k, fn in jobs.items()}
             errors = [f.exception() for f in futs.values() if f.exception() is not None]
             if errors:
                 raise errors[0]
