@@ -848,25 +848,34 @@ def test_cpu_sleep_wake_right_after_generate(gpu_models, cpu_engine):
 
 @pytest.mark.slow
 def test_cpu_flush_and_abort(gpu_models, cpu_engine):
-    prompts = gpu_prompts(4, lens=(3, 5))
-    cpu_engine.flush_cache()
-    result = {}
-    sp = SamplingParams(temperature=1.0, max_new_tokens=1500)  # tens of seconds without the abort
-
-    def run():
-        result["out"] = cpu_engine.generate(prompts, sp)
-
-    t = threading.Thread(target=run)
-    t.start()
     import time
 
-    time.sleep(3.0)
+    prompts = gpu_prompts(4, lens=(3, 5))
+    cpu_engine.flush_cache()
+    max_new = 2000  # the model's 2048 positions; a 2-prompt batch runs ~500 tokens/s here, so ~4 s unaborted
+    sp = SamplingParams(temperature=1.0, max_new_tokens=max_new)
+
+    def aborted_after(delay_s):
+        result = {}
+        t = threading.Thread(target=lambda: result.update(out=cpu_engine.generate(prompts, sp)))
+        t.start()
+        if delay_s:
+            time.sleep(delay_s)
+        cpu_engine.abort()
+        t.join(timeout=60)
+        assert not t.is_alive()
+        outs = [o for s in result["out"] for o in s]
+        assert all(o.finish_reason == "abort" for o in outs), [(o.finish_reason, len(o.token_ids)) for o in outs]
+        assert all(len(o.token_ids) < max_new and len(o.logprobs) == len(o.token_ids) for o in outs)
+        return outs
+
+    # Mid-generation: the tokens sampled so far come back, each with its log-prob.
+    outs = aborted_after(0.5)
+    assert any(len(o.token_ids) > 0 for o in outs)
+    # At once: the abort may land while the call is still entering the engine, where one abort_request
+    # alone would be lost; the adapter re-sends it until the call returns.
+    aborted_after(0.0)
+    # An abort with nothing running is a no-op, and the engine serves the next request normally.
     cpu_engine.abort()
-    t.join(timeout=60)
-    assert not t.is_alive()
-    outs = result["out"]
-    assert all(o.finish_reason == "abort" for s in outs for o in s)
-    assert all(0 < len(o.token_ids) < 1500 and len(o.logprobs) == len(o.token_ids) for s in outs for o in s)
-    # The engine serves the next request normally.
     (o,), = cpu_engine.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=4))
     assert o.finish_reason == "length" and len(o.token_ids) == 4

@@ -132,6 +132,7 @@ import hashlib
 import os
 import secrets
 import struct
+import threading
 import uuid
 import warnings
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
@@ -579,6 +580,12 @@ class SGLangEngine(RolloutEngine):
         self._released: set[str] = set()
         self._repushed: set[str] | None = None  # names pushed since the weights were released and lost
         self._needs_flush = False
+        # Abort bookkeeping (see :meth:`abort`): the running generate call's number, and whether an abort
+        # was asked for it.
+        self._gen_lock = threading.Lock()
+        self._gen_epoch = 0
+        self._generating = False
+        self._abort_epoch = -1
         if device == "cpu":
             from trainer.rollout import sglang_cpu
 
@@ -637,20 +644,47 @@ class SGLangEngine(RolloutEngine):
         req = expand_requests(prompt_token_ids, params)
         if not req.index:
             return [[] for _ in req.num_samples]
-        self.wake()  # like the native engine, generating wakes a sleeping engine
-        if self._needs_flush:
-            self.flush_cache()
-        outs = self.engine.generate(input_ids=req.input_ids, sampling_params=req.sampling_params,
-                                    return_logprob=True, rid=req.rids)
+        with self._gen_lock:
+            self._gen_epoch += 1
+            self._generating = True
+        try:
+            self.wake()  # like the native engine, generating wakes a sleeping engine
+            if self._needs_flush:
+                self.flush_cache()
+            outs = self.engine.generate(input_ids=req.input_ids, sampling_params=req.sampling_params,
+                                        return_logprob=True, rid=req.rids)
+        finally:
+            with self._gen_lock:
+                self._generating = False
         return group_outputs(outs, req)
 
     def abort(self) -> None:
         """End the running :meth:`generate` (called from another thread): every request of the engine
-        is aborted and comes back with ``finish_reason == "abort"``. A no-op when none runs."""
+        is aborted and comes back with ``finish_reason == "abort"`` (with the tokens sampled so far). A
+        no-op when none runs.
+
+        One ``abort_request(abort_all=True)`` can be lost: sent while the call is still waking or
+        flushing the engine, or before the batch's requests reached the scheduler, it aborts nothing and
+        the batch then runs to its length limit. So the abort is re-sent every 50 ms on the engine's
+        event loop (whose thread owns the ZMQ socket) until that same generate call returns; the call's
+        number keeps a late tick from aborting the next call."""
+        with self._gen_lock:
+            if not self._generating or self._abort_epoch == self._gen_epoch:
+                return
+            self._abort_epoch = epoch = self._gen_epoch
         loop = self.engine.loop
-        if loop.is_running():
-            # The ZMQ socket belongs to the loop's thread: hand the call to it.
-            loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, "", True)
+        tm = self.engine.tokenizer_manager
+
+        def tick():
+            with self._gen_lock:
+                live = self._generating and self._gen_epoch == epoch
+            if live:
+                tm.abort_request("", True)
+                loop.call_later(0.05, tick)
+
+        # Queued callbacks and timers survive between run_until_complete calls, so a tick sent while the
+        # loop is idle runs as soon as the call enters the loop.
+        loop.call_soon_threadsafe(tick)
 
     def flush_cache(self) -> None:
         self._wait_idle()  # SGLang flushes only an idle scheduler (and then answers success)
