@@ -31,6 +31,18 @@ def sglang_python() -> str | None:
     return py if os.path.exists(py) else None
 
 
+def require_sglang_server() -> str:
+    """The interpreter that launches SGLang servers (:func:`sglang_cpu.server_python`); a failure under CI
+    when there is none, else a skip naming the install command."""
+    py = sglang_cpu.server_python()
+    if py is None:
+        why = f"no SGLang install to launch servers with ({sglang_cpu.INSTALL_COMMAND})"
+        if in_ci():
+            pytest.fail(f"CI runs the real SGLang servers, but there is {why}; .ci/run installs it")
+        pytest.skip(why)
+    return py
+
+
 def require_sglang_here() -> None:
     """Skip (with the route that does run it) unless sglang 0.5.21 is importable in this interpreter."""
     reason = sglang_cpu.missing_reason()

@@ -115,6 +115,7 @@ from trainer.serving.wire import WEIGHTS_CONTENT_TYPE, tensors_to_safetensors
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+PROBE_SUFFIXES = ("embed_tokens.weight", "q_proj.weight", "down_proj.weight", "norm.weight")  # default_probe_names' picks
 
 
 class FleetError(RuntimeError):
@@ -125,6 +126,11 @@ class FleetError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 # the SGLang /generate protocol, client side: pure functions
 # --------------------------------------------------------------------------------------------------
+async def _gather(coros) -> list:
+    """``asyncio.gather`` on the loop that awaits it (``FleetClient._call`` takes a coroutine)."""
+    return list(await asyncio.gather(*coros))
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """The seed prompt ``index`` of a one-params call is sent with: 62 bits of sha256("seed:index")."""
     return int.from_bytes(hashlib.sha256(f"coxswain-fleet:{int(seed)}:{int(index)}".encode()).digest()[:8], "big") >> 2
@@ -198,8 +204,22 @@ class FleetClient(RolloutEngine):
     def __init__(self, router_url: str, worker_urls: Sequence[str], *, max_concurrency: int = 64,
                  request_timeout_s: float = 600.0, max_retries: int = 4, retry_backoff_s: float = 0.1,
                  bucket_bytes: int = 64 << 20, on_failure: Callable[[str], None] | None = None,
-                 stats: FleetStats | None = None, per_sample_requests: bool = False, api_key: str | None = None):
+                 stats: FleetStats | None = None, per_sample_requests: bool = False, api_key: str | None = None,
+                 weight_protocol: str = "coxswain", retain_push: bool = True, model_dir: str | None = None,
+                 model_dtype: torch.dtype | str = torch.float32):
+        if weight_protocol not in ("coxswain", "sglang"):
+            raise ValueError(f"weight_protocol={weight_protocol!r}: 'coxswain' (native servers) or 'sglang' (real SGLang)")
         self.api_key = api_key  # the servers' Bearer key (their weight and control endpoints need it)
+        self.weight_protocol = weight_protocol
+        # SGLang protocol: keep the last push's flat buckets (one copy of the weights in the engine dtype, in
+        # shared memory) so that a restarted server is given them again (replay_last_push)
+        self.retain_push = retain_push
+        self._last_push: list[tuple[torch.Tensor, list]] = []
+        self._probes: dict[str, torch.Tensor] = {}  # SGLang protocol: first rows of a few tensors as pushed
+        self.accepted: dict[str, str] = {}  # SGLang protocol: url -> checksum of the stream it accepted
+        self.model_dir = model_dir  # the checkpoint the servers loaded at start: their checksum before any push
+        self.model_dtype = getattr(torch, model_dtype) if isinstance(model_dtype, str) else model_dtype
+        self._disk_checksum: str | None = None
         self.router_url = router_url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.max_concurrency = max_concurrency
@@ -409,6 +429,8 @@ class FleetClient(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
                        ignore: Iterable[str] | None = None, weight_version: str | None = None) -> list[str]:
+        if self.weight_protocol == "sglang":
+            return self._update_weights_sglang(named_tensors, dtype=dtype, ignore=ignore, weight_version=weight_version)
         with self.weights_lock:
             urls = list(self.worker_urls)
             info = self.server_info(urls[0])
@@ -437,8 +459,150 @@ class FleetClient(RolloutEngine):
             return names
 
     def checksums(self) -> dict[str, str]:
-        """Every worker's ``checksum_named_tensors`` of the weights it holds, by URL."""
+        """Every worker's ``checksum_named_tensors`` of the weights it holds, by URL. Real SGLang servers cannot
+        hash their weights by HF name: theirs is the checksum of the stream each ACCEPTED (bucket by bucket,
+        read back where the model class can report), or :attr:`disk_checksum` before the first push."""
+        if self.weight_protocol == "sglang":
+            return {u: self.accepted.get(u) or self.disk_checksum() for u in self.worker_urls}
         return self._call(self._checksums(list(self.worker_urls)))
+
+    # ---- weights: SGLang's own endpoints (real SGLang servers) ------------------------------------------
+    def disk_checksum(self) -> str:
+        """The checksum of the checkpoint the servers started from, cast to their dtype (computed once)."""
+        if self._disk_checksum is None:
+            if self.model_dir is None:
+                raise WeightSyncError("no weights were pushed and the servers' checkpoint is unknown (set model_dir)")
+            from trainer.rollout.engine import checksum_named_tensors as _ck
+            from trainer.hf_io import iter_safetensors
+
+            skip = {"lm_head.weight"} if self._tied() else set()
+            self._disk_checksum = _ck(iter_safetensors(self.model_dir, lambda n: n not in skip), dtype=self.model_dtype)
+        return self._disk_checksum
+
+    def _tied(self) -> bool:
+        if self.model_dir is None:
+            return False
+        try:
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                return bool(json.load(f).get("tie_word_embeddings", False))
+        except OSError:
+            return False
+
+    async def _admin(self, url: str, path: str, body: dict | None = None) -> dict:
+        """POST to an SGLang admin endpoint; an answer other than 200 / ``success`` raises WeightSyncError."""
+        async with self._session.post(url + path, json=body if body is not None else {},
+                                      timeout=self._timeout(self.request_timeout_s)) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise WeightSyncError(f"{url}{path}: HTTP {r.status}: {raw[:500]!r}")
+        try:
+            out = json.loads(raw) if raw else {}
+        except json.JSONDecodeError:  # /flush_cache answers plain text
+            return {}
+        if isinstance(out, dict) and out.get("success") is False:
+            raise WeightSyncError(f"{url}{path} failed: {out.get('message')}")
+        return out
+
+    async def _push_flat(self, url: str, flat: torch.Tensor, metas: list) -> None:
+        from trainer.rollout.sglang_http import serialize_flat
+
+        # Serialized per server: each receiver opens its own shared-memory handle
+        payload = serialize_flat(flat, metas)
+        await self._admin(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                               "load_format": "flattened_bucket", "flush_cache": False})
+
+    async def _read_back(self, url: str) -> int:
+        """Compare the first rows of the probe tensors with what ``url`` reports; returns how many it could
+        report (SGLang answers null for a model class without ``get_weights_by_name``)."""
+        checked = 0
+        for name, want in self._probes.items():
+            got = await self._admin(url, "/get_weights_by_name", {"name": name, "truncate_size": int(want.shape[0])})
+            if got is None or got == {}:
+                continue
+            got_t = torch.tensor(got, dtype=torch.float32)
+            if got_t.shape != want.shape or not torch.equal(got_t, want):
+                raise WeightSyncError(f"weight sync check failed on {url}: {name} reads back different values "
+                                      f"from what was pushed (first rows; max |diff| "
+                                      f"{float((got_t - want).abs().max()) if got_t.shape == want.shape else 'shape'})")
+            checked += 1
+        return checked
+
+    async def _replay(self, urls: Sequence[str], buckets: Sequence[tuple[torch.Tensor, list]]) -> None:
+        await asyncio.gather(*(self._admin(u, "/begin_weight_update") for u in urls))
+        try:
+            for flat, metas in buckets:
+                await asyncio.gather(*(self._push_flat(u, flat, metas) for u in urls))
+        finally:
+            await asyncio.gather(*(self._admin(u, "/end_weight_update") for u in urls), return_exceptions=True)
+        await asyncio.gather(*(self._admin(u, "/flush_cache", None) for u in urls))
+
+    def _update_weights_sglang(self, named_tensors, *, dtype, ignore, weight_version) -> list[str]:
+        from trainer.rollout.sglang_engine import default_probe_names, flatten_bucket, iter_cast_buckets, probe_rows
+
+        dtype = dtype or self.model_dtype
+        if ignore is None:  # as the native servers: a tied model's lm_head is the embedding, not pushed
+            ignore = {"lm_head.weight"} if self._tied() else set()
+        ignore = set(ignore)
+        with self.weights_lock:
+            urls = list(self.worker_urls)
+            names: list[str] = []
+            kept: list[tuple[torch.Tensor, list]] = []
+            probes: dict[str, torch.Tensor] = {}
+
+            async def begin():
+                await asyncio.gather(*(self._admin(u, "/begin_weight_update") for u in urls))
+
+            async def end():
+                await asyncio.gather(*(self._admin(u, "/end_weight_update") for u in urls), return_exceptions=True)
+
+            def pushed():
+                for bucket in iter_cast_buckets(((n, t) for n, t in named_tensors if n not in ignore), dtype,
+                                                self.bucket_bytes):
+                    flat, metas = flatten_bucket(bucket, dtype, device="cpu")
+                    self._call(_gather(self._push_flat(u, flat, metas) for u in urls))
+                    if self.retain_push:
+                        kept.append((flat, metas))
+                    for m in metas:  # candidate probes: first rows as sent (a few KB)
+                        if m.name.endswith(PROBE_SUFFIXES):
+                            probes[m.name] = probe_rows(flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape),
+                                                        2, dtype)
+                    names.extend(n for n, _ in bucket)
+                    yield from bucket
+
+            self._call(self._drain())
+            try:
+                self._call(begin())
+                try:
+                    source = checksum_named_tensors(pushed(), dtype=dtype)
+                finally:
+                    self._call(end())
+                self._call(_gather(self._admin(u, "/flush_cache", None) for u in urls))
+                pick = default_probe_names(names)
+                self._probes = {n: probes[n] for n in pick if n in probes}
+                for u in urls:
+                    self._call(self._read_back(u))
+            finally:
+                self._call(self._reopen())
+            self._last_push = kept
+            self.expected_checksum = source
+            self.accepted = {u: source for u in urls}
+            self.stats.weight_pushes += 1
+            return names
+
+    def replay_last_push(self, url: str) -> bool:
+        """Give a (restarted) SGLang server the weights of the last push; False when there was none since
+        start (the server's checkpoint is then the fleet's weights). Raises WeightSyncError when pushes
+        happened but were not retained (``retain_push=False``)."""
+        with self.weights_lock:
+            if self.expected_checksum is None or not self.accepted:
+                return False
+            if not self._last_push:
+                raise WeightSyncError(f"{url} restarted from its checkpoint, but the fleet's current weights were not "
+                                      f"retained (retain_push=False): it stays out of the router until the next push")
+            self._call(self._replay([url], self._last_push))
+            self._call(self._read_back(url))
+            self.accepted[url] = self.expected_checksum
+            return True
 
     def weights_checksum(self) -> str:
         sums = self.checksums()
@@ -609,8 +773,26 @@ class Fleet:
     client_kwargs: dict = field(default_factory=dict)
     hosts: Sequence[dict] | None = None  # Ray actor options per server: run server k on that node (see above)
     node_grace_s: float = 30.0  # how long a dead remote server waits for Ray's verdict on its node
+    backend: str = "native"  # native (trainer.rollout.native_server) | sglang (real sglang.launch_server)
+    device: str = "cpu"  # sglang: the servers' device (cpu: SGLang's CPU path, trainer/rollout/sglang_cpu)
+    max_total_tokens: int = 4096  # sglang on CPU: the KV cache's size in tokens
+    server_python: str | None = None  # sglang: the interpreter with sglang (default sglang_cpu.server_python())
 
     def __post_init__(self):
+        if self.backend not in ("native", "sglang"):
+            raise ValueError(f"Fleet backend={self.backend!r}: 'native' or 'sglang'")
+        if self.backend == "sglang":
+            if self.hosts is not None:
+                raise FleetError("a fleet of SGLang servers runs on the trainer's host: its weight route (SGLang's "
+                                 "update_weights_from_tensor) shares memory with the sender; use backend='native' "
+                                 "for servers on other nodes")
+            if self.server_python is None:
+                from trainer.rollout import sglang_cpu
+
+                self.server_python = sglang_cpu.server_python()
+                if self.server_python is None:
+                    raise FleetError(f"backend='sglang' needs an interpreter with sglang: install the 'sglang' extra "
+                                     f"(GPU) or run {sglang_cpu.INSTALL_COMMAND} (CPU)")
         self.servers: list[_Server] = []
         self.router: subprocess.Popen | None = None
         self.router_url: str | None = None
@@ -644,19 +826,29 @@ class Fleet:
             procs = [self._spawn_server(k, 0) for k in range(self.num_servers)]  # all start at once
             self.servers = [self._await_server(k, p, path, 0) for k, (p, path) in enumerate(procs)]
             self._start_router()
+            kw = dict(self.client_kwargs)
+            if self.backend == "sglang":
+                # each sample its own request: SGLang honours no per-request seed unless deterministic
+                kw = {"per_sample_requests": True, **kw, "weight_protocol": "sglang", "model_dir": self.model,
+                      "model_dtype": self.dtype}
             self.client = FleetClient(self.router_url, self.server_urls, on_failure=self._on_failure, stats=self.stats,
-                                      api_key=self.api_key,
-                                      **self.client_kwargs)
-            sums = self.client._call(self.client._checksums(self.server_urls))
-            if len(set(sums.values())) != 1:
-                raise WeightSyncError(f"the servers started with different weights: {sums}")
-            self.client.expected_checksum = next(iter(sums.values()))
+                                      api_key=self.api_key, **kw)
+            if self.backend == "sglang":
+                self.client.expected_checksum = None  # the checkpoint on disk until the first push
+            else:
+                self._check_start_weights()
         except BaseException:
             self.close()
             raise
         self._monitor = threading.Thread(target=self._watch, name="coxswain-fleet-monitor", daemon=True)
         self._monitor.start()
         return self
+
+    def _check_start_weights(self) -> None:
+        sums = self.client._call(self.client._checksums(self.server_urls))
+        if len(set(sums.values())) != 1:
+            raise WeightSyncError(f"the servers started with different weights: {sums}")
+        self.client.expected_checksum = next(iter(sums.values()))
 
     def close(self) -> None:
         if self._closed:
@@ -688,6 +880,8 @@ class Fleet:
         return proc
 
     def _spawn_server(self, k: int, generation: int) -> tuple[subprocess.Popen, str]:
+        if self.backend == "sglang":
+            return self._spawn_sglang(k, generation)
         cmd = [sys.executable, "-m", "trainer.rollout.native_server", "--model", self.model, "--host", self.host,
                "--port", "0", "--threads", str(self.threads_per_server), "--max-batch-size", str(self.max_batch_size),
                "--dtype", self.dtype, "--skip-tokenizer-init", *map(str, self.server_args)]
@@ -712,7 +906,43 @@ class Fleet:
             return proc, path
         return self._spawn(cmd, path, env), path
 
+    def _spawn_sglang(self, k: int, generation: int) -> tuple[subprocess.Popen, str]:
+        from trainer.rollout import sglang_cpu
+        from trainer.rollout.sglang_http import server_command
+
+        port = free_port(self.host)
+        cmd = server_command(self.server_python, self.model, host=self.host, port=port, device=self.device,
+                             dtype=self.dtype, admin_key=self.api_key, context_length=self.max_seq_len,
+                             max_total_tokens=self.max_total_tokens, extra=self.server_args)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_server))
+        if self.device == "cpu":
+            sglang_cpu.activate(env)
+        path = os.path.join(self.log_dir, f"server-{k}-{generation}.log")
+        proc = self._spawn(cmd, path, env)
+        proc.coxswain_url = f"http://{self.host}:{port}"  # known up front: SGLang prints no machine-readable line
+        return proc, path
+
+    def _await_sglang(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
+        import urllib.request
+
+        url = proc.coxswain_url
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:  # /model_info answers once the tokenizer manager and the scheduler are up
+                with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
+                    if r.status == 200:
+                        return _Server(k, proc, url, path, generation=generation)
+            except OSError:
+                pass
+            time.sleep(0.5)
+        _kill_group(proc)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise FleetError(f"SGLang server {k} did not start (log {path}):\n{tail}")
+
     def _await_server(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
+        if self.backend == "sglang":
+            return self._await_sglang(k, proc, path, generation)
         if isinstance(proc, RemoteProc):
             import ray
 
@@ -891,6 +1121,9 @@ class Fleet:
     def _sync_from_peer(self, url: str) -> None:
         import urllib.request
 
+        if self.backend == "sglang":  # SGLang has no weight read-out: the client replays the last push
+            self.client.replay_last_push(url)
+            return
         expected = self.client.expected_checksum
         if expected is None:
             return

@@ -101,3 +101,14 @@ def missing_reason() -> str | None:
     if v != SGLANG_VERSION:
         return f"sglang {v} is installed in {sys.executable}; Coxswain's adapter needs sglang=={SGLANG_VERSION}"
     return None
+
+
+def server_python() -> str | None:
+    """The interpreter that runs ``python -m sglang.launch_server`` for a fleet of SGLang servers: this one
+    when sglang (the pinned version) imports here (a GPU machine with the ``sglang`` extra), else
+    ``COXSWAIN_SGLANG_PYTHON``, else the CPU install's venv (:data:`DEFAULT_VENV`); None when there is none.
+    The trainer itself needs no sglang for a fleet: it only speaks HTTP to the servers."""
+    if missing_reason() is None:
+        return sys.executable
+    py = os.environ.get("COXSWAIN_SGLANG_PYTHON") or str(DEFAULT_VENV / "bin" / "python")
+    return py if os.path.exists(py) else None
