@@ -1406,9 +1406,6 @@ def validation_errors(cfg: DictConfig) -> list[str]:
 
     ck = cfg.actor_rollout_ref.actor.checkpoint
     errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
-    if r.mode != "sync" and r.name == "sglang":
-        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with rollout.name=sglang: SGLang server engines are not built "
-                    f"yet (issue #19); use rollout.mode=sync (the same on-policy samples from SGLang engines in the workers).")
     if r.mode != "sync" and cfg.trainer.debug.in_process:
         errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
                     f"separate processes by design; use rollout.mode=sync to debug in process.")

@@ -104,7 +104,15 @@ def check_supported(cfg) -> None:
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         gaps.append("trainer.device=cuda but this machine has no CUDA GPU: run on GPU nodes, or set trainer.device=cpu "
                     "(with actor_rollout_ref.rollout.name=native)")
-    if r.name == "sglang" and not torch.cuda.is_available():
+    if r.name == "sglang" and r.mode in ("server", "async"):
+        from trainer.rollout.sglang_cpu import INSTALL_COMMAND, server_python
+
+        # a fleet of SGLang servers: the servers need sglang, this trainer only speaks HTTP to them
+        if server_python() is None:
+            gaps.append("actor_rollout_ref.rollout.name=sglang with rollout.mode=server launches sglang.launch_server, "
+                        "but no interpreter here has sglang: pip install 'coxswain[sglang]' (GPU), or "
+                        f"{INSTALL_COMMAND} (CPU; COXSWAIN_SGLANG_PYTHON names another interpreter)")
+    elif r.name == "sglang" and not torch.cuda.is_available():
         from trainer.rollout.sglang_cpu import missing_reason  # SGLang's CPU path (tested in CI) where installed
 
         why = missing_reason()

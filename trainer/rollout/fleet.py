@@ -503,6 +503,19 @@ class FleetClient(RolloutEngine):
             raise WeightSyncError(f"{url}{path} failed: {out.get('message')}")
         return out
 
+    async def _flush(self, url: str, timeout_s: float = 60.0) -> None:
+        """SGLang flushes its prefix cache only when its scheduler is idle (HTTP 400 otherwise): a scheduler
+        can still be finishing the batch whose answers the client already has, so retry until idle."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._admin(url, "/flush_cache", None)
+                return
+            except WeightSyncError as e:
+                if "HTTP 400" not in str(e) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
     async def _push_flat(self, url: str, flat: torch.Tensor, metas: list) -> None:
         from trainer.rollout.sglang_http import serialize_flat
 
@@ -516,7 +529,12 @@ class FleetClient(RolloutEngine):
         report (SGLang answers null for a model class without ``get_weights_by_name``)."""
         checked = 0
         for name, want in self._probes.items():
-            got = await self._admin(url, "/get_weights_by_name", {"name": name, "truncate_size": int(want.shape[0])})
+            try:
+                got = await self._admin(url, "/get_weights_by_name", {"name": name, "truncate_size": int(want.shape[0])})
+            except WeightSyncError as e:
+                if "HTTP 400" in str(e) and "Get parameter by name failed" in str(e):
+                    continue  # the model class cannot report it (e.g. Qwen2 in 0.5.21: HTTP 400 over HTTP, null in process)
+                raise
             if got is None or got == {}:
                 continue
             got_t = torch.tensor(got, dtype=torch.float32)
@@ -534,7 +552,7 @@ class FleetClient(RolloutEngine):
                 await asyncio.gather(*(self._push_flat(u, flat, metas) for u in urls))
         finally:
             await asyncio.gather(*(self._admin(u, "/end_weight_update") for u in urls), return_exceptions=True)
-        await asyncio.gather(*(self._admin(u, "/flush_cache", None) for u in urls))
+        await asyncio.gather(*(self._flush(u) for u in urls))
 
     def _update_weights_sglang(self, named_tensors, *, dtype, ignore, weight_version) -> list[str]:
         from trainer.rollout.sglang_engine import default_probe_names, flatten_bucket, iter_cast_buckets, probe_rows
@@ -576,7 +594,7 @@ class FleetClient(RolloutEngine):
                     source = checksum_named_tensors(pushed(), dtype=dtype)
                 finally:
                     self._call(end())
-                self._call(_gather(self._admin(u, "/flush_cache", None) for u in urls))
+                self._call(_gather(self._flush(u) for u in urls))
                 pick = default_probe_names(names)
                 self._probes = {n: probes[n] for n in pick if n in probes}
                 for u in urls:
@@ -912,7 +930,9 @@ class Fleet:
 
         port = free_port(self.host)
         cmd = server_command(self.server_python, self.model, host=self.host, port=port, device=self.device,
-                             dtype=self.dtype, admin_key=self.api_key, context_length=self.max_seq_len,
+                             # no --context-length: SGLang derives it from the model (as the in-worker
+                             # adapter); a longer one than the model's positions is refused by SGLang
+                             dtype=self.dtype, admin_key=self.api_key,
                              max_total_tokens=self.max_total_tokens, extra=self.server_args)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_server))
         if self.device == "cpu":

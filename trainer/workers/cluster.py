@@ -206,7 +206,8 @@ class Cluster:
             self.rollout = FleetRollout(model_path, num_servers=n_eng, threads_per_server=rkw["generate_threads"],
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
                                         tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
-                                        log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts)
+                                        log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts,
+                                        backend=r.name, device=cfg.trainer.device)
         elif self.hybrid:
             self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
         else:

@@ -225,13 +225,15 @@ class FleetRollout:
     ``fleet/retries``); the multi-turn agent loop runs on the driver, its turns sent through the
     router (``concurrency`` episodes in flight). The servers own their devices: nothing to free.
     ``hosts`` (a joined Ray cluster): Ray options per server, so each runs on its slot's node; a server
-    whose node leaves the cluster is dropped and the others serve on (``fleet/dropped``)."""
+    whose node leaves the cluster is dropped and the others serve on (``fleet/dropped``).
+    ``backend="sglang"`` (``rollout.name=sglang``): the servers are real ``sglang.launch_server`` processes on
+    this host, the weights pushed through SGLang's own endpoints (:class:`~trainer.rollout.fleet.Fleet`)."""
 
     size = 1
 
     def __init__(self, model_path: str, *, num_servers: int, threads_per_server: int, max_batch_size: int,
                  max_seq_len: int, dtype: str, tokenizer_path: str | None, log_dir: str, bucket_bytes: int = 512 << 20,
-                 hosts: list[dict] | None = None):
+                 hosts: list[dict] | None = None, backend: str = "native", device: str = "cpu"):
         from trainer.rollout.fleet import Fleet
 
         self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None
@@ -239,7 +241,9 @@ class FleetRollout:
         os.makedirs(log_dir, exist_ok=True)
         self.fleet = Fleet(model_path, num_servers=num_servers, threads_per_server=threads_per_server,
                            max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                           log_dir=log_dir, hosts=hosts).start()
+                           log_dir=log_dir, hosts=hosts, backend=backend, device=device,
+                           # SGLang on CPU sizes its KV cache by tokens: room for every sequence of a full batch
+                           max_total_tokens=max(4096, max_batch_size * max_seq_len)).start()
         self.client = self.fleet.client
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
