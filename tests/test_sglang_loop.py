@@ -1,5 +1,6 @@
 """The training loop with ``actor_rollout_ref.rollout.name=sglang`` on CPU: the tiny GRPO recipe, 3 steps, the
-rollout workers each holding a real ``sglang.Engine`` (SGLang's CPU path), synced from the actor every step.
+rollout workers each holding a real ``sglang.Engine`` (SGLang's CPU path), synced from the actor every step;
+colocated (an engine per actor slot) and split (the engine on its own slot: ``trainer.placement=split``).
 Runs in the SGLang CPU venv (tests/rollout/sglang_cpu_support.py), the run itself in a child process."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ ROOT = str(sglang_cpu.REPO_ROOT)
 
 
 @pytest.mark.slow
-def test_tiny_grpo_with_sglang_rollout_trains(tmp_path):
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_tiny_grpo_with_sglang_rollout_trains(tmp_path, placement):
     from tests.rollout.sglang_cpu_support import require_sglang_here
 
     require_sglang_here()
@@ -24,7 +26,8 @@ def test_tiny_grpo_with_sglang_rollout_trains(tmp_path):
     p = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "recipes/cpu/tiny_grpo.yaml",
                         "actor_rollout_ref.rollout.name=sglang", "trainer.total_training_steps=3", "trainer.test_freq=-1",
                         "trainer.save_freq=-1", "trainer.logger=[console,mlflow]",
-                        "trainer.experiment_name=tiny_grpo_sglang", f"trainer.default_local_dir={tmp_path}/run"],
+                        "trainer.experiment_name=tiny_grpo_sglang", f"trainer.default_local_dir={tmp_path}/run",
+                        f"trainer.placement={placement}", "trainer.val_before_train=false"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "Multi-thread loading shards" in p.stderr + p.stdout  # SGLang's own model loader ran in the rollout workers
@@ -33,6 +36,7 @@ def test_tiny_grpo_with_sglang_rollout_trains(tmp_path):
     c = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     r = c.search_runs([c.get_experiment_by_name("coxswain").experiment_id])[0]
     assert r.data.params["actor_rollout_ref.rollout.name"] == "sglang"
+    assert r.data.params["trainer.placement"] == placement
     m = r.data.metrics
     # The sampler's log-probs (SGLang) agree with the trainer's recomputation (both fp32, same weights after
     # every sync): the mismatch KL measured ~1e-7 (bound 1e-4).

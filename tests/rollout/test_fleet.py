@@ -269,6 +269,41 @@ def test_weight_push_reaches_every_server(fleet, engine, tmp_path):
     fleet.client.verify_weights(expected)
 
 
+def test_sglang_weight_protocol_drives_native_servers_too(fleet, engine, tmp_path):
+    """One client, two kinds of server: the push a fleet of real SGLang servers gets (begin / flattened
+    buckets in shared memory / end / flush, read back through /get_weights_by_name) lands in the native
+    servers, whose own checksum then equals the stream's."""
+    from trainer.rollout.fleet import FleetClient
+    from trainer.serving.wire import ProtocolError, flattened_bucket_to_tensors
+
+    new = _random_weights(engine, seed=9)
+    sg = FleetClient(fleet.router_url, fleet.server_urls, api_key=fleet.api_key, weight_protocol="sglang",
+                     model_dir=fleet.model, bucket_bytes=64 << 10)
+    try:
+        names = sg.update_weights(iter(new.items()))
+        assert sorted(names) == sorted(new) and len(sg._last_push) > 1  # several buckets
+        expected = checksum_named_tensors(new.items())
+        assert fleet.client.checksums() == {u: expected for u in fleet.server_urls}  # the servers' own hash
+        assert set(sg.checksums().values()) == {expected}
+        assert all(sg._call(sg._read_back(u)) == len(sg._probes) > 0 for u in fleet.server_urls)
+        fresh = NativeEngine(_checkpoint(tmp_path, new), max_batch_size=32, max_seq_len=SEQ)
+        prompts = _prompts(4, seed=6)
+        assert_same(fleet.client.generate(prompts, GREEDY), fresh.generate(prompts, GREEDY), tol=1e-4)
+    finally:
+        sg.close()
+    # the server's unpickler admits only what a weight bucket holds
+    import base64
+    import pickle
+
+    with pytest.raises(ProtocolError, match="os.system"):
+        flattened_bucket_to_tensors(pickle.dumps({"flattened_tensor": __import__("os").system}))
+    status, body = _post(fleet.server_urls[0] + "/update_weights_from_tensor", {
+        "serialized_named_tensors": [base64.b64encode(pickle.dumps(print)).decode()], "load_format": "flattened_bucket"},
+        fleet.api_key)
+    assert status == 400 and "builtins.print" in json.dumps(body)
+    fleet.client.update_weights(engine.model.hf_tensors())  # back to the fixture's weights for the tests after this one
+
+
 def test_corrupted_push_raises(fleet, engine, monkeypatch):
     from safetensors.torch import load, save
 

@@ -102,6 +102,9 @@ NATIVE = {
     "/update_weights_from_disk": (["model_path", "load_format", "weight_version", "abort_all_requests"], {}),
     "/abort_request": (["rid", "abort_all"], {}),
     "/flush_cache": (["x"], {}),
+    "/get_weights_by_name": (["name", "truncate_size"], {"name": "model.norm.weight"}),
+    "/begin_weight_update": (["x"], {}),
+    "/end_weight_update": (["x"], {}),
 }
 OPENAI = {
     "/v1/chat/completions": (["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",

@@ -27,8 +27,13 @@ v0.5.21 (the ``[sglang]`` extra's pin): the same shapes, except that its meta_in
   POST /flush_cache                     200 "Cache flushed..." (a no-op: every engine call prefills afresh)
   POST /abort_request                   {"rid": ID} or {"abort_all": true}
   POST /pause_generation                {"mode": "abort" | "retract" | "in_place"}; /continue_generation
+  POST /update_weights_from_tensor      SGLang's same-host form: {"serialized_named_tensors": [payload],
+                                        "load_format": "flattened_bucket"} (trainer.serving.wire), so that one
+                                        fleet client pushes to real SGLang servers and to these alike
+  POST /begin_weight_update, /end_weight_update   SGLang 0.5.21's bracket around a push (acknowledged)
+  POST /get_weights_by_name             {"name", "truncate_size"} -> the first rows (float32 lists) or null
   Coxswain extensions (not in SGLang):
-  POST /update_weights_from_tensor      see "Weights over HTTP" below
+  POST /update_weights_from_tensor      a safetensors blob: see "Weights over HTTP" below
   GET  /weights_checksum                {"checksum": checksum_named_tensors(weights), "weight_version"}
   GET  /weights_safetensors             every weight as one safetensors blob (a restarted fleet server
                                         copies a live peer's weights with it)
@@ -110,6 +115,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams
@@ -117,7 +123,7 @@ from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args,
                                  request_limits, serve, serve_until_signal, served_model_name)
 from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
 from trainer.serving.wire import (WEIGHTS_CONTENT_TYPE, ProtocolError, parse_update_weights_from_tensor,
-                                  safetensors_to_tensors, tensors_to_safetensors)
+                                  flattened_bucket_to_tensors, safetensors_to_tensors, tensors_to_safetensors)
 
 __all__ = ["READY_PREFIX", "SGLANG_PROTOCOL_VERSION", "DEFAULT_MAX_NEW_TOKENS", "ProtocolError",
            "parse_sampling_params", "GenerateRequest", "parse_generate_request", "finish_reason_json", "output_json",
@@ -425,6 +431,9 @@ class NativeSGLangServer(EngineServer):
         r.add_put("/generate", self.generate)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/begin_weight_update", self.weight_update_bracket)
+        r.add_post("/end_weight_update", self.weight_update_bracket)
+        r.add_post("/get_weights_by_name", self.get_weights_by_name)
         r.add_get("/weights_checksum", self.weights_checksum)
         r.add_get("/weights_safetensors", self.weights_safetensors)
         r.add_route("*", "/flush_cache", self.flush_cache)
@@ -613,9 +622,15 @@ class NativeSGLangServer(EngineServer):
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         if request.content_type == WEIGHTS_CONTENT_TYPE:
             blobs, version = [await request.read()], request.query.get("weight_version")
+            named = safetensors_to_tensors(blobs[0])
         else:
-            blobs, version = parse_update_weights_from_tensor(await self._json(request))
-        named = [nt for blob in blobs for nt in safetensors_to_tensors(blob)]
+            body = await self._json(request)
+            blobs, version = parse_update_weights_from_tensor(body)
+            if body.get("load_format") == "flattened_bucket":
+                # SGLang's same-host form: one payload per TP rank, all the same bucket; this server is one rank
+                named = flattened_bucket_to_tensors(blobs[0]) if blobs else []
+            else:
+                named = [nt for blob in blobs for nt in safetensors_to_tensors(blob)]
         try:
             names = await self._in_engine_thread(self._load, named)
         except Exception as e:  # noqa: BLE001
@@ -623,6 +638,27 @@ class NativeSGLangServer(EngineServer):
         if version is not None:
             self.weight_version = version
         return web.json_response({"success": True, "message": f"Succeeded to update model weights ({len(names)} tensors)."})
+
+    async def weight_update_bracket(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.21's ``/begin_weight_update`` / ``/end_weight_update`` around a tensor push: this engine
+        applies each bucket whole under its own lock, so there is nothing to open or close; answered so that one
+        fleet client speaks SGLang's weight protocol to both kinds of server."""
+        await self._json(request)
+        return web.json_response({"success": True, "message": ""})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_weights_by_name {"name", "truncate_size"}``: the first ``truncate_size`` rows of an
+        HF-named parameter as nested lists (float32), or null for a name the model does not hold."""
+        body = await self._json(request)
+        name, rows = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or type(rows) is not int or not 1 <= rows <= 1 << 31:
+            raise ProtocolError("the body must be {'name': str, 'truncate_size': int in [1, 2^31]}")
+
+        def read():
+            t = dict(self.engine.engine.model.hf_tensors()).get(name)
+            return None if t is None else t.detach()[:rows].to(torch.float32).tolist()
+
+        return web.json_response(await self._in_engine_thread(read))
 
     async def weights_checksum(self, request: web.Request) -> web.Response:
         checksum = await self._in_engine_thread(self.engine.engine.weights_checksum)
@@ -637,6 +673,7 @@ class NativeSGLangServer(EngineServer):
 # the endpoints that change or read out the weights, or steer the engine: never open without a key
 # unless the operator says so
 CONTROL_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/weights_safetensors",
+                           "/begin_weight_update", "/end_weight_update", "/get_weights_by_name",
                            "/weights_checksum", "/pause_generation", "/continue_generation", "/abort_request",
                            "/flush_cache"})
 
