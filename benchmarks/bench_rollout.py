@@ -28,8 +28,23 @@ memory-bandwidth bound and ``greedy`` gains only what the native engine saves ov
 oneDNN-prepacked bf16 matmuls, no per-step KV ``torch.cat`` copies, a vectorised argmax. The
 ``sample`` and ``ragged`` gains come on top, from the sampler and from continuous batching.
 
-Usage: python benchmarks/bench_rollout.py [--quick] [--json PATH] [--dtype bfloat16|float32|both]
-The last line printed is the headline: the ratios at batch 64 in the first dtype, ``sample`` first.
+SGLang rows (a second table): the real ``sglang.Engine`` 0.5.21 on its CPU path
+(:class:`trainer.rollout.sglang_engine.SGLangEngine` with ``device="cpu"``, ``dtype="float32"``:
+``torch_native`` attention, plain torch layers, no compiled SGLang kernels) against the native engine in
+float32, measured in the same run on the same jobs. Same weights (the float32 model every table is built
+from, the bf16 tables use its cast), saved with ``save_pretrained`` (no EOS id, as on the other sides);
+same prompts and sampling parameters; ``max_running_requests`` = the native engine's ``max_batch_size``;
+one torch thread in SGLang's scheduler when ``--threads 1``. sglang imports only in the SGLang CPU venv,
+so that side runs as a child process (``benchmarks/_sglang_rollout.py``) in the interpreter
+:func:`trainer.rollout.sglang_cpu.server_python` finds; its tok/s are by the CPU time of SGLang's whole
+process tree (wall in ``(wall)``), its ~10-25 s engine start is not timed, and the prefix cache is
+flushed before every timed run (the native engine has none). Without an install the table says
+"not installed (python -m trainer.rollout.sglang_cpu install)"; ``--no-sglang`` leaves it out, saying so.
+--quick runs each scenario once at batch 64.
+
+Usage: python benchmarks/bench_rollout.py [--quick] [--json PATH] [--dtype bfloat16|float32|both] [--no-sglang]
+The last line printed is the headline: the ratios at batch 64 in the first dtype, ``sample`` first,
+then SGLang / native at batch 64 in float32 (or why there is no SGLang figure).
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 import torch
@@ -48,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.rollout.engine import SamplingParams  # noqa: E402
 from trainer.rollout.hf_model import CausalLM, ModelConfig  # noqa: E402
 from trainer.rollout.native import NativeEngine  # noqa: E402
-from benchmarks._common import cpu_model  # noqa: E402
+from benchmarks._common import ROOT, cpu_model  # noqa: E402
 
 VOCAB = 32000
 
@@ -110,10 +126,22 @@ class Clock:
         return "cpu" if self.use_cpu else "wall"
 
 
+def fixed_prompts(batch: int, prompt_len: int) -> torch.Tensor:
+    """The ``greedy`` / ``sample`` prompts of one batch size: [batch, prompt_len] token ids (every side gets these)."""
+    return torch.randint(3, VOCAB, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
+
+
+def ragged_prompts(batch: int, prompt_len: int, waves: int) -> torch.Tensor:
+    """The ``ragged`` prompts: [waves * batch, prompt_len]."""
+    return torch.randint(3, VOCAB, (waves * batch, prompt_len), generator=torch.Generator().manual_seed(1000 + batch))
+
+
+RAGGED_STOP = list(range(3, 3 + VOCAB // 48))  # ~1/48 of a near-uniform random model's mass
+
+
 def bench_fixed(hf, engine: NativeEngine, clock: Clock, batch: int, prompt_len: int, new: int, repeats: int,
                 sample: bool) -> dict:
-    g = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(3, VOCAB, (batch, prompt_len), generator=g)
+    prompts = fixed_prompts(batch, prompt_len)
     plist = prompts.tolist()
     sp = SamplingParams(temperature=1.0 if sample else 0.0, max_new_tokens=new, seed=0)
     hf_kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
@@ -136,10 +164,9 @@ def bench_fixed(hf, engine: NativeEngine, clock: Clock, batch: int, prompt_len: 
 
 
 def bench_ragged(hf, engine: NativeEngine, clock: Clock, batch: int, prompt_len: int, new: int, waves: int) -> dict:
-    g = torch.Generator().manual_seed(1000 + batch)
     n_req = waves * batch
-    prompts = torch.randint(3, VOCAB, (n_req, prompt_len), generator=g)
-    stop = list(range(3, 3 + VOCAB // 48))  # ~1/48 of a near-uniform random model's mass
+    prompts = ragged_prompts(batch, prompt_len, waves)
+    stop = RAGGED_STOP
     max_new = 3 * new
     t_ours, outs = clock(lambda: engine.generate(prompts.tolist(), SamplingParams(
         temperature=1.0, max_new_tokens=max_new, stop_token_ids=stop, seed=0)))
@@ -163,9 +190,134 @@ def bench_ragged(hf, engine: NativeEngine, clock: Clock, batch: int, prompt_len:
                 ratio_wall=(ours_tokens / t_ours["wall"]) / (hf_tokens / t_hf["wall"]))
 
 
+# --------------------------------------------------------------------------------------------------
+# SGLang: the real sglang 0.5.21 engine on CPU, in a child process (sglang imports only in its venv)
+# --------------------------------------------------------------------------------------------------
+SGLANG_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sglang_rollout.py")
+SGLANG_NOT_INSTALLED = "not installed (python -m trainer.rollout.sglang_cpu install)"
+
+
+def sglang_jobs(scenarios, batches, sample_batches, ragged_batches, prompt_len: int, new: int, repeats: int,
+                waves: int) -> list[dict]:
+    """The SGLang workloads: the same prompts and sampling parameters as the native / transformers rows."""
+    jobs = []
+    for sc in scenarios:
+        for b in {"greedy": batches, "sample": sample_batches, "ragged": ragged_batches}[sc]:
+            if sc == "ragged":
+                params = dict(temperature=1.0, max_new_tokens=3 * new, stop_token_ids=RAGGED_STOP, seed=0)
+                prompts, reps = ragged_prompts(b, prompt_len, waves), 1  # the ragged rows run once
+            else:
+                params = dict(temperature=1.0 if sc == "sample" else 0.0, max_new_tokens=new, stop_token_ids=[], seed=0)
+                prompts, reps = fixed_prompts(b, prompt_len), repeats
+            jobs.append(dict(name=sc, batch=b, prompts=prompts.tolist(), params=params, repeats=reps,
+                             return_tokens=sc == "greedy"))
+    return jobs
+
+
+def run_sglang_child(python: str, spec: dict, timeout_s: float) -> dict:
+    """Run :mod:`benchmarks._sglang_rollout` in ``python``; its result dict, or RuntimeError with the log's tail."""
+    import subprocess
+
+    from benchmarks._sglang_rollout import RESULT_MARKER
+
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
+        try:
+            proc = subprocess.run([python, SGLANG_CHILD], input=json.dumps(spec), stdout=subprocess.PIPE,
+                                  stderr=log, text=True, timeout=timeout_s, cwd=ROOT)
+            rc = proc.returncode
+            stdout = proc.stdout
+        except subprocess.TimeoutExpired as e:
+            rc, stdout = f"timeout after {timeout_s:.0f}s", e.stdout or ""
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+        for line in stdout.splitlines():
+            if line.startswith(RESULT_MARKER) and rc == 0:
+                return json.loads(line[len(RESULT_MARKER):])
+        log.seek(0)
+        tail = [ln for ln in log.read().splitlines() if ln.strip()][-6:]
+    raise RuntimeError(f"SGLang child ({python}) exited with {rc}: " + " | ".join(tail))
+
+
+def bench_sglang(a, clock: Clock, scenarios, batches, sample_batches, ragged_batches, new: int, repeats: int,
+                 waves: int, max_len: int) -> dict:
+    """The SGLang rows: sglang.Engine (CPU path, float32) against the native engine (float32, measured here),
+    same weights (the float32 model every run is built from) and prompts. Never silently skipped: the
+    result's ``status`` says why there are no figures."""
+    from trainer.rollout import sglang_cpu
+    from trainer.rollout.sglang_engine import SGLANG_VERSION
+
+    out = dict(engine=f"sglang=={SGLANG_VERSION}", path="CPU: torch_native attention, plain torch layers",
+               dtype="float32", timing=clock.key(), rows=[])
+    if a.no_sglang:
+        return dict(out, status="skipped (--no-sglang)")
+    python = sglang_cpu.server_python()
+    if python is None:
+        return dict(out, status=SGLANG_NOT_INSTALLED)
+    out["python"] = python
+    hf, ours, n_params = build_models(torch.float32, max_len, a.quick)
+    out["params"] = n_params
+    jobs = sglang_jobs(scenarios, batches, sample_batches, ragged_batches, a.prompt_len, new, repeats, waves)
+    max_batch = max(batches)
+    with tempfile.TemporaryDirectory(prefix="bench_rollout_sglang_") as model_dir:
+        # No EOS in config.json / generation_config.json: SGLang also stops on those ids (the native and
+        # transformers sides run without one), so every greedy / sample response is new_tokens long.
+        hf.config.eos_token_id = None
+        hf.config.bos_token_id = None
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf.save_pretrained(model_dir, safe_serialization=True)
+        del hf
+        spec = dict(model_path=model_dir, dtype="float32", threads=torch.get_num_threads(),
+                    max_running_requests=max_batch, max_total_tokens=max_batch * max_len, jobs=jobs)
+        try:
+            res = run_sglang_child(python, spec, timeout_s=a.sglang_timeout)
+        except RuntimeError as e:
+            return dict(out, status=f"failed: {e}")
+    out.update(status="ok", version=res["sglang_version"], startup_s=res["startup_s"])
+    # The native engine on the same jobs, float32 (the float32 table above, if any, is a separate run).
+    engine = NativeEngine(ours, max_batch_size=max_batch, max_seq_len=max_len)
+    engine.generate(jobs[0]["prompts"][:2], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up
+    k = clock.key()
+    for job, sg in zip(jobs, res["jobs"]):
+        sp = SamplingParams(**{**job["params"], "stop_token_ids": tuple(job["params"]["stop_token_ids"])})
+        best = dict(wall=float("inf"), cpu=float("inf"))
+        for _ in range(job["repeats"]):
+            t, native_out = clock(lambda: engine.generate(job["prompts"], sp))
+            best = {x: min(best[x], t[x]) for x in best}
+        native_tokens = sum(len(o[0].token_ids) for o in native_out)
+        row = dict(scenario=job["name"], batch=job["batch"], requests=len(job["prompts"]),
+                   native_tokens=native_tokens, sglang_tokens=sg["tokens"], sglang_finish=sg["finish_reasons"],
+                   seconds=dict(native=best, sglang=sg["seconds"]),
+                   native_tok_s=native_tokens / best[k], sglang_tok_s=sg["tokens"] / sg["seconds"][k])
+        row["ratio"] = row["sglang_tok_s"] / row["native_tok_s"]
+        row["ratio_wall"] = (sg["tokens"] / sg["seconds"]["wall"]) / (native_tokens / best["wall"])
+        row["match"] = None
+        if job["name"] != "ragged" and sg["tokens"] != native_tokens:  # counted as generated, but said
+            row["note"] = f"SGLang generated {sg['tokens']} tokens, the native engine {native_tokens}"
+        if "token_ids" in sg:
+            row["match"] = sum(s == o[0].token_ids for s, o in zip(sg["token_ids"], native_out)) / len(native_out)
+        out["rows"].append(row)
+    return out
+
+
+def print_sglang(sg: dict, new: int) -> None:
+    if sg["status"] != "ok":
+        print(f"\n[float32] SGLang: {sg['status']}")
+        return
+    print(f"\n[float32] SGLang {sg['version']} ({sg['path']}) vs the native engine: "
+          f"Llama {sg['params'] / 1e6:.1f}M params, the same weights and prompts, {new} new (ragged: up to {3 * new}); "
+          f"SGLang tok/s by {sg['timing']} time of its whole process tree; engine start {sg['startup_s']:.1f}s (not timed)")
+    print(f"{'scenario':>8} {'batch':>6} {'native tok/s':>13} {'sglang tok/s':>13} {'sglang/native':>14} {'(wall)':>7} {'match':>6}")
+    for r in sg["rows"]:
+        m = "" if r["match"] is None else f"{r['match']:.2f}"
+        print(f"{r['scenario']:>8} {r['batch']:>6} {r['native_tok_s']:>13.1f} {r['sglang_tok_s']:>13.1f} "
+              f"{r['ratio']:>13.2f}x {r['ratio_wall']:>6.2f}x {m:>6}" + (f"  ({r['note']})" if "note" in r else ""),
+              flush=True)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    ap.add_argument("--quick", action="store_true", help="small sizes, about a minute with the SGLang rows")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "both"])
     ap.add_argument("--batches", default=None, help="comma list (default 1,16,64,256; quick 1,16,64)")
@@ -175,6 +327,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both sides (default 1: on a shared machine more threads mostly wait at barriers)")
     ap.add_argument("--scenarios", default="greedy,sample,ragged", help="comma list of greedy, sample, ragged")
+    ap.add_argument("--no-sglang", action="store_true", help="leave out the SGLang rows (said so in the output)")
+    ap.add_argument("--sglang-timeout", type=float, default=None,
+                    help="seconds for the SGLang child, start included (default 1800; quick 300)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -187,6 +342,11 @@ def main(argv=None) -> dict:
     # needs minutes for 4 x 256 sampled requests).
     sample_batches = ([b for b in batches if b == 64] or batches[-1:]) if a.quick else [b for b in batches if b > 1]
     ragged_batches = [b for b in sample_batches if b <= 64]
+    waves = 2 if a.quick else 4
+    # SGLang rows: quick runs each scenario at the headline batch only (its engine start, 10-25 s, comes on top).
+    sg_batches = sample_batches if a.quick else batches
+    if a.sglang_timeout is None:
+        a.sglang_timeout = 300.0 if a.quick else 1800.0
     dtypes = ["bfloat16", "float32"] if a.dtype == "both" else [a.dtype]
     max_len = a.prompt_len + 3 * new + 8
     result = dict(machine=machine(), prompt_len=a.prompt_len, new_tokens=new, repeats=repeats, quick=a.quick,
@@ -205,7 +365,7 @@ def main(argv=None) -> dict:
             rows = []
             for b in {"greedy": batches, "sample": sample_batches, "ragged": ragged_batches}[sc]:
                 if sc == "ragged":
-                    r = bench_ragged(hf, engine, clock, b, a.prompt_len, new, waves=2 if a.quick else 4)
+                    r = bench_ragged(hf, engine, clock, b, a.prompt_len, new, waves=waves)
                 else:
                     r = bench_fixed(hf, engine, clock, b, a.prompt_len, new, repeats, sample=sc == "sample")
                 rows.append(r)
@@ -221,12 +381,27 @@ def main(argv=None) -> dict:
                 if hit:
                     headline[sc] = hit[0]["ratio"]
         del engine, hf, ours
+    sg = bench_sglang(a, clock, scenarios, sg_batches, sample_batches, ragged_batches, new, repeats, waves, max_len)
+    result["sglang"] = sg
+    print_sglang(sg, new)
+    headline["sglang"] = sg["status"]
+    if sg["status"] == "ok":
+        for sc in ("sample", "greedy", "ragged"):
+            hit = [r for r in sg["rows"] if r["scenario"] == sc and r["batch"] == 64]
+            if hit:
+                headline[f"sglang_{sc}"] = hit[0]["ratio"]
     result["headline"] = headline
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
     parts = [f"{headline[sc]:.2f}x {sc}" for sc in ("sample", "greedy", "ragged") if sc in headline]
-    print(f"\nheadline: native / transformers generate, batch 64, {headline['dtype']}: " + " | ".join(parts))
+    line = f"\nheadline: native / transformers generate, batch 64, {headline['dtype']}: " + " | ".join(parts)
+    sg_parts = [f"{headline['sglang_' + sc]:.2f}x {sc}" for sc in ("sample", "greedy", "ragged") if "sglang_" + sc in headline]
+    if sg_parts:
+        line += f"; SGLang {sg['version']} (CPU) / native, batch 64, float32: " + " | ".join(sg_parts)
+    elif sg["status"] != "ok":
+        line += "; SGLang: " + ("failed (see above)" if sg["status"].startswith("failed") else sg["status"])
+    print(line)
     return result
 
 
