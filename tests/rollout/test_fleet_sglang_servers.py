@@ -141,3 +141,37 @@ def test_sigkill_mid_batch_loses_nothing_restarts_and_resyncs(sg):
     status, body = _post(new_url + "/generate", {"input_ids": prompts[0], "sampling_params": {
         "temperature": 0, "max_new_tokens": 10, "ignore_eos": True}})
     assert status == 200 and body["output_ids"] == hf_greedy(hf_b, prompts[0], 10)
+
+
+def test_standalone_sglang_http_pushes_from_tensors_then_disk(sg):
+    """:mod:`trainer.rollout.sglang_http`'s own functions (what a user drives SGLang servers with outside a
+    Fleet): tensors in several flattened buckets, then a checkpoint from disk, each read back and each
+    changing the greedy tokens to the pushed model's."""
+    from trainer.rollout import sglang_http
+
+    fleet, hf_a, hf_b = sg["fleet"], sg["hf_a"], sg["hf_b"]
+    url, key = fleet.server_urls[1], fleet.api_key
+    w_a = hf_weights(hf_a, tied=False)
+    probes = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+              "model.norm.weight")
+    prompt = gpu_prompts(12)[0]
+
+    def greedy_here():
+        status, body = _post(url + "/generate", {"input_ids": prompt, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 10, "ignore_eos": True}})
+        assert status == 200
+        return body["output_ids"]
+
+    assert greedy_here() == hf_greedy(hf_b, prompt, 10)  # B since the pushes above
+    checksum = sglang_http.push_tensors([url], list(w_a.items()), dtype=torch.float32, bucket_bytes=300_000, key=key)
+    assert checksum == checksum_named_tensors(w_a.items(), dtype=torch.float32)
+    assert set(sglang_http.read_back(url, {n: w_a[n] for n in probes}, torch.float32, key=key).values()) == {0.0}
+    assert greedy_here() == hf_greedy(hf_a, prompt, 10)
+    with pytest.raises(sglang_http.SGLangServerError):  # without the fleet's key: refused
+        sglang_http.push_from_disk([url], sg["path_a"])
+    d = sg["path_a"] + "_b"
+    save_model(hf_b, d)
+    sglang_http.push_from_disk([url], d, key=key)
+    w_b = hf_weights(hf_b, tied=False)
+    assert set(sglang_http.read_back(url, {n: w_b[n] for n in probes}, torch.float32, key=key).values()) == {0.0}
+    assert greedy_here() == hf_greedy(hf_b, prompt, 10)  # the fleet's weights again (B)
