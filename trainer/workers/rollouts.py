@@ -246,7 +246,9 @@ class FleetRollout:
                            max_total_tokens=max(4096, max_batch_size * max_seq_len)).start()
         self.client = self.fleet.client
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]:
+    def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
+        if isinstance(params, list):  # one params dict per prompt (a resumed partial rollout), seeds sent as they are
+            return self.client.generate(prompts, [SamplingParams(**p) for p in params])
         return self.client.generate(prompts, SamplingParams(**params))
 
     def abort(self) -> None:
