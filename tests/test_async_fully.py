@@ -42,8 +42,11 @@ def _mlflow(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _mlflow, monkeypatch):
-    """A slow engine (a sleep before every decode step) keeps a generation call in flight at every push:
+@pytest.mark.parametrize("mode", ["sync", "server"])
+def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _mlflow, monkeypatch, mode):
+    """In the rollout workers' engines (rollout.mode=sync) and on the HTTP fleet (rollout.mode=server: each
+    server answers an abort with the tokens its running call sampled so far; the servers inherit the
+    delay). A slow engine (a sleep before every decode step) keeps a generation call in flight at every push:
     the push aborts it and the responses continue under the new weights. Every token's version is the
     one whose weights give its sampler log-prob (transformers on each version's saved weights), the
     tokens of one response span two versions, the quota and the staleness bound hold, and the
@@ -56,7 +59,7 @@ def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _
     h = run(tmp_path, f"trainer.total_training_steps={steps}", f"async_training.trigger_parameter_sync_step={K}",
             f"async_training.staleness_threshold={s}", "async_training.partial_rollout=true",
             f"trainer.save_freq={K}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-            f"trainer.debug.dump_batch_path={dumps}", name="partial")["history"]
+            f"trainer.debug.dump_batch_path={dumps}", f"actor_rollout_ref.rollout.mode={mode}", name="partial")["history"]
     Q, bound = int(8 * (1 + s) * K), math.ceil(s)
     pushes = [x for x in h if x.get("async/pushed") == 1.0]
     assert [x["step"] for x in pushes] == [2, 4, 6]
@@ -202,7 +205,7 @@ def test_config_keys_follow_verl_and_refuse_what_is_not_built():
         (["async_training.mode=fully_async", "async_training.require_batches=2"], "set trainer.placement=split"),
         (["trainer.placement=split", "async_training.mode=fully_async"], "set data.train_batch_size=8"),
         (["trainer.placement=split", "async_training.mode=fully_async", "async_training.require_batches=2",
-          "actor_rollout_ref.rollout.mode=server"], "not yet for the HTTP fleet"),
+          "actor_rollout_ref.rollout.name=sglang"], "on the native engine only"),
         (["trainer.placement=split", "async_training.mode=fully_async", "async_training.require_batches=2",
           "async_training.staleness_threshold=-1"], "must be >= 0"),
     ]:

@@ -1129,10 +1129,6 @@ def _async_errors(cfg: DictConfig) -> list[str]:
                     f"(verl's rule), but data.train_batch_size={d.train_batch_size}: set data.train_batch_size="
                     f"{a.ppo_mini_batch_size * at.require_batches} (or change require_batches).")
     if at.partial_rollout:
-        if r.mode in ("async", "server"):
-            errs.append("async_training.partial_rollout=true is built for engines in Ray workers (rollout.mode=sync), "
-                        "not yet for the HTTP fleet (rollout.mode=server): set async_training.partial_rollout=false "
-                        "(each push then waits for the in-flight generation).")
         if r.multi_turn.enable:
             errs.append("async_training.partial_rollout=true resumes single-turn responses only; with "
                         "rollout.multi_turn.enable=true set async_training.partial_rollout=false.")

@@ -88,6 +88,22 @@ class Batcher:
         self.queue.put_nowait(_Item(prompt, params, fut, seeded=seeded))
         return await fut
 
+    def abort_waiting(self) -> int:
+        """Answer every item that is not yet in an engine call with an empty ``"abort"`` output (SGLang's answer
+        to an aborted waiting request); the call in flight is the engine's to abort (``engine.abort()``), so
+        its items come back with the tokens sampled so far. Returns how many were answered. Items of a batch
+        being collected at this moment reach the engine: a caller that must stop everything aborts again
+        while a call runs (the fully-async rollouter does, every 50 ms)."""
+        items, self._deferred = self._deferred, []
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        n = 0
+        for it in items:
+            if not it.future.done():
+                it.future.set_result([GenerationOutput([], [], "abort") for _ in range(it.params.n)])
+                n += 1
+        return n
+
     async def _collect(self) -> list[_Item]:
         pending, self._deferred = self._deferred, []
         if not pending:

@@ -561,10 +561,11 @@ class NativeSGLangServer(EngineServer):
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         if body.get("abort_all"):
-            for tasks in list(self._waiting.values()):
-                for t in tasks:
-                    t.cancel()
-            self.engine.abort()  # the running call returns its unfinished samples with "abort"
+            # requests still waiting for an engine call are answered with an empty abort; the running call
+            # returns its unfinished samples with "abort" and the tokens sampled so far (a partial rollout
+            # continues them), so its requests are not cancelled
+            self.batcher.abort_waiting()
+            self.engine.abort()
         else:
             for t in list(self._waiting.get(str(body.get("rid") or ""), ())):
                 t.cancel()
