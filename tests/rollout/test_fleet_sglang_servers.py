@@ -23,6 +23,7 @@ import torch
 
 from trainer.rollout.engine import SamplingParams, WeightSyncError, checksum_named_tensors
 
+from .fleet_support import await_restart
 from .sglang_cpu_support import require_sglang_server
 from .test_sglang_engine import gpu_model, gpu_prompts, hf_greedy, hf_logprobs, hf_weights, save_model
 
@@ -127,14 +128,7 @@ def test_sigkill_mid_batch_loses_nothing_restarts_and_resyncs(sg):
         out = fut.result(timeout=300)
     assert [[o.token_ids for o in s] for s in out] == [[o.token_ids for o in s] for s in ref]  # nothing lost
     assert fleet.stats.retries > retries0 and fleet.stats.failures == 0
-    deadline = time.monotonic() + 240
-    while fleet.stats.restarts == restarts0:
-        assert time.monotonic() < deadline, "the fleet did not restart the killed SGLang server"
-        time.sleep(0.2)
-    new_url = fleet.servers[0].url
-    assert new_url != old_url and fleet.servers[0].proc.poll() is None
-    router = {w["url"]: w["is_healthy"] for w in _get(fleet.router_url + "/workers")["workers"]}
-    assert router == {new_url: True, fleet.servers[1].url: True}
+    new_url = await_restart(fleet, restarts0, old_url, timeout_s=240)
     # the restarted server loaded A from disk; the fleet replayed the last push: it holds B
     want = checksum_named_tensors(hf_weights(hf_b, tied=False).items(), dtype=torch.float32)
     assert fleet.client.checksums()[new_url] == want

@@ -942,27 +942,7 @@ class Fleet:
         proc.coxswain_url = f"http://{self.host}:{port}"  # known up front: SGLang prints no machine-readable line
         return proc, path
 
-    def _await_sglang(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
-        import urllib.request
-
-        url = proc.coxswain_url
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:  # /model_info answers once the tokenizer manager and the scheduler are up
-                with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
-                    if r.status == 200:
-                        return _Server(k, proc, url, path, generation=generation)
-            except OSError:
-                pass
-            time.sleep(0.5)
-        _kill_group(proc)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise FleetError(f"SGLang server {k} did not start (log {path}):\n{tail}")
-
     def _await_server(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
-        if self.backend == "sglang":
-            return self._await_sglang(k, proc, path, generation)
         if isinstance(proc, RemoteProc):
             import ray
 
@@ -976,20 +956,43 @@ class Fleet:
                 proc.kill()
                 raise FleetError(f"rollout server {k} did not start ({type(e).__name__}: {e})") from e
             return _Server(k, proc, url, path, generation=generation)
+        if self.backend == "sglang":
+            probe, every = (lambda: self._sglang_answers(proc.coxswain_url)), 0.5
+        else:
+            probe, every = (lambda: self._ready_line(path)), 0.05
         deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    url = ready_url(line, SERVER_READY_PREFIX)
-                    if url is not None:
-                        return _Server(k, proc, url, path, generation=generation)
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
+        while time.monotonic() < deadline and proc.poll() is None:
+            url = probe()
+            if url is not None:
+                return _Server(k, proc, url, path, generation=generation)
+            time.sleep(every)
         _kill_group(proc)
         with open(path, encoding="utf-8", errors="replace") as f:
             tail = f.read()[-3000:]
-        raise FleetError(f"rollout server {k} did not start (log {path}):\n{tail}")
+        raise FleetError(f"{'SGLang' if self.backend == 'sglang' else 'rollout'} server {k} did not start "
+                         f"(log {path}):\n{tail}")
+
+    @staticmethod
+    def _ready_line(path: str) -> str | None:
+        """The URL a native server prints once it listens, or None yet."""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                url = ready_url(line, SERVER_READY_PREFIX)
+                if url is not None:
+                    return url
+        return None
+
+    @staticmethod
+    def _sglang_answers(url: str) -> str | None:
+        """``url`` once SGLang's /model_info answers (its tokenizer manager and scheduler are up), else None;
+        SGLang prints no machine-readable ready line."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
+                return url if r.status == 200 else None
+        except OSError:
+            return None
 
     # ---- router ----------------------------------------------------------------------------------------
     def _start_router(self) -> None:

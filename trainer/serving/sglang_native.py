@@ -103,7 +103,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import logging
 import os
