@@ -116,14 +116,15 @@ def test_a_wrong_read_back_is_a_sync_error(sg):
 def test_sigkill_mid_batch_loses_nothing_restarts_and_resyncs(sg):
     fleet, hf_b = sg["fleet"], sg["hf_b"]
     prompts = gpu_prompts(11, lens=(3, 4, 5, 6))
-    sp = greedy(1500)  # ~500 tokens/s for two prompts per server: ~3 s of decoding
+    sp = greedy(1800)  # ~500 tokens/s for two prompts per server here: ~3.5 s of decoding
     ref = fleet.client.generate(prompts, sp)  # B's weights (pushed above); greedy: the same on any server
     victim = fleet.servers[0]
     old_url, old_pid = victim.url, victim.proc.pid
     retries0, restarts0 = fleet.stats.retries, fleet.stats.restarts
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(fleet.client.generate, prompts, sp)
-        time.sleep(1.0)
+        time.sleep(0.5)
+        assert fleet.client._inflight > 0, "the batch finished before the kill: make it longer"
         os.killpg(old_pid, signal.SIGKILL)
         out = fut.result(timeout=300)
     assert [[o.token_ids for o in s] for s in out] == [[o.token_ids for o in s] for s in ref]  # nothing lost
