@@ -29,8 +29,19 @@ router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={}, hosts=Non
     it (its requests are already retried on the others): ``fleet/dropped`` counts them, and the run goes
     on with the remaining servers (:meth:`Fleet.drop_server`).
 
+``Fleet(..., backend="sglang", device="cpu", max_total_tokens=4096, server_python=None)``
+    The servers are real ``python -m sglang.launch_server`` processes (:func:`trainer.rollout.sglang_http.
+    server_command`; on CPU SGLang's CPU path, :mod:`trainer.rollout.sglang_cpu`), run by ``server_python``
+    (default :func:`~trainer.rollout.sglang_cpu.server_python`: this interpreter if it has sglang, else the
+    SGLang CPU venv), started with ``--admin-api-key`` = the fleet's key, ready once ``/model_info`` answers.
+    The client then speaks SGLang's weight protocol (``weight_protocol="sglang"``, below) and sends each
+    sample as its own request. Same host only (the tensor route shares memory); ``hosts`` is refused. A
+    restarted server loads the checkpoint from disk and is given the last push again
+    (:meth:`FleetClient.replay_last_push`) before it rejoins the router.
+
 ``FleetClient(router_url, worker_urls, *, max_concurrency=64, request_timeout_s=600, max_retries=4,
-retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=False)``
+retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=False,
+weight_protocol="coxswain", retain_push=True, model_dir=None, model_dtype=float32)``
     Usable without a :class:`Fleet`, e.g. against real SGLang servers behind a router on GPU: the
     generate path speaks only SGLang's native ``/generate`` (v0.5.8 shapes, see
     :mod:`trainer.serving.sglang_native`).
@@ -48,6 +59,15 @@ retry_backoff_s=0.1, bucket_bytes=64 MiB, on_failure=None, per_sample_requests=F
       :class:`~trainer.rollout.engine.WeightSyncError` (a ``RuntimeError``, not a :class:`FleetError`)
       naming the worker otherwise. Returns the names pushed.
       A push that meets a dead worker raises too (push again once the fleet has restarted it).
+    * ``weight_protocol="sglang"``: ``update_weights`` speaks SGLang 0.5.21's own endpoints instead, which real
+      SGLang servers and Coxswain's native servers both answer: ``/begin_weight_update``, per bucket
+      ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"`` (a CPU buffer in shared memory:
+      same host), ``/end_weight_update``, ``/flush_cache`` (retried until the scheduler is idle). SGLang keeps
+      no HF-named checksum, so a server's checksum is that of the stream it accepted, bucket by bucket
+      (``accepted``; before any push, the checkpoint's in ``model_dir``), and the first rows of four tensors
+      are read back through ``/get_weights_by_name`` and compared exactly (where the model class can
+      report them; Qwen2 cannot in 0.5.21). ``retain_push`` keeps the last push's flat buckets (one copy of
+      the weights in the engine dtype) for :meth:`replay_last_push`.
     * ``weights_checksum()``: the workers' common checksum (:class:`WeightSyncError` if they differ);
       ``verify_weights(expected, urls=None)`` checks them against a given one; ``expected_checksum``
       is the last verified one. ``server_info(url=None)``: a worker's ``/server_info``.
