@@ -292,10 +292,11 @@ def test_sglang_weight_protocol_drives_native_servers_too(fleet, engine, tmp_pat
 
     with pytest.raises(ProtocolError, match="posix.system"):  # os.system pickles as posix.system
         flattened_bucket_to_tensors(pickle.dumps({"flattened_tensor": __import__("os").system}))
+    # (a module function: Ray swaps builtins.print for its own once a cluster runs in this process)
     status, body = _post(fleet.server_urls[0] + "/update_weights_from_tensor", {
-        "serialized_named_tensors": [base64.b64encode(pickle.dumps(print)).decode()], "load_format": "flattened_bucket"},
-        fleet.api_key)
-    assert status == 400 and "builtins.print" in json.dumps(body)
+        "serialized_named_tensors": [base64.b64encode(pickle.dumps(shutil.rmtree)).decode()],
+        "load_format": "flattened_bucket"}, fleet.api_key)
+    assert status == 400 and "shutil.rmtree" in json.dumps(body)
     fleet.client.update_weights(engine.model.hf_tensors())  # back to the fixture's weights for the tests after this one
 
 
