@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.rollout.fleet import (FleetError, generate_payload, parse_generate_response, parse_output, prompt_seed,
+from trainer.rollout.fleet_client import (FleetError, generate_payload, parse_generate_response, parse_output, prompt_seed,
                                    sglang_sampling_params)
 from trainer.serving.sglang_native import (ProtocolError, finish_reason_json, generate_response, output_json,
                                            parse_generate_request, parse_sampling_params)
