@@ -78,8 +78,9 @@ def test_multi_turn_through_the_fleet_equals_the_in_worker_agent_loop(tmp_path):
 def test_server_mode_with_real_sglang_servers_trains(tmp_path):
     """rollout.name=sglang with rollout.mode=server: the fleet launches two real ``sglang.launch_server``
     processes (SGLang's CPU path, from the SGLang CPU install) behind the router; this trainer has no sglang.
-    Each step's weights go through SGLang's own endpoints, and the sampler's log-probs then agree with the
-    trainer's recomputation (both fp32, the same weights): had a push not landed, they would not."""
+    Each step's weights go through SGLang's own endpoints (every push verified: accepted stream and read-back),
+    and the sampler's log-probs agree with the trainer's recomputation (both fp32). That a push changes what
+    the servers generate is shown against transformers in tests/rollout/test_fleet_sglang_servers.py."""
     from tests.rollout.sglang_cpu_support import require_sglang_server
     from trainer.main import train
 

@@ -101,9 +101,9 @@ class FleetError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 # the SGLang /generate protocol, client side: pure functions
 # --------------------------------------------------------------------------------------------------
-async def _gather(coros) -> list:
+async def _gather(coros, return_exceptions: bool = False) -> list:
     """``asyncio.gather`` on the loop that awaits it (``FleetClient._call`` takes a coroutine)."""
-    return list(await asyncio.gather(*coros))
+    return list(await asyncio.gather(*coros, return_exceptions=return_exceptions))
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -491,13 +491,15 @@ class FleetClient(RolloutEngine):
                     raise
             await asyncio.sleep(0.05)
 
-    async def _push_flat(self, url: str, flat: torch.Tensor, metas: list) -> None:
+    async def _push_flat(self, url: str, flat: torch.Tensor, metas: list, weight_version: str | None = None) -> None:
         from trainer.rollout.sglang_http import serialize_flat
 
         # Serialized per server: each receiver opens its own shared-memory handle
         payload = serialize_flat(flat, metas)
-        await self._admin(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                               "load_format": "flattened_bucket", "flush_cache": False})
+        body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "flush_cache": False}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        await self._admin(url, "/update_weights_from_tensor", body)
 
     async def _read_back(self, url: str) -> int:
         """Compare the first rows of the probe tensors with what ``url`` reports; returns how many it could
@@ -520,17 +522,22 @@ class FleetClient(RolloutEngine):
             checked += 1
         return checked
 
-    async def _replay(self, urls: Sequence[str], buckets: Sequence[tuple[torch.Tensor, list]]) -> None:
-        await asyncio.gather(*(self._admin(u, "/begin_weight_update") for u in urls))
+    def _push_buckets(self, urls: Sequence[str], buckets: Iterable[tuple[torch.Tensor, list]],
+                      weight_version: str | None = None) -> None:
+        """SGLang's bracket around a push: ``/begin_weight_update``, each flat bucket to every server,
+        ``/end_weight_update`` (also after a failure), then ``/flush_cache``."""
+        self._call(_gather(self._admin(u, "/begin_weight_update") for u in urls))
         try:
             for flat, metas in buckets:
-                await asyncio.gather(*(self._push_flat(u, flat, metas) for u in urls))
+                self._call(_gather(self._push_flat(u, flat, metas, weight_version) for u in urls))
         finally:
-            await asyncio.gather(*(self._admin(u, "/end_weight_update") for u in urls), return_exceptions=True)
-        await asyncio.gather(*(self._flush(u) for u in urls))
+            self._call(_gather((self._admin(u, "/end_weight_update") for u in urls), return_exceptions=True))
+        self._call(_gather(self._flush(u) for u in urls))
 
     def _update_weights_sglang(self, named_tensors, *, dtype, ignore, weight_version) -> list[str]:
-        from trainer.rollout.sglang_engine import default_probe_names, flatten_bucket, iter_cast_buckets, probe_rows
+        from trainer.rollout.engine import tensor_digest
+        from trainer.rollout.sglang_engine import (combine_digests, default_probe_names, flatten_bucket,
+                                                   iter_cast_buckets, probe_rows, unflatten_bucket)
 
         dtype = dtype or self.model_dtype
         if ignore is None:  # as the native servers: a tied model's lm_head is the embedding, not pushed
@@ -538,49 +545,36 @@ class FleetClient(RolloutEngine):
         ignore = set(ignore)
         with self.weights_lock:
             urls = list(self.worker_urls)
-            names: list[str] = []
             kept: list[tuple[torch.Tensor, list]] = []
-            probes: dict[str, torch.Tensor] = {}
+            digests: dict[str, bytes] = {}  # of the bytes sent: the checksum of what every server accepted
+            probes: dict[str, torch.Tensor] = {}  # candidate probes: first rows as sent (a few KB)
 
-            async def begin():
-                await asyncio.gather(*(self._admin(u, "/begin_weight_update") for u in urls))
-
-            async def end():
-                await asyncio.gather(*(self._admin(u, "/end_weight_update") for u in urls), return_exceptions=True)
-
-            def pushed():
+            def flat_buckets():
                 for bucket in iter_cast_buckets(((n, t) for n, t in named_tensors if n not in ignore), dtype,
                                                 self.bucket_bytes):
                     flat, metas = flatten_bucket(bucket, dtype, device="cpu")
-                    self._call(_gather(self._push_flat(u, flat, metas) for u in urls))
+                    yield flat, metas  # pushed to every server before the next bucket is made
+                    for name, t in unflatten_bucket(flat, metas):
+                        digests[name] = tensor_digest(name, t)
+                        if name.endswith(PROBE_SUFFIXES):
+                            probes[name] = probe_rows(t, 2, dtype)
                     if self.retain_push:
                         kept.append((flat, metas))
-                    for m in metas:  # candidate probes: first rows as sent (a few KB)
-                        if m.name.endswith(PROBE_SUFFIXES):
-                            probes[m.name] = probe_rows(flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape),
-                                                        2, dtype)
-                    names.extend(n for n, _ in bucket)
-                    yield from bucket
 
             self._call(self._drain())
             try:
-                self._call(begin())
-                try:
-                    source = checksum_named_tensors(pushed(), dtype=dtype)
-                finally:
-                    self._call(end())
-                self._call(_gather(self._flush(u) for u in urls))
-                pick = default_probe_names(names)
-                self._probes = {n: probes[n] for n in pick if n in probes}
+                self._push_buckets(urls, flat_buckets(), weight_version)
+                self._probes = {n: probes[n] for n in default_probe_names(list(digests)) if n in probes}
                 for u in urls:
                     self._call(self._read_back(u))
             finally:
                 self._call(self._reopen())
+            source = combine_digests(digests)
             self._last_push = kept
             self.expected_checksum = source
             self.accepted = {u: source for u in urls}
             self.stats.weight_pushes += 1
-            return names
+            return list(digests)
 
     def replay_last_push(self, url: str) -> bool:
         """Give a (restarted) SGLang server the weights of the last push; False when there was none since
@@ -592,7 +586,7 @@ class FleetClient(RolloutEngine):
             if not self._last_push:
                 raise WeightSyncError(f"{url} restarted from its checkpoint, but the fleet's current weights were not "
                                       f"retained (retain_push=False): it stays out of the router until the next push")
-            self._call(self._replay([url], self._last_push))
+            self._push_buckets([url], self._last_push)
             self._call(self._read_back(url))
             self.accepted[url] = self.expected_checksum
             return True

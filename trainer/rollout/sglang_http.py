@@ -11,27 +11,20 @@ servers running in the interpreter that has it (:func:`trainer.rollout.sglang_cp
     the same split as Coxswain's native servers (``--open-generation``). SGLang reads the key from its
     command line only, so it is visible in the host's process list (the native server reads it from its
     environment).
-``push_tensors(url, named_tensors)`` (same host: SGLang's tensor route)
-    ``POST /begin_weight_update``; per bucket ``POST /update_weights_from_tensor`` with
-    ``{"serialized_named_tensors": [base64 payload per TP rank], "load_format": "flattened_bucket",
-    "flush_cache": false}`` (the HTTP form of the engine call, io_struct.py
-    ``UpdateWeightsFromTensorReqInput``); ``POST /end_weight_update``; ``POST /flush_cache``.
-    The payload (:func:`serialize_flat`) is what SGLang's ``MultiprocessingSerializer`` would write,
-    without sglang: torch's ``ForkingPickler`` of ``{"flattened_tensor": uint8 buffer, "metadata": [...]}``,
-    each metadata entry a ``types.SimpleNamespace`` with the fields of SGLang's ``FlattenedTensorMetadata``
-    (its loader reads them by attribute and rebuilds its own class, weight_updater.py
-    ``_update_weights_from_flattened_bucket``; both types are on its ``SafeUnpickler`` allow-list). The
-    buffer travels as a named shared-memory segment (torch's "file_system" sharing strategy): the server is
-    no child of the trainer, so the default fd passing would fail multiprocessing's authkey check and kill
-    SGLang's scheduler. Sender and server therefore share a host, and the sender keeps the buffer alive
-    until the server has answered.
+``serialize_flat(flat, metas)`` (the push itself: :class:`~trainer.rollout.fleet_client.FleetClient` with
+``weight_protocol="sglang"``: ``/begin_weight_update``, per bucket ``/update_weights_from_tensor`` with
+``{"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "flush_cache": false}``,
+``/end_weight_update``, ``/flush_cache``)
+    The payload is what SGLang's ``MultiprocessingSerializer`` would write, without sglang: torch's
+    ``ForkingPickler`` of ``{"flattened_tensor": uint8 buffer, "metadata": [...]}``, each metadata entry a
+    ``types.SimpleNamespace`` with the fields of SGLang's ``FlattenedTensorMetadata`` (its loader reads them
+    by attribute and rebuilds its own class, weight_updater.py ``_update_weights_from_flattened_bucket``;
+    both types are on its ``SafeUnpickler`` allow-list). The buffer travels as a named shared-memory
+    segment (torch's "file_system" sharing strategy): the server is no child of the trainer, so the default
+    fd passing would fail multiprocessing's authkey check and kill SGLang's scheduler. Sender and server
+    therefore share a host, and the sender keeps the buffer alive until the server has answered.
 ``push_from_disk(url, model_dir)`` (any host that sees the directory)
     ``POST /update_weights_from_disk {"model_path": dir}``: the server reloads a safetensors checkpoint.
-
-Verification, where SGLang can report it: SGLang has no HF-named checksum, so the checksum is
-:func:`~trainer.rollout.engine.checksum_named_tensors` of the stream that every server ACCEPTED (each bucket
-answered ``success``), and :func:`read_back` compares the first rows of a few parameters through
-``/get_weights_by_name`` (Llama-family models implement it in 0.5.21; others answer null -> None).
 """
 
 from __future__ import annotations
@@ -41,12 +34,11 @@ import io
 import json
 import types
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from trainer.rollout.engine import checksum_named_tensors
-from trainer.rollout.sglang_engine import FlatMeta, flatten_bucket, iter_cast_buckets, probe_rows
+from trainer.rollout.sglang_engine import FlatMeta
 
 
 class SGLangServerError(RuntimeError):
@@ -91,16 +83,10 @@ def serialize_flat(flat: torch.Tensor, metas: Sequence[FlatMeta]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
-    """(the flat buffer, which must outlive the request; the base64 payload SGLang's HTTP route takes)."""
-    flat, metas = flatten_bucket(bucket, dtype, device="cpu")
-    return flat, serialize_flat(flat, metas)
-
-
 def server_command(python: str, model: str, *, host: str, port: int, device: str = "cpu", dtype: str = "float32",
-                   admin_key: str | None = None, context_length: int | None = None, max_total_tokens: int = 4096,
-                   seed: int | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """``python -m sglang.launch_server`` for one fleet server (module docstring)."""
+                   admin_key: str | None = None, max_total_tokens: int = 4096, extra: Sequence[str] = ()) -> list[str]:
+    """``python -m sglang.launch_server`` for one fleet server (module docstring). No ``--context-length``:
+    SGLang derives it from the model, and refuses a longer one; ``extra`` carries any other flag."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
            "--dtype", dtype, "--skip-tokenizer-init", "--skip-server-warmup", "--log-level", "warning"]
     if device == "cpu":
@@ -113,55 +99,10 @@ def server_command(python: str, model: str, *, host: str, port: int, device: str
             cmd += [flag] if v is True else [flag, str(v)]
     if admin_key:
         cmd += ["--admin-api-key", admin_key]
-    if context_length:
-        cmd += ["--context-length", str(int(context_length))]
-    if seed is not None:
-        cmd += ["--random-seed", str(int(seed))]
     return cmd + [str(a) for a in extra]
 
 
-def push_tensors(urls: Sequence[str], named_tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
-                 bucket_bytes: int = 64 << 20, tp_size: int = 1, key: str | None = None) -> str:
-    """Push HF-named tensors into every server (same host); returns the checksum of what they accepted
-    (cast to ``dtype``)."""
-    urls = list(urls)
-    for u in urls:
-        _post(u, "/begin_weight_update", {}, key=key)
-    sent: list[tuple[str, torch.Tensor]] = []
-    try:
-        for bucket in iter_cast_buckets(named_tensors, dtype, bucket_bytes):
-            for u in urls:
-                # Serialized per server: a shared-memory handle is opened once by its receiver.
-                flat, payload = serialize_bucket(bucket, dtype)
-                _post(u, "/update_weights_from_tensor", {"serialized_named_tensors": [payload] * tp_size,
-                                                         "load_format": "flattened_bucket", "flush_cache": False},
-                      key=key)
-                del flat
-            sent.extend((n, t.detach().to("cpu", dtype)) for n, t in bucket)
-    finally:
-        for u in urls:
-            _post(u, "/end_weight_update", {}, key=key)
-    for u in urls:
-        _post(u, "/flush_cache", None, key=key)
-    return checksum_named_tensors(sent, dtype=dtype)
-
-
 def push_from_disk(urls: Sequence[str], model_dir: str, key: str | None = None) -> None:
+    """Each server reloads the safetensors checkpoint in ``model_dir`` (any host that sees the directory)."""
     for u in urls:
         _post(u, "/update_weights_from_disk", {"model_path": str(model_dir), "flush_cache": True}, key=key)
-
-
-def read_back(url: str, expected: dict[str, torch.Tensor], dtype: torch.dtype, rows: int = 2,
-              key: str | None = None) -> dict[str, float | None]:
-    """``{name: max |server - expected|}`` over the first ``rows`` rows (None where the model class cannot
-    report, e.g. Qwen2 in 0.5.21)."""
-    out: dict[str, float | None] = {}
-    for name, t in expected.items():
-        got = _post(url, "/get_weights_by_name", {"name": name, "truncate_size": rows}, key=key)
-        if got is None:
-            out[name] = None
-            continue
-        want = probe_rows(t, rows, dtype)
-        got_t = torch.tensor(got, dtype=torch.float32)
-        out[name] = float((got_t - want).abs().max()) if got_t.shape == want.shape else float("inf")
-    return out

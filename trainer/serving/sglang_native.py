@@ -655,7 +655,7 @@ class NativeSGLangServer(EngineServer):
             raise ProtocolError("the body must be {'name': str, 'truncate_size': int in [1, 2^31]}")
 
         def read():
-            t = dict(self.engine.engine.model.hf_tensors()).get(name)
+            t = next((t for n, t in self.engine.engine.model.hf_tensors() if n == name), None)
             return None if t is None else t.detach()[:rows].to(torch.float32).tolist()
 
         return web.json_response(await self._in_engine_thread(read))

@@ -61,6 +61,7 @@ _FLAT_GLOBALS = {
 def flattened_bucket_to_tensors(payload: bytes) -> list[tuple[str, Any]]:
     """The (name, tensor) pairs of one SGLang ``flattened_bucket`` payload (module docstring)."""
     import io
+    import math
     import pickle
 
     import torch
@@ -91,10 +92,7 @@ def flattened_bucket_to_tensors(payload: bytes) -> list[tuple[str, Any]]:
             raise ProtocolError(f"flattened_bucket metadata entry {m!r} lacks name/shape/dtype/start_idx/end_idx") from e
         if not isinstance(dtype, torch.dtype):
             raise ProtocolError(f"{name}: dtype {dtype!r} is not a torch dtype")
-        n = 1
-        for x in shape:
-            n *= x
-        if not (0 <= a <= b <= flat.numel()) or b - a != n * torch.empty((), dtype=dtype).element_size():
+        if not (0 <= a <= b <= flat.numel()) or b - a != math.prod(shape) * dtype.itemsize:
             raise ProtocolError(f"{name}: bytes [{a}, {b}) do not hold shape {shape} of {dtype} inside a "
                                 f"{flat.numel()}-byte buffer")
         out.append((name, flat[a:b].view(dtype).reshape(shape).clone()))
