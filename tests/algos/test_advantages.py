@@ -575,3 +575,65 @@ def test_grpo_is_scale_invariant_and_dr_grpo_is_shift_invariant(sizes, data):
     spread = torch.tensor([statistics.stdev(scores[i] for i in range(len(scores)) if idx[i] == k) for k in idx.tolist()])
     ok = spread > 1e-3  # [B]
     torch.testing.assert_close(g3[ok], g[ok], rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# the compiled passes (big inputs) against the eager ones and the float64 reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_grpo_matches_eager_and_reference(monkeypatch, holes, dtype):
+    # COXSWAIN_COMPILE=1 sends a small batch through the compiled score sum and broadcast that big
+    # batches take (one torch.compile each, a few seconds on a cold cache)
+    from trainer.algos.utils import compile_broken
+
+    r, _, m, index, _ = random_batch(5, B=40, T=33, holes=holes, dtype=dtype)
+    m = m.bool()  # the compiled score sum takes the trainer's bool mask
+    r[3, -1], r[7, -2] = math.inf, math.nan  # non-finite rewards on padding: ignored, as where() ignores them
+    m[3, -1] = m[7, -2] = False
+    ref = ref_grpo(r, m.to(dtype), index.tolist(), True)
+    monkeypatch.setenv("COXSWAIN_COMPILE", "0")
+    eager, _ = A.compute_grpo_outcome_advantage(token_level_rewards=r, response_mask=m, index=index)
+    monkeypatch.setenv("COXSWAIN_COMPILE", "1")
+    comp, _ = A.compute_grpo_outcome_advantage(token_level_rewards=r, response_mask=m, index=index)
+    assert not compile_broken(), "torch.compile failed on this machine"
+    assert comp.dtype == eager.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(comp.double(), ref, **tol)
+    torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
+    assert torch.equal(comp != 0, eager != 0)
+    assert not torch.signbit(comp[~m]).any()  # padding is +0, as where() writes it (no -0 from a product)
+    # scores: exact on the rows with a non-finite padding reward, float-sum-order close elsewhere
+    monkeypatch.setenv("COXSWAIN_COMPILE", "0")
+    s_e = A._sequence_scores(r, m)
+    monkeypatch.setenv("COXSWAIN_COMPILE", "1")
+    s_c = A._sequence_scores(r, m)
+    assert torch.isfinite(s_c).all()
+    torch.testing.assert_close(s_c, s_e, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_score_sum_keeps_non_finite_valid_rewards(monkeypatch):
+    # a non-finite reward on a VALID token stays in its row's score (inf / nan), as eagerly
+    r = torch.randn(6, 10)
+    m = torch.arange(10)[None, :] < torch.tensor([10, 4, 7, 0, 1, 9])[:, None]
+    r[1, 2], r[2, 6], r[2, 8] = math.inf, math.nan, math.inf  # row 2: the inf is on padding
+    monkeypatch.setenv("COXSWAIN_COMPILE", "0")
+    s_e = A._sequence_scores(r, m)
+    monkeypatch.setenv("COXSWAIN_COMPILE", "1")
+    s_c = A._sequence_scores(r, m)
+    assert s_c[1] == math.inf and math.isnan(s_c[2]) and s_c[3] == 0
+    torch.testing.assert_close(s_c, s_e, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_float_mask_takes_the_eager_score_sum(monkeypatch):
+    # a float mask is not known to be {0, 1} (the compiled sum multiplies by it): nonzero entries count
+    # whole, exactly as eagerly; only bool masks go through the compiled sum
+    r = torch.randn(5, 8, dtype=torch.float64)
+    m = torch.tensor([[1.0] * 8, [0.5] * 4 + [0.0] * 4, [2.0] + [0.0] * 7, [0.0] * 8, [1.0, 0.0] * 4], dtype=torch.float64)
+    monkeypatch.setenv("COXSWAIN_COMPILE", "1")
+    s = A._sequence_scores(r, m)
+    torch.testing.assert_close(s, torch.where(m != 0, r, 0.0).sum(-1), rtol=0, atol=1e-12)
+    adv = A._broadcast(torch.arange(5.0), m, torch.float32)
+    assert torch.equal(adv, torch.where(m != 0, torch.arange(5.0)[:, None], 0.0).float())

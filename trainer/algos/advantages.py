@@ -132,7 +132,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trainer.algos.utils import dense_group_ids, group_stats, load_fn, masked_whiten
+from trainer.algos.utils import compile_wanted, dense_group_ids, group_stats, load_fn, masked_whiten, run_compiled
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,14 +164,40 @@ def _row_chunks(n_rows: int, n_cols: int):
     return [slice(s, s + step) for s in range(0, n_rows, step)]
 
 
+def _masked_row_sum_kernel(values: torch.Tensor, mask01: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    # v * m rather than where(m, v, 0): inductor vectorises a multiply by a converted uint8 load (8192 x
+    # 4096 float32 in ~3.5 ms, the read bandwidth) but not a select on a bool (~10-15 ms). With m in {0, 1}
+    # the two agree whenever the row sum is finite (v * 0 = 0 for finite v); the caller redoes the rest.
+    return (values.to(acc) * mask01.to(acc)).sum(-1)  # [B]
+
+
+def _masked_broadcast_kernel(col: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where() on the mask converted to the output dtype: vectorised (a bool mask loads element by element)
+    return torch.where(mask.to(col.dtype) != 0, col, 0.0)  # [B, T]: one write pass
+
+
+def _as_bytes(mask: torch.Tensor) -> torch.Tensor:
+    # the same bytes as uint8 (a view, no copy): inductor loads uint8 vectorised, bool element by element
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """R_i = sum of the valid token rewards ``[B]``, returned in float64 for the group statistics.
 
-    The token sum accumulates in the rewards' dtype (at least float32), chunk by chunk of rows, so
-    the masked product never exists as a full ``[B, T]`` tensor: one read of the inputs.
+    The token sum accumulates in the rewards' dtype (at least float32), in one read of the inputs:
+    on big inputs with a bool mask one compiled loop (``utils.compile_wanted``), else chunk by chunk
+    of rows so the masked product never exists as a full ``[B, T]`` tensor.
     """
     acc = torch.promote_types(token_level_rewards.dtype, torch.float32)
     B, T = token_level_rewards.shape
+    if response_mask.dtype == torch.bool and compile_wanted(B * T):  # a bool mask is exactly {0, 1}
+        out = run_compiled(_masked_row_sum_kernel, token_level_rewards, _as_bytes(response_mask), acc)
+        if out is not None:
+            bad = ~torch.isfinite(out)  # [B] a non-finite reward somewhere in the row, maybe on padding
+            if bool(bad.any()):  # where() semantics for those rows: padding never contributes
+                rows = bad.nonzero().squeeze(1)
+                out[rows] = torch.where(response_mask[rows].bool(), token_level_rewards[rows], 0).sum(-1, dtype=acc)
+            return out.to(torch.float64)  # [B]
     out = torch.empty(B, dtype=acc, device=token_level_rewards.device)  # [B]
     for c in _row_chunks(B, T):
         # where() on a bool mask is ~4x faster than multiplying by it (no bool->float conversion)
@@ -183,6 +209,10 @@ def _broadcast(scalar: torch.Tensor, response_mask: torch.Tensor, dtype: torch.d
     """Per-sample scalar ``[B]`` -> ``[B, T]`` on the valid tokens, 0 elsewhere (one write pass)."""
     B, T = response_mask.shape
     col = scalar.to(dtype).unsqueeze(-1)  # [B, 1]
+    if compile_wanted(B * T):
+        out = run_compiled(_masked_broadcast_kernel, col, _as_bytes(response_mask))
+        if out is not None:
+            return out
     zero = torch.zeros((), dtype=dtype, device=response_mask.device)
     out = torch.empty((B, T), dtype=dtype, device=response_mask.device)  # [B, T]
     for c in _row_chunks(B, T):

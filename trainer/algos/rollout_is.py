@@ -79,13 +79,11 @@ The token-level percentiles come from a sample-bracketed exact selection instead
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from typing import Callable, Optional
 
 import torch
 
-from trainer.algos.utils import load_fn
+from trainer.algos.utils import compile_wanted, load_fn, run_compiled
 
 SAFETY_BOUND = 20.0  # |log rho| clamp before exp: exp(20) ~ 4.85e8, exp(-20) ~ 2.06e-9
 PERCENTILES = (25, 50, 75, 95, 99)
@@ -172,7 +170,6 @@ REJECTION_AGGS = ("token", "seq_sum", "seq_mean", "seq_max")
 # execution: compiled on big inputs, eager over cache-sized row chunks otherwise
 # ------------------------------------------------------------------------------------------------
 
-_COMPILE_MIN_NUMEL = 1 << 22  # below ~4M elements the eager chunked pass is already fast
 _EAGER_CHUNK_NUMEL = 1 << 18  # rows per eager chunk = this // T (1 MiB float32 temporaries)
 # Let inductor put every reduction and the weight write in ONE loop nest over the rows: by default it
 # caps a fused group at 64 nodes and materialises re-used intermediates (e.g. |p diff|, read by a sum
@@ -184,31 +181,17 @@ _INDUCTOR_OPTIONS = {
     "realize_cpu_acc_reads_threshold": 1000,
     "aggressive_fusion": True,
 }
-_compiled: dict[Callable, Callable] = {}
-_compile_broken = False
-
-
-def _compile_wanted(numel: int) -> bool:
-    flag = os.environ.get("COXSWAIN_COMPILE", "auto").lower()
-    if _compile_broken or flag in ("0", "false", "off", "no"):
-        return False
-    return flag in ("1", "true", "on", "yes") or numel >= _COMPILE_MIN_NUMEL
 
 
 def _run_rows(fn: Callable, rows: tuple, extra: tuple = (), **kw):
-    """Run ``fn(*rows, *extra, **kw)``: compiled in one call when worth it, else eagerly over row
-    chunks of the [B, T] tensors in ``rows`` (``extra`` is passed whole). ``fn`` returns a tuple of
-    row-aligned tensors (or None); chunk results are concatenated along rows."""
-    global _compile_broken
+    """Run ``fn(*rows, *extra, **kw)``: compiled in one call when worth it (``utils.compile_wanted``),
+    else eagerly over row chunks of the [B, T] tensors in ``rows`` (``extra`` is passed whole).
+    ``fn`` returns a tuple of row-aligned tensors (or None); chunk results are concatenated along rows."""
     b, t = rows[0].shape
-    if _compile_wanted(b * t):
-        if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=True, options=_INDUCTOR_OPTIONS)
-        try:
-            return _compiled[fn](*rows, *extra, **kw)
-        except Exception as e:  # no C++ compiler / triton: fall back, once, loudly
-            _compile_broken = True
-            warnings.warn(f"rollout_is: torch.compile failed ({type(e).__name__}: {e}); using eager chunks")
+    if compile_wanted(b * t):
+        out = run_compiled(fn, *rows, *extra, options=_INDUCTOR_OPTIONS, **kw)
+        if out is not None:
+            return out
     step = max(1, _EAGER_CHUNK_NUMEL // max(t, 1))
     if step >= b:
         return fn(*rows, *extra, **kw)

@@ -14,7 +14,9 @@ Conventions used across ``trainer.algos``:
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import os
+import warnings
+from typing import Callable, Optional
 
 import torch
 
@@ -100,3 +102,42 @@ def load_fn(spec: str | Callable, table: dict[str, Callable], kind: str) -> Call
     raise ValueError(
         f"unknown {kind} '{spec}'.{hint} Valid: {sorted(table)}; or give your own as 'pkg.module:function'."
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile for the big [B, T] passes
+# --------------------------------------------------------------------------------------------------
+
+COMPILE_MIN_NUMEL = 1 << 22  # below ~4M elements the eager (chunked) passes are already fast
+_compiled: dict[Callable, Callable] = {}
+_compile_broken = False
+
+
+def compile_wanted(numel: int) -> bool:
+    """Whether a pass over ``numel`` elements should go through ``torch.compile``: ``COXSWAIN_COMPILE``
+    = 0/off never, 1/on always, unset ("auto") from ``COMPILE_MIN_NUMEL`` on; never after a failure."""
+    flag = os.environ.get("COXSWAIN_COMPILE", "auto").lower()
+    if _compile_broken or flag in ("0", "false", "off", "no"):
+        return False
+    return flag in ("1", "true", "on", "yes") or numel >= COMPILE_MIN_NUMEL
+
+
+def compile_broken() -> bool:
+    """True once a compile failed in this process (every later pass runs eagerly)."""
+    return _compile_broken
+
+
+def run_compiled(fn: Callable, *args, options: Optional[dict] = None, **kw):
+    """``fn(*args, **kw)`` through ``torch.compile(fn, dynamic=True)`` (compiled once per function,
+    dynamic shapes so a new batch size or length does not recompile). Returns None if compiling
+    failed (no C++ compiler, ...): that is warned about once and turns compilation off for the
+    process, so the caller runs its eager path. ``fn`` itself must not return None."""
+    global _compile_broken
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True, options=options)
+    try:
+        return _compiled[fn](*args, **kw)
+    except Exception as e:  # no C++ compiler / triton: fall back, once, loudly
+        _compile_broken = True
+        warnings.warn(f"trainer.algos: torch.compile failed ({type(e).__name__}: {e}); using the eager passes")
+        return None
