@@ -85,18 +85,6 @@ def build_cluster(model_dir: str, run_dir: str, bucket_mib: int):
     return Cluster(cfg, total_steps=1)
 
 
-def stream_only(cluster) -> int:
-    """The actor's bucket stream drained into the driver; no engine update."""
-    actor = cluster.actor
-    nbytes = 0
-    for items in zip(*actor.weight_streams(cluster.rollout.bucket_bytes, None)):
-        bucket = actor.stream_get(items[0])
-        for other in items[1:]:
-            actor.stream_get(other)
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-    return nbytes
-
-
 def _gather_in_worker(worker, bucket_bytes: int) -> float:
     import time as _t
 
@@ -118,20 +106,6 @@ def gather_only(cluster) -> int:
     return 0
 
 
-def driver_relay(cluster) -> int:
-    """An older sync loop, for comparison: each bucket is fetched into the driver (deserialised) and
-    handed to the engines as a value (re-serialised into the object store)."""
-    actor, fleet = cluster.actor, cluster.rollout
-    nbytes = 0
-    for items in zip(*actor.weight_streams(fleet.bucket_bytes, None)):
-        bucket = actor.stream_get(items[0])
-        for other in items[1:]:
-            actor.stream_get(other)
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        fleet.load_bucket([bucket] * fleet.size)
-    return nbytes
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5M-param model, 3 repeats (well under a minute)")
@@ -140,7 +114,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--buckets", default=None, help="bucket sizes in MiB, comma list (default 8,64,512; quick 1,8,512)")
     ap.add_argument("--driver-zero-copy", action="store_true",
                     help="RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the driver as well as the workers")
-    ap.add_argument("--no-relay", action="store_true", help="skip the driver-relay comparison row")
     a = ap.parse_args(argv)
     if a.driver_zero_copy:
         os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"  # read when ray is first imported
@@ -170,35 +143,33 @@ def main(argv=None) -> dict:
             dst.copy_(src)
 
         times: dict[str, list[float]] = {"memcpy": []}
-        verify_t: list[float] = []
-        sync_verified_t: list[float] = []
+        kinds = ("shm", "shm verified", "object store", "object store verified", "gather only")
         for b in buckets:
-            times[f"sync {b} MiB"] = []
-            times[f"stream only {b} MiB"] = []
-            times[f"gather only {b} MiB"] = []
-            if not a.no_relay:
-                times[f"driver relay {b} MiB"] = []
-        n_buckets = {}
-        for _ in range(repeats):  # interleaved: every variant sees the same machine load
-            times["memcpy"].append(timed(memcpy)[0])
-            for b in buckets:
-                res.bucket_bytes = b * MiB
-                t, m = timed(lambda: res.sync_from(cluster.actor, verify=False))
-                assert int(m["sync/bytes"]) == nbytes
-                n_buckets[b] = int(m["sync/buckets"])
-                times[f"sync {b} MiB"].append(t)
-                t, got = timed(lambda: stream_only(cluster))
-                assert got == nbytes
-                times[f"stream only {b} MiB"].append(t)
+            for k in kinds:
+                times[f"{k} {b} MiB"] = []
+        n_buckets, extra = {}, {}
+        verify_t: list[float] = []
+
+        def sync(shared: bool, verify: bool):
+            res.shared_memory = shared
+            m = res.sync_from(cluster.actor, verify=verify)
+            assert int(m["sync/bytes"]) == nbytes and res.transport.startswith("shared_memory" if shared else "object_store")
+            return m
+
+        for b in buckets:  # one bucket size at a time: a new size sets the shared buffer up again
+            res.bucket_bytes = b * MiB
+            sync(True, False)  # set-up (plan, buffer, mappings) and first-touch page faults, untimed
+            for _ in range(repeats):  # interleaved: every variant sees the same machine load
+                times["memcpy"].append(timed(memcpy)[0])
+                for k, shared, verify in (("shm", True, False), ("shm verified", True, True),
+                                          ("object store", False, False), ("object store verified", False, True)):
+                    t, m = timed(lambda: sync(shared, verify))
+                    times[f"{k} {b} MiB"].append(t)
+                    n_buckets[b] = int(m["sync/buckets"])
+                extra[b] = res._shm_buffer_bytes()
                 times[f"gather only {b} MiB"].append(timed(lambda: gather_only(cluster))[0])
-                if not a.no_relay:
-                    t, got = timed(lambda: driver_relay(cluster))
-                    assert got == nbytes
-                    times[f"driver relay {b} MiB"].append(t)
-            verify_t.append(timed(lambda: res.verify(cluster.actor))[0])  # raises on a mismatch: the last variant left a correct copy
-            res.bucket_bytes = buckets[-1] * MiB
-            sync_verified_t.append(timed(lambda: res.sync_from(cluster.actor, verify=True))[0])
-        res.bucket_bytes = buckets[-1] * MiB
+                verify_t.append(timed(lambda: res.verify(cluster.actor))[0])  # raises on a mismatch
+        res.bucket_bytes, res.shared_memory = buckets[-1] * MiB, True
         res.sync_from(cluster.actor, verify=True)
     finally:
         cluster.shutdown()
@@ -207,40 +178,44 @@ def main(argv=None) -> dict:
     summ = {k: summary(v) for k, v in times.items()}
     gbps = {k: nbytes / s["best"] / 1e9 for k, s in summ.items()}
     base = gbps["memcpy"]
-    rows = [["memcpy (driver, torch copy_)", "-", summ["memcpy"]["best"] * 1e3, summ["memcpy"]["median"] * 1e3,
+    rows = [["memcpy (driver, torch copy_)", "-", "-", summ["memcpy"]["best"] * 1e3, summ["memcpy"]["median"] * 1e3,
              gbps["memcpy"], "1.000x (baseline)"]]
+    labels = {"shm": "shared memory, verify off", "shm verified": "shared memory, verified (the trainer's sync)",
+              "object store": "object store (previous path), verify off",
+              "object store verified": "object store (previous path), verified",
+              "gather only": "actor-side TP gather only (previous path's share)"}
     for b in buckets:
-        for kind in ("sync", "stream only", "gather only", "driver relay"):
+        for kind in kinds:
             k = f"{kind} {b} MiB"
-            if k not in summ:
-                continue
-            label = {"sync": "rollout.sync_from(actor, verify=False)", "stream only": "actor stream -> driver only",
-                     "gather only": "actor-side TP gather only",
-                     "driver relay": "old path: driver relay (comparison)"}[kind]
-            rows.append([f"{label}, {b} MiB buckets", n_buckets[b], summ[k]["best"] * 1e3, summ[k]["median"] * 1e3,
-                         gbps[k], f"{gbps[k] / base:.4f}x"])
+            mem = f"{extra[b] / MiB:.1f}" if kind.startswith("shm") else "-"
+            rows.append([f"{labels[kind]}, {b} MiB buckets", n_buckets[b], mem, summ[k]["best"] * 1e3,
+                         summ[k]["median"] * 1e3, gbps[k], f"{gbps[k] / base:.4f}x"])
     v = summary(verify_t)
-    rows.append(["rollout.verify(actor) (both sides recompute)", "-", v["best"] * 1e3, v["median"] * 1e3,
+    rows.append(["rollout.verify(actor) (both sides recompute)", "-", "-", v["best"] * 1e3, v["median"] * 1e3,
                  nbytes / v["best"] / 1e9, "-"])
-    sv = summary(sync_verified_t)
-    rows.append([f"trainer's sync(verify=True), {buckets[-1]} MiB (streamed checksum)", n_buckets[buckets[-1]],
-                 sv["best"] * 1e3, sv["median"] * 1e3, nbytes / sv["best"] / 1e9, f"{nbytes / sv['best'] / 1e9 / base:.4f}x"])
+    hb = buckets[-1]
+    overhead = summ[f"shm verified {hb} MiB"]["best"] / summ[f"shm {hb} MiB"]["best"] - 1
 
     mach = machine(f"ray {ray.__version__}, driver zero-copy tensors {'on' if zero_copy_driver else 'off'}")
     print(f"machine: {mach} (shared machine: wall times are noisy; best of {repeats}, variants interleaved)")
     print(f"model: random Qwen2, {n_params / 1e6:.1f}M params, float32 = {nbytes / 1e6:.1f} MB synced; actor TP=2 "
-          f"(2 Ray CPU slots, gloo) -> 1 native engine, colocated; cluster start {t_cluster:.1f}s")
-    print(table(["measure", "buckets", "best ms", "median ms", "GB/s", "vs memcpy"], rows, "{:.3f}"))
-    hb = buckets[-1]
-    head = gbps[f"sync {hb} MiB"] / base
+          f"(2 Ray CPU slots, gloo), colocated: each rank's own native engine (verl's hybrid engine); "
+          f"cluster start {t_cluster:.1f}s")
+    print(table(["measure", "buckets", "extra MiB", "best ms", "median ms", "GB/s", "vs memcpy"], rows, "{:.3f}"))
+    head = gbps[f"shm verified {hb} MiB"] / base
     result = dict(machine=mach, quick=a.quick, params=n_params, bytes=nbytes, repeats=repeats, buckets_mib=buckets,
-                  n_buckets=n_buckets, cluster_start_s=t_cluster, times_s=summ, gbps=gbps,
-                  verify_s=v, sync_verified_s=sv, ratios={k: g / base for k, g in gbps.items()}, load_average_end=load_average(),
-                  driver_zero_copy=bool(zero_copy_driver), headline={"bucket_mib": hb, "sync_gbps": gbps[f"sync {hb} MiB"],
-                                                                     "memcpy_gbps": base, "ratio": head})
+                  n_buckets=n_buckets, extra_bytes=extra, cluster_start_s=t_cluster, times_s=summ, gbps=gbps,
+                  verify_s=v, ratios={k: g / base for k, g in gbps.items()}, load_average_end=load_average(),
+                  verify_overhead=overhead, driver_zero_copy=bool(zero_copy_driver),
+                  headline={"bucket_mib": hb, "sync_gbps": gbps[f"shm verified {hb} MiB"], "memcpy_gbps": base,
+                            "ratio": head,
+                            "vs_object_store": summ[f"object store verified {hb} MiB"]["best"]
+                            / summ[f"shm verified {hb} MiB"]["best"]})
     write_json(a.json, result)
-    print(f"headline: TP=2 actor -> native engine sync, {hb} MiB buckets: {gbps[f'sync {hb} MiB']:.3f} GB/s = "
-          f"{head:.4f}x memcpy ({base:.2f} GB/s)")
+    print(f"verification adds {overhead * 100:.0f}% to the shared-memory sync ({hb} MiB buckets)")
+    print(f"headline: TP=2 actor -> engines, verified sync, {hb} MiB buckets: {gbps[f'shm verified {hb} MiB']:.3f} GB/s "
+          f"= {head:.4f}x memcpy ({base:.2f} GB/s); "
+          f"{result['headline']['vs_object_store']:.2f}x faster than the object-store path")
     return result
 
 

@@ -96,6 +96,8 @@ def test_tp2_actor_split_placement_and_critic(tmp_path, monkeypatch):
               "algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.ppo_micro_batch_size_per_gpu=16")
     h = out["history"][-1]
     assert h["sync/verified"] == 1.0 and "critic/vf_loss" in h and "critic/grad_norm" in h
+    # one node: the TP ranks wrote their shards into shared memory for the engine's worker (weight_shm.py)
+    assert h["sync/shared_memory"] == 1.0
 
 
 def nan_estimator(*, token_level_rewards, response_mask, **kw):

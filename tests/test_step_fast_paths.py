@@ -12,7 +12,6 @@
   rollout-IS metrics.
 """
 
-import os
 from pathlib import Path
 
 import pytest
@@ -150,10 +149,19 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     cfg, c = cluster
     # the default colocated layout is the hybrid engine: each engine lives in its actor rank's process
     assert c.hybrid and c.rollout.pids() == c.actor.pids()
-    m = c.rollout.sync_from(c.actor)  # verified against the checksum taken while streaming
-    assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] >= 1
-    streamed = c.actor.stream_checksum()
     full = c.actor.weights_checksum(cfg.actor_rollout_ref.rollout.dtype)
+    # one node: each TP rank writes its own shards into the shared buffer, every engine loads it all
+    # and checks every block's digest (trainer/workers/weight_shm.py)
+    m = c.rollout.sync_from(c.actor)
+    assert c.rollout.transport == "shared_memory"
+    assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] >= 1
+    assert full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
+    # the object-store path: TP gathers, each rank loads from the stream it hashed
+    c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
+    c.rollout.shared_memory = False
+    m = c.rollout.sync_from(c.actor)  # verified against the checksum taken while streaming
+    assert c.rollout.transport.startswith("object_store") and m["sync/verified"] == 1.0
+    streamed = c.actor.stream_checksum()
     assert streamed == full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
     c.rollout.verify(c.actor)  # recomputed from the actor's weights on every rank
     c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])  # rank 0's engine only
@@ -165,6 +173,14 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     c.rollout.bucket_bytes = 64 << 10
     m = c.rollout.sync_from(c.actor)
     assert m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
+    # and through shared memory: the two slots alternate, a corrupted engine is repaired
+    c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
+    c.rollout.shared_memory = True
+    m = c.rollout.sync_from(c.actor)
+    assert c.rollout.transport == "shared_memory" and m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
+    assert c.rollout.engine_checksums() == [full, full]
+    c.rollout.verify(c.actor)
+    c.rollout.bucket_bytes = 512 << 20
 
 
 def test_weight_check_names_a_bad_engine_and_diverged_replicas():

@@ -368,6 +368,10 @@ class NativeEngine(RolloutEngine):
     def weights_checksum(self) -> str:
         return checksum_named_tensors(self.model.hf_tensors())
 
+    def hf_views(self) -> dict[str, torch.Tensor]:
+        """HF name -> view of the weight this engine holds (a weight sync's check reads them)."""
+        return dict(self.model.hf_tensors())
+
     def abort(self) -> None:
         """Make the running :meth:`generate` (called from another thread) return at its next step."""
         self._abort.set()

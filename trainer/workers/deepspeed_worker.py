@@ -266,6 +266,9 @@ class DeepSpeedWorker(MegatronWorker):
                 t = p.detach().clone() if self.zero_stage == 3 else p.detach()
             yield name, t
 
+    def _reshard_blocks(self):
+        return None  # ZeRO partitions flat buffers, not HF blocks: syncs gather (the object-store path)
+
     def _hf_buckets(self, bucket_bytes: int):
         bucket, size = [], 0
         for name, t in self._hf_params():

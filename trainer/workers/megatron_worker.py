@@ -481,6 +481,50 @@ class MegatronWorker:
         finally:
             self._stream_done.set()
 
+    # ---- direct resharding through shared memory (trainer/workers/weight_shm.py) -------------------
+    def _reshard_blocks(self) -> list | None:
+        """This rank's blocks of the HF tensors (``megatron_bridge.reshard``); None: not supported."""
+        from megatron_bridge.reshard import local_blocks
+
+        return local_blocks(self._module())
+
+    def shm_plan(self) -> list[tuple[str, tuple]] | None:
+        """Plan this rank's part of a shared-memory sync; returns (HF name, HF shape, rows, cols) of each
+        block it writes, or None when the strategy cannot (the sync keeps the object-store path)."""
+        try:
+            blocks = self._reshard_blocks()
+        except NotImplementedError:
+            return None
+        if blocks is None:
+            return None
+        from megatron_bridge.reshard import local_param
+
+        self._shm_blocks = blocks
+        self._shm_params = {b.param: local_param(self._module(), b.param) for b in blocks}
+        return [(b.hf_name, b.hf_shape, b.rows, b.cols) for b in blocks]
+
+    def shm_attach(self, path: str, token: bytes, layout) -> bool:
+        """Map the sync buffer; False when it is not visible from here (another node or namespace)."""
+        from trainer.workers.weight_shm import SharedSlots
+
+        try:
+            self._shm = SharedSlots(path, token, layout)
+        except FileNotFoundError:
+            return False
+        by_bucket: dict[int, list] = {}
+        for b in self._shm_blocks:
+            by_bucket.setdefault(layout.entries[b.hf_name][0], []).append(b)
+        self._shm_by_bucket = by_bucket
+        return True
+
+    @resident("params")
+    def shm_write(self, bucket: int, digest: bool) -> int:
+        """Write this rank's blocks of ``bucket`` into the buffer (cast to the engine dtype) and, with
+        ``digest``, their digests into its table; returns the number of blocks written."""
+        from trainer.workers.weight_shm import write_blocks
+
+        return write_blocks(self._shm, self._shm_by_bucket.get(bucket, []), self._shm_params.__getitem__, digest)
+
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
         """Checksum of the last ``weight_buckets`` stream (rank 0; others None), equal to
         ``checksum_named_tensors`` of the same tensors. Waits for the stream's last digest."""

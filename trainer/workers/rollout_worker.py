@@ -75,6 +75,37 @@ class RolloutWorker:
         self.engine.update_weights(bucket)
         return sum(t.numel() * t.element_size() for _, t in bucket)
 
+    def shm_attach(self, path: str, token: bytes, layout) -> bool:
+        """Map the weight-sync buffer (trainer/workers/weight_shm.py); False when this engine cannot
+        take a shared-memory sync (not the native engine, or the buffer is not visible from here)."""
+        from trainer.workers.weight_shm import SharedSlots
+
+        if not hasattr(self.engine, "hf_views"):
+            return False
+        try:
+            self._shm = SharedSlots(path, token, layout)
+        except FileNotFoundError:
+            return False
+        missing = sorted(set(layout.entries) - set(self.engine.hf_views()))
+        if missing:
+            raise ValueError(f"the actor's weights have tensors this engine lacks, e.g. {missing[:3]}")
+        return True
+
+    def shm_load(self, bucket: int, digest: bool, *written: int) -> int:
+        """Load ``bucket`` from the buffer once every actor rank has written it (``written``: the
+        ranks' results, which Ray resolves first); with ``digest``, check every block of it against
+        the writers' digests in the buffer's table. Returns the bytes loaded."""
+        from trainer.rollout.engine import WeightSyncError
+        from trainer.workers.weight_shm import check_bucket
+
+        tensors = [(n, self._shm.tensor(n)) for n in self._shm.layout.bucket(bucket)]
+        self.engine.update_weights(tensors)
+        if digest:
+            error, _ = check_bucket(self._shm, bucket, self.engine.hf_views())
+            if error:
+                raise WeightSyncError(error)
+        return sum(t.numel() * t.element_size() for _, t in tensors)
+
     def weights_checksum(self) -> str:
         return self.engine.weights_checksum()
 

@@ -66,6 +66,35 @@ def _sync_metrics(t0: float, nbytes: int, buckets: int) -> dict[str, float]:
             "sync/gbps": nbytes / max(dt, 1e-9) / 1e9, "sync/verified": 1.0}
 
 
+def setup_shared_memory(actor, engine_dtype: str, bucket_bytes: int, attach_engines) -> tuple:
+    """Set up a shared-memory sync (trainer/workers/weight_shm.py) from ``actor`` to engines that
+    ``attach_engines((path, token, layout))`` maps (a list of bools). Returns ``(layout, transport)``;
+    the layout is None where it cannot run, and ``transport`` then says why."""
+    from trainer.workers.weight_shm import create_buffer, plan_layout
+
+    plans = actor.group.call("shm_plan")
+    if any(p is None for p in plans):
+        return None, "object_store (the actor's strategy has no direct reshard plan)"
+    seen: dict[str, tuple] = {}
+    for plan in plans:
+        for name, shape, _, _ in plan:
+            seen.setdefault(name, shape)
+    layout = plan_layout(list(seen.items()), engine_dtype, bucket_bytes,
+                         [(n, r, c) for plan in plans for n, _, r, c in plan])
+    try:
+        path, token = create_buffer(layout.file_bytes)
+    except OSError as e:
+        return None, f"object_store (no room for a {layout.file_bytes >> 20} MiB sync buffer in /dev/shm: {e})"
+    try:
+        ok = actor.group.call("shm_attach", [(path, token, layout)] * actor.size)
+        ok += attach_engines((path, token, layout))
+    finally:
+        os.unlink(path)  # every process that joined keeps its mapping; nothing outlives them
+    if not all(ok):
+        return None, "object_store (the actor and the engines do not share a node's /dev/shm)"
+    return layout, "shared_memory"
+
+
 class Rollout(Protocol):
     def generate(self, prompts: list[list[int]], params: dict) -> list[list[GenerationOutput]]: ...
 
@@ -139,9 +168,15 @@ class _EngineCalls:
 
 
 class EngineRollout(_EngineCalls):
-    def __init__(self, group: WorkerGroup, *, free_cache: bool, bucket_bytes: int, engine_dtype: str):
+    def __init__(self, group: WorkerGroup, *, free_cache: bool, bucket_bytes: int, engine_dtype: str,
+                 shared_memory: bool = True):
         self.group, self.size, self.free_cache = group, group.size, free_cache
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
+        # shared-memory syncs when the actor and the engines share a node (weight_shm.py); the
+        # object-store path otherwise. ``transport`` says which the last sync took, and why.
+        self.shared_memory = shared_memory
+        self._shm: tuple | None = None  # (actor group, Layout or None, bucket bytes)
+        self.transport = self._shm_reason = "object_store"
 
     def _async(self, method, args=None, **kw):
         return self.group.async_call(method, args, **kw)
@@ -149,7 +184,45 @@ class EngineRollout(_EngineCalls):
     def _get(self, refs):
         return self.group.get(refs)
 
+    def _shm_layout(self, actor):
+        if self._shm is None or self._shm[0] is not actor.group or self._shm[2] != self.bucket_bytes:
+            layout, self._shm_reason = setup_shared_memory(
+                actor, self.engine_dtype, self.bucket_bytes,
+                lambda args: self._get(self._async("shm_attach", [args] * self.size)))
+            self._shm = (actor.group, layout, self.bucket_bytes)
+        return self._shm[1]
+
+    def _shm_buffer_bytes(self) -> int:
+        layout = self._shm[1] if self._shm is not None else None
+        return layout.file_bytes if layout is not None else 0
+
+    def _sync_shared_memory(self, actor, layout, verify: bool) -> dict[str, float]:
+        """Bucket ``b``: every actor rank writes its blocks into slot ``b % 2``, then every engine loads
+        it and checks the ranks' digests. Writes of ``b + 1`` overlap the loads of ``b``; a slot is
+        rewritten only after its previous bucket's loads returned."""
+        t0 = time.perf_counter()
+        group = actor.group
+        writes, loads, nbytes = None, None, 0
+        for b in range(layout.num_buckets):
+            if writes is not None:
+                group.get(writes)  # the ranks write one bucket at a time
+            writes = group.async_call("shm_write", [(b, verify)] * group.size)
+            if loads is not None:
+                nbytes += sum(self._get(loads)) // self.size  # frees slot (b + 1) % 2 for the next write
+            # an engine starts loading once Ray has the ranks' results: every block and digest is written
+            loads = self._async("shm_load", [(b, verify, *writes)] * self.size)
+        nbytes += sum(self._get(loads)) // self.size
+        m = _sync_metrics(t0, nbytes, layout.num_buckets)
+        m["sync/shared_memory"] = 1.0
+        if not verify:
+            m.pop("sync/verified")
+        return m
+
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
+        layout = self._shm_layout(actor) if self.shared_memory else None
+        self.transport = self._shm_reason if self.shared_memory else "object_store (shared memory off)"
+        if layout is not None:
+            return self._sync_shared_memory(actor, layout, verify)
         t0 = time.perf_counter()
         # with verify, actor rank 0 hashes each bucket after handing it over (while the engines load it)
         streams = actor.weight_streams(self.bucket_bytes, self.engine_dtype if verify else None)
@@ -182,9 +255,11 @@ class EngineRollout(_EngineCalls):
 class HybridRollout(_EngineCalls):
     """The engines inside the actor ranks' processes, reached through the actor's own group."""
 
-    def __init__(self, actor, *, free_cache: bool, bucket_bytes: int, engine_dtype: str):
+    def __init__(self, actor, *, free_cache: bool, bucket_bytes: int, engine_dtype: str, shared_memory: bool = True):
         self.actor_group, self.size, self.free_cache = actor.group, actor.size, free_cache
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
+        self.shared_memory, self._shm, self._shm_key = shared_memory, None, None
+        self.transport = self._shm_reason = "object_store"
 
     def _async(self, method, args=None, **kw):
         args = args or [()] * self.size
@@ -195,10 +270,31 @@ class HybridRollout(_EngineCalls):
 
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
         """Every actor rank loads its own engine from the weight stream; checked per rank (stream
-        == engine) and across ranks (every rank streamed the same weights)."""
+        == engine) and across ranks (every rank streamed the same weights). Through the shared
+        buffer when the ranks can map it (one node): each rank writes only its own shards."""
         if actor.group is not self.actor_group:
             raise ValueError("a hybrid rollout syncs only from the actor group that hosts its engines")
         t0 = time.perf_counter()
+        self.transport = "object_store (shared memory off)"
+        if self.shared_memory:
+            if self._shm_key != self.bucket_bytes:  # set up once (again if the bucket size changes)
+                self._shm_key = self.bucket_bytes
+                self._shm, self._shm_reason = setup_shared_memory(
+                    actor, self.engine_dtype, self.bucket_bytes,
+                    lambda args: self.actor_group.call("engine_shm_attach", [args] * self.size))
+            self.transport = self._shm_reason
+            if self._shm is not None:
+                res = self.actor_group.call("sync_engine_shm", [(verify,)] * self.size)
+                m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
+                m["sync/shared_memory"] = 1.0
+                if verify:
+                    errors = [(i, r["error"]) for i, r in enumerate(res) if r["error"]]
+                    if errors:
+                        raise WeightSyncError(f"rank {errors[0][0]}'s engine: {errors[0][1]}")
+                    check_checksums([(r["stream"], r["engine"]) for r in res])
+                else:
+                    m.pop("sync/verified")
+                return m
         res = self.actor_group.call("sync_engine", [(self.bucket_bytes, self.engine_dtype if verify else None)]
                                     * self.size)
         m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
@@ -208,8 +304,12 @@ class HybridRollout(_EngineCalls):
             m.pop("sync/verified")
         return m
 
+    def _shm_buffer_bytes(self) -> int:
+        """The shared-memory sync's buffer (its peak extra memory), 0 when not set up."""
+        return self._shm.file_bytes if self._shm is not None else 0
+
     def verify(self, actor, streamed: bool = False) -> None:
-        if streamed:
+        if streamed and self.transport != "shared_memory":  # a shared-memory sync checked its blocks already
             check_checksums(list(zip(self.actor_group.call("stream_checksum"), self.engine_checksums())))
         else:
             check_checksums(self.actor_group.call("verify_engine", dtype=self.engine_dtype))
