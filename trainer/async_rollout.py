@@ -59,6 +59,13 @@ none is lost and none trained twice. (Groups DAPO dropped after the frontier are
 The engines restart from the checkpoint's weights, labelled with the number of pushes the run had done
 (``step // trigger_parameter_sync_step``).
 
+Streaming. The rollouter keeps ``rollout.concurrent_calls`` generation calls in flight (two threads on
+native engine workers, one elsewhere). The native engine admits a call that arrives while another runs
+into that call's loop (:meth:`trainer.rollout.native.NativeEngine.generate`), so as the first call's
+short responses finish, the second call's prompts take their slots: the engines decode full batches
+instead of one call's long tail, and each call's groups reach the queue when that call returns. Versions
+are unaffected: a push pauses the rollouter and aborts (or waits for) every call in flight first.
+
 DAPO dynamic sampling runs in the rollouter: each generation call's constant groups are dropped before
 they reach the queue. Multi-turn episodes run as whole calls (no partial rollout).
 """
@@ -122,17 +129,20 @@ class AsyncBatchSource:
         self.st: AsyncSettings = plan.fully_async
         self.rollout = gen.rollout
         self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: list[threading.Thread] = []
+        # generation calls kept in flight at once: with an engine that admits a call into its running loop
+        # (the native engine's streaming admission), a second call's prompts fill the slots the first
+        # call's finished responses free, so the engines never decode a shrinking long tail alone
+        self.streams = max(1, int(getattr(self.rollout, "concurrent_calls", 1)))
         self._error: Optional[BaseException] = None
         self._stop = False
         self._hold = False  # the trainer holds the engines (push, validation, checkpoint)
-        self._generating = False
-        self._working = False  # a call's generation and scoring, until its groups are queued
+        self._generating = 0  # calls generating
+        self._working = 0  # calls generating or scoring, until their groups are queued
         self.version = 0  # pushes done (the engines' weights)
         self._count = 0  # prompts started under this version (verl's staleness_samples)
         self._drawn: deque[_Prompt] = deque()  # drawn from the sampler, not started
         self._pending: list[_Prompt] = []  # started, some responses aborted by a push: resumed first
-        self._inflight: list[_Prompt] = []
         self._done: dict[int, object] = {}  # reorder buffer: seq -> [group batch, ...] or None (dropped)
         self._queue: deque = deque()  # (prompt, group batch), FIFO in draw order
         self._next_flush = 0  # the smallest seq not yet queued or dropped
@@ -165,7 +175,7 @@ class AsyncBatchSource:
             depth = len(self._queue)
             while len(groups) < R:
                 while not self._queue and self._error is None:
-                    if not self._working and not self._pending and self._count >= self.st.quota:
+                    if self._working == 0 and not self._pending and self._count >= self.st.quota:
                         from trainer.pipeline import PipelineError
 
                         raise PipelineError(
@@ -284,21 +294,24 @@ class AsyncBatchSource:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._threads:
             self._abort_until_idle(abort=True)
-            self._thread.join()
+            for t in self._threads:
+                t.join()
 
     # ------------------------------------------------------------------ the trainer's side, internals
     def _start(self, step: int) -> None:
-        if self._thread is not None:
+        if self._threads:
             return
         self._start_step = step - 1
         self.version = (step - 1) // self.st.trigger  # pushes the run has done (a resume: its weights are newer)
-        self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"rollouter-{i}", daemon=True)
+                         for i in range(self.streams)]
+        for t in self._threads:
+            t.start()
 
     def _pause(self, abort: bool) -> None:
-        if self._thread is None:
+        if not self._threads:
             return
         with self._cond:
             self._hold = True
@@ -309,11 +322,11 @@ class AsyncBatchSource:
                                f"{self._error}") from self._error
 
     def _abort_until_idle(self, abort: bool) -> None:
-        """Wait for the generation call in flight to return; with ``abort``, abort it (again every
+        """Wait for the generation calls in flight to return; with ``abort``, abort them (again every
         50 ms: an abort that reaches an engine before its call starts is cleared by the call)."""
         while True:
             with self._cond:
-                if not self._generating:
+                if self._generating == 0:
                     return
                 if not abort:
                     self._cond.wait()
@@ -344,8 +357,7 @@ class AsyncBatchSource:
                 self._generate_and_queue(work)
         except BaseException as e:  # noqa: BLE001 - surfaced to the trainer at its next take / push
             with self._cond:
-                self._error = e
-                self._generating = self._working = False
+                self._error = self._error or e
                 self._cond.notify_all()
 
     def _needed(self) -> int:
@@ -357,7 +369,7 @@ class AsyncBatchSource:
         ones first) and mark the engines busy. None: stop."""
         with self._cond:
             while True:
-                if self._stop:
+                if self._stop or self._error is not None:
                     return None
                 if not self._hold:
                     if self._pending:
@@ -371,9 +383,10 @@ class AsyncBatchSource:
                         self._count += len(work)
                         break
                 self._cond.wait()
-            self._inflight = work
-            self._generating = self._working = True
-            self._busy_since = time.perf_counter()
+            self._generating += 1
+            self._working += 1
+            if self._busy_since is None:  # the engines are busy while any call generates
+                self._busy_since = time.perf_counter()
             return work
 
     def _draw(self) -> None:
@@ -452,12 +465,11 @@ class AsyncBatchSource:
                 self._call(work)
         finally:
             with self._cond:
-                self._generating = False
+                self._generating -= 1
                 now = time.perf_counter()
-                if self._busy_since is not None:
-                    self._busy += now - max(self._busy_since, t0)
-                self._busy_since = None
-                self._inflight = []
+                if self._generating == 0 and self._busy_since is not None:
+                    self._busy += now - self._busy_since
+                    self._busy_since = None
                 self._cond.notify_all()
         complete = [w for w in work if all(o[3] != "abort" for o in w.outs)]
         aborted = [w for w in work if any(o[3] == "abort" for o in w.outs)]
@@ -504,7 +516,7 @@ class AsyncBatchSource:
                     self._origins.pop(w.seq, None)
                 else:
                     self._queue.append((w, grp))
-            self._working = False
+            self._working -= 1
             self._cond.notify_all()
 
 

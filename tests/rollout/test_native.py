@@ -391,3 +391,86 @@ def test_compiled_decode_bf16_runs_on_a_bf16_cache(tiny):
         # bf16 logits of a few units carry ~1e-2 rounding each: a tolerance that still flags a wrong cache
         assert max(abs(p - q) for p, q in zip(x[0].logprobs[:2], y[0].logprobs[:2])) < 0.1
         assert max(abs(p - q) for p, q in zip(z[0].logprobs[:2], y[0].logprobs[:2])) < 0.1
+
+
+def _start_during_decode(engine, at: int, call):
+    """Run ``call`` in a thread once the engine's running loop reaches decode step ``at``, and hold that
+    step until the thread's requests are queued (or it has started its own wait), so the order of
+    events does not depend on the machine's speed."""
+    import threading
+    import time
+
+    real = engine.model.decode
+    state = {"n": 0, "thread": None, "done_at": None, "out": None}
+
+    def run():
+        state["out"] = call()
+        state["done_at"] = time.perf_counter()
+
+    def hooked(*args, **kw):
+        state["n"] += 1
+        if state["n"] == at:
+            queued = len(engine._queue)
+            state["thread"] = threading.Thread(target=run)
+            state["thread"].start()
+            t0 = time.perf_counter()
+            while len(engine._queue) == queued and state["done_at"] is None and time.perf_counter() - t0 < 0.5:
+                time.sleep(0.001)  # the joiner queues its requests, or (cannot join) waits the 0.5 s out
+        return real(*args, **kw)
+
+    engine.model.decode = hooked
+    return state
+
+
+def test_a_concurrent_call_joins_the_running_loop(tiny):
+    # Streaming admission: call A = one 40-token and one 2-token request on a 2-slot cache. When A's
+    # loop is at decode step 3 its short request is done, and call B (3 prompts x 3 tokens) arrives from
+    # another thread: B's requests take the free slot one after another while A's long one runs, so A's
+    # loop still makes exactly 39 decode steps, and B returns before A. Both equal standalone calls.
+    import time
+
+    _, path = tiny["llama"]
+    engine = NativeEngine(path, max_batch_size=2, max_seq_len=64)
+    pa, pb = prompts_for(21, (5, 3)), prompts_for(22, (4, 6, 2))
+    sa = [SamplingParams(temperature=0.0, max_new_tokens=40), SamplingParams(temperature=0.0, max_new_tokens=2)]
+    sb = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=100 + i) for i in range(3)]
+    state = _start_during_decode(engine, 3, lambda: engine.generate(pb, sb))
+    outs_a = engine.generate(pa, sa)
+    a_done = time.perf_counter()
+    state["thread"].join()
+    assert engine.stats["decode_steps"] == 39 and engine.stats["generated_tokens"] == 40 + 2 + 9
+    assert state["done_at"] < a_done
+    solo = NativeEngine(path, max_batch_size=2, max_seq_len=64)
+    assert [g[0].token_ids for g in state["out"]] == [g[0].token_ids for g in solo.generate(pb, sb)]
+    got = [lp for g in state["out"] for lp in g[0].logprobs]
+    assert got == pytest.approx([lp for g in solo.generate(pb, sb) for lp in g[0].logprobs], abs=1e-5)
+    assert [g[0].token_ids for g in outs_a] == [g[0].token_ids for g in solo.generate(pa, sa)]
+    assert engine._queue is None  # the loop is over; the next call starts its own
+
+
+def test_a_call_that_does_not_fit_waits_for_the_loop_and_an_abort_ends_both(tiny):
+    _, path = tiny["llama"]
+    engine = NativeEngine(path, max_batch_size=2, max_seq_len=64)
+    pa, pb = prompts_for(23, (5, 3)), prompts_for(24, (4,))
+    sa = SamplingParams(temperature=0.0, max_new_tokens=10)
+    # B's prompt + budget (4 + 30) exceeds A's cache length (5 + 10): it waits, then runs its own loop
+    state = _start_during_decode(engine, 2, lambda: engine.generate(pb, SamplingParams(temperature=0.0, max_new_tokens=30)))
+    outs_a = engine.generate(pa, sa)
+    state["thread"].join()
+    assert engine.stats["decode_steps"] == 29  # B's own loop: 1 prefill draw + 29 decode steps
+    assert [len(g[0].token_ids) for g in outs_a] == [10, 10] and len(state["out"][0][0].token_ids) == 30
+    # an abort ends the running loop: the joined call's requests come back "abort" as well
+    engine2 = NativeEngine(path, max_batch_size=1, max_seq_len=64)
+    joiner = _start_during_decode(engine2, 2, lambda: engine2.generate(pb, SamplingParams(temperature=0.0, max_new_tokens=3)))
+    hooked, n = engine2.model.decode, {"k": 0}
+
+    def abort_at_5(*a, **kw):
+        n["k"] += 1
+        if n["k"] == 5:
+            engine2.abort()
+        return hooked(*a, **kw)
+    engine2.model.decode = abort_at_5
+    outs = engine2.generate(prompts_for(25, (5,)), SamplingParams(temperature=0.0, max_new_tokens=20))
+    joiner["thread"].join()
+    assert outs[0][0].finish_reason == "abort" and len(outs[0][0].token_ids) == 6
+    assert joiner["out"][0][0].finish_reason == "abort" and joiner["out"][0][0].token_ids == []  # never got the slot

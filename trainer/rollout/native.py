@@ -320,6 +320,10 @@ class NativeEngine(RolloutEngine):
         self.cache: KVCache | None = None
         self._abort = threading.Event()
         self.stats: dict = {}
+        # streaming admission: while a call runs its loop, other threads' calls join its queue (see generate)
+        self._sched = threading.Condition()
+        self._queue: deque | None = None  # the running loop's waiting requests; None when no loop runs
+        self._loop_key: tuple = ()  # (cache length, recording) of the running loop: what a joiner must fit
 
     @property
     def config(self):
@@ -476,43 +480,104 @@ class NativeEngine(RolloutEngine):
         prompt_token_ids: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     ) -> list[list[GenerationOutput]]:
-        self._abort.clear()
-        t0 = time.perf_counter()
+        """Streaming admission: a call made from another thread while a call runs joins the running
+        loop: its requests queue behind the loop's and take slots as rows finish, so the rows of a
+        batch's long tail are refilled with new work instead of decoding at a shrinking batch. (It
+        waits for the loop to end instead when its prompt + budget exceeds the running cache's length
+        or its routing-record flag differs.) Each request's stream is its own (module docstring), so
+        a call's samples do not depend on whether it joined."""
         reqs = self._make_requests(prompt_token_ids, params)
-        self._recording = any(r.params.return_routed_experts for r in reqs)
-        if self._recording and not self.model.moe_layers():
+        recording = any(r.params.return_routed_experts for r in reqs)
+        if recording and not self.model.moe_layers():
             raise ValueError("return_routed_experts asks for MoE routing, but this model has no MoE layers")
-        self.model.record_routing(self._recording)
-        cache = self._ensure_cache(rows=len(reqs), length=max((len(r.prompt) + r.params.max_new_tokens for r in reqs),
-                                                              default=1))
+        length = max((len(r.prompt) + r.params.max_new_tokens for r in reqs), default=1)
+        with self._sched:
+            while self._queue is not None:
+                run_length, run_recording = self._loop_key
+                if length <= run_length and recording == run_recording:
+                    self._queue.extend(reqs)
+                    self._sched.notify_all()
+                    while any(r.finish is None for r in reqs):
+                        self._sched.wait()
+                    if any(r.finish == "error" for r in reqs):
+                        raise RuntimeError("the engine loop this call joined failed (the other call raised the error)")
+                    return self._outputs(len(prompt_token_ids), reqs)
+                self._sched.wait()  # a loop this call cannot join: wait for it to end
+            self._queue = deque(reqs)
+            self._loop_key = (length, recording)  # widened to the cache's length once it is allocated
+        self._abort.clear()
+        try:
+            cache = self._ensure_cache(rows=len(reqs), length=length)
+            with self._sched:
+                self._loop_key = (cache.max_len, recording)
+            self._served: list[_Request] = []
+            self._run_loop(cache, recording)
+        except BaseException:
+            with self._sched:  # joined calls must not wait forever on a loop that died
+                for r in [*self._served, *self._queue]:
+                    if r.finish is None:
+                        r.finish = "error"
+            raise
+        finally:
+            with self._sched:
+                for r in self._queue:  # aborted before a slot: nothing sampled
+                    r.finish = r.finish or "abort"
+                self._queue = None
+                self._sched.notify_all()
+        return self._outputs(len(prompt_token_ids), reqs)
+
+    @staticmethod
+    def _outputs(n_prompts: int, reqs: list[_Request]) -> list[list[GenerationOutput]]:
+        out: list[list[GenerationOutput]] = [[] for _ in range(n_prompts)]
+        for r in reqs:  # reqs are in (prompt, sample) order
+            routed = torch.cat(r.routes)[: len(r.prompt) + len(r.tokens) - 1] \
+                if r.params.return_routed_experts and r.routes else None
+            out[r.prompt_idx].append(GenerationOutput(r.tokens, r.logprobs, r.finish, routed))
+        return out
+
+    def _run_loop(self, cache: KVCache, recording: bool) -> None:
+        """The continuous-batching loop (module docstring) over ``self._queue``, which other calls may
+        extend while it runs; returns when it and the active rows are empty, or at an abort."""
+        t0 = time.perf_counter()
+        self._recording = recording
+        self.model.record_routing(recording)
         self.stats = dict(decode_steps=0, prefill_forwards=0, prefill_tokens=0, max_active=0, row_moves=0)
         # fault injection for tests (a slow engine): sleep this long before every decode step
         delay = float(os.environ.get("COXSWAIN_FAULT_DECODE_DELAY_S") or 0.0)
-        waiting = deque(reqs)
+        waiting = self._queue
+        slots = min(self.max_batch_size, cache.max_batch)
         active: list[_Request] = []  # sorted by slot
+        served = self._served
         while True:
+            finished = [r for r in active if r.finish is not None]
             active = [r for r in active if r.finish is None]
+            if finished:
+                with self._sched:
+                    self._sched.notify_all()  # joined calls check whether all their requests are done
             if self._abort.is_set():
                 break
             # Admit waiting requests into the lowest free slots.
-            if waiting and len(active) < self.max_batch_size:
-                used = {r.slot for r in active}
-                free = [s for s in range(self.max_batch_size) if s not in used]
+            with self._sched:
                 admitted = []
-                for s in free:
-                    if not waiting:
-                        break
-                    r = waiting.popleft()
-                    r.slot = s
-                    admitted.append(r)
+                if waiting and len(active) < slots:
+                    used = {r.slot for r in active}
+                    for s in range(slots):
+                        if not waiting:
+                            break
+                        if s not in used:
+                            r = waiting.popleft()
+                            r.slot = s
+                            admitted.append(r)
+                if not active and not admitted and not waiting:
+                    break  # under the lock: no call can join a loop that is about to end
+            if admitted:
+                served += admitted
                 self._prefill(cache, admitted)
                 active = sorted([r for r in active + admitted if r.finish is None], key=lambda r: r.slot)
-                if waiting and len(active) < self.max_batch_size:
+                if waiting and len(active) < slots:
                     continue  # some finished at their first token: refill before decoding
             if not active:
-                if waiting:
-                    continue
-                break
+                continue
             # Compact: rows must be slots 0..B-1.
             B = len(active)
             holes = iter(sorted({*range(B)} - {r.slot for r in active}))
@@ -541,16 +606,10 @@ class NativeEngine(RolloutEngine):
                     r.routes.append(routes[i:i + 1])
             self._sample(logits, active)
 
-        for r in reqs:
+        for r in active:
             if r.finish is None:
                 r.finish = "abort"
         self._abort.clear()
         self.model.record_routing(False)
-        out: list[list[GenerationOutput]] = [[] for _ in prompt_token_ids]
-        for r in reqs:  # reqs are in (prompt, sample) order
-            routed = torch.cat(r.routes)[: len(r.prompt) + len(r.tokens) - 1] \
-                if r.params.return_routed_experts and r.routes else None
-            out[r.prompt_idx].append(GenerationOutput(r.tokens, r.logprobs, r.finish, routed))
-        self.stats["generated_tokens"] = sum(len(r.tokens) for r in reqs)
+        self.stats["generated_tokens"] = sum(len(r.tokens) for r in served)
         self.stats["seconds"] = time.perf_counter() - t0
-        return out

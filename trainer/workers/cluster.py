@@ -211,10 +211,11 @@ class Cluster:
         elif self.hybrid:
             self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
         else:
+            streams = 2 if r.name == "native" else 1  # the native engine admits a call into its running loop
             self.rollout = EngineRollout(
                 WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
-                            bundle_of=rollout_bundle, share=0.25),
-                free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
+                            bundle_of=rollout_bundle, share=0.25, max_concurrency=streams + 1),
+                free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams)
 
         if placement is not None:
             self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))

@@ -260,7 +260,8 @@ class WorkerGroup:
     node_grace_s: float = 30.0
 
     def __init__(self, name: str, cls, kwargs_per_rank: Sequence[dict], *, in_process: bool = False,
-                 placement: Placement | None = None, bundle_of=lambda i: i, share: float = 0.5):
+                 placement: Placement | None = None, bundle_of=lambda i: i, share: float = 0.5,
+                 max_concurrency: int = 2):
         self.name = name
         self.in_process = in_process
         self.size = len(kwargs_per_rank)
@@ -276,7 +277,7 @@ class WorkerGroup:
             for i, kw in enumerate(kwargs_per_rank):
                 opts = placement.options(self.bundles[i], share) if placement is not None else {"num_cpus": share}
                 self.workers.append(remote.options(**opts, name=f"{name}-{i}-{os.getpid()}",
-                                                   max_concurrency=2).remote(**kw))
+                                                   max_concurrency=max_concurrency).remote(**kw))
 
     def async_call(self, method: str, args_per_rank: Sequence[tuple] | None = None, *, num_returns: int = 1,
                    **kwargs) -> list:

@@ -8,6 +8,8 @@ weight sync (:mod:`trainer.workers.rollouts`).
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -23,6 +25,7 @@ class RolloutWorker:
         # torch threads while generating (0 = num_threads): on CPU the colocated actor ranks are idle then,
         # so the engine may use their cores too; it drops back afterwards so training is not oversubscribed
         self.generate_threads = int(generate_threads) or max(1, num_threads)
+        self._threads_lock, self._in_generate, self._threads_before = threading.Lock(), 0, torch.get_num_threads()
         if name == "sglang":  # GPU: an in-process sglang.Engine (trainer/rollout/sglang_engine.py)
             from trainer.rollout.sglang_engine import SGLangEngine
 
@@ -39,13 +42,26 @@ class RolloutWorker:
     def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
         """``params``: one dict for every prompt, or a list with one per prompt (a resumed partial
         rollout: each its own remaining budget and seed)."""
-        prev = torch.get_num_threads()
-        torch.set_num_threads(self.generate_threads)
         sp = [SamplingParams(**p) for p in params] if isinstance(params, list) else SamplingParams(**params)
-        try:
+        with self._generate_threads():
             return self.engine.generate(prompts, sp)
+
+    @contextmanager
+    def _generate_threads(self):
+        """torch's (process-wide) thread count at ``generate_threads`` while any generate call runs: the
+        first call in sets it, the last one out restores it (calls overlap: streaming admission)."""
+        with self._threads_lock:
+            if self._in_generate == 0:
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(self.generate_threads)
+            self._in_generate += 1
+        try:
+            yield
         finally:
-            torch.set_num_threads(prev)
+            with self._threads_lock:
+                self._in_generate -= 1
+                if self._in_generate == 0:
+                    torch.set_num_threads(self._threads_before)
 
     def abort(self) -> None:
         """End the running :meth:`generate` (this call runs in the actor's second thread): unfinished
@@ -61,14 +77,10 @@ class RolloutWorker:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        prev = torch.get_num_threads()
-        torch.set_num_threads(self.generate_threads)
-        try:
+        with self._generate_threads():
             return run_multi_turn(
                 self.engine, self.tokenizer, multi_turn["environment"], tasks, SamplingParams(**{**params, "n": 1}),
                 n=params["n"], **loop_kwargs(multi_turn))
-        finally:
-            torch.set_num_threads(prev)
 
     def update_weights(self, bucket) -> int:
         """Load one bucket of ``(hf_name, tensor)``; returns the bytes received."""

@@ -114,6 +114,7 @@ class Rollout(Protocol):
 
 
 class _EngineCalls:
+    concurrent_calls = 1
     """Generation over engines reached through a group: prompts in contiguous chunks, one per engine."""
 
     size: int
@@ -169,8 +170,12 @@ class _EngineCalls:
 
 class EngineRollout(_EngineCalls):
     def __init__(self, group: WorkerGroup, *, free_cache: bool, bucket_bytes: int, engine_dtype: str,
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, concurrent_calls: int = 1):
         self.group, self.size, self.free_cache = group, group.size, free_cache
+        # generate calls that may run at once (the fully-async rollouter keeps this many in flight): the
+        # native engine admits a second call into its running loop; the workers' Ray concurrency must
+        # leave a thread for abort beside them
+        self.concurrent_calls = concurrent_calls
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
         # shared-memory syncs when the actor and the engines share a node (weight_shm.py); the
         # object-store path otherwise. ``transport`` says which the last sync took, and why.
@@ -319,6 +324,7 @@ class HybridRollout(_EngineCalls):
 
 
 class FleetRollout:
+    concurrent_calls = 1  # a server's batcher runs one engine call at a time
     """HTTP engine servers behind ``sglang-router`` (disaggregated rollout, ``rollout.mode=server``).
     The router balances requests, so this is one "engine" to the loop: every prompt of a batch
     goes to the router at once (a server that dies mid-batch costs a retry on another, counted in
