@@ -11,12 +11,16 @@ The loop sees only this interface::
 Implementations, each owning its transport:
 
 * :class:`EngineRollout`: one :class:`~trainer.workers.rollout_worker.RolloutWorker` per engine in its
-  own Ray worker. A sync streams the actor's HF-named buckets through Ray's object store: actor rank 0
-  yields each bucket as an object reference, every engine reads that same stored object (one bucket in
-  flight, the actor's stream at most two ahead), and the driver only passes references.
+  own Ray worker. On one node a sync goes through shared memory (trainer/workers/weight_shm.py): each
+  actor rank writes only its own shards' blocks into a HF-layout buffer, every engine loads it and
+  checks each block's digest. Otherwise it streams the actor's HF-named buckets through Ray's object
+  store: actor rank 0 yields each bucket as an object reference, every engine reads that same stored
+  object (one bucket in flight, the actor's stream at most two ahead), and the driver only passes
+  references.
 * :class:`HybridRollout` (verl's hybrid engine, ``actor_rollout_ref.hybrid_engine``): the engines live
-  inside the actor ranks' processes (:class:`~trainer.workers.hybrid_worker.HybridWorker`); every rank
-  loads its engine from the same HF-name iterator with a local copy, no transport at all.
+  inside the actor ranks' processes (:class:`~trainer.workers.hybrid_worker.HybridWorker`); on one
+  node the ranks write their shards into the shared buffer and each loads its engine from it, else every
+  rank loads its engine from the (gathered) HF-name iterator with a local copy.
 * :class:`FleetRollout` (``rollout.mode=server``): HTTP engine servers behind the real
   ``sglang-router`` (:class:`trainer.rollout.fleet.Fleet`); the actor's stream goes through the
   driver to the fleet client, which drains the servers, pushes every bucket and checks every
@@ -114,8 +118,9 @@ class Rollout(Protocol):
 
 
 class _EngineCalls:
-    concurrent_calls = 1
     """Generation over engines reached through a group: prompts in contiguous chunks, one per engine."""
+
+    concurrent_calls = 1  # generate calls that may overlap (see EngineRollout)
 
     size: int
     free_cache: bool
@@ -324,7 +329,6 @@ class HybridRollout(_EngineCalls):
 
 
 class FleetRollout:
-    concurrent_calls = 1  # a server's batcher runs one engine call at a time
     """HTTP engine servers behind ``sglang-router`` (disaggregated rollout, ``rollout.mode=server``).
     The router balances requests, so this is one "engine" to the loop: every prompt of a batch
     goes to the router at once (a server that dies mid-batch costs a retry on another, counted in
@@ -335,6 +339,7 @@ class FleetRollout:
     ``backend="sglang"`` (``rollout.name=sglang``): the servers are real ``sglang.launch_server`` processes on
     this host, the weights pushed through SGLang's own endpoints (:class:`~trainer.rollout.fleet.Fleet`)."""
 
+    concurrent_calls = 1  # a server's batcher runs one engine call at a time
     size = 1
 
     def __init__(self, model_path: str, *, num_servers: int, threads_per_server: int, max_batch_size: int,
