@@ -80,3 +80,16 @@ def test_generation_output_validation():
         GenerationOutput([1, 2], [-0.1], "stop")
     with pytest.raises(ValueError):
         GenerationOutput([1], [-0.1], "eos")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,c0", [((8, 4096), 2048), ((40, 9000), 4500), ((5, 7), 3), ((1, 8192), 0)])
+def test_a_column_block_digests_like_its_contiguous_copy(dtype, shape, c0):
+    # a weight sync's column block (a strided view) is hashed in place, row by row when rows are long:
+    # the digest must equal that of the block's contiguous copy, and differ when one byte differs
+    a = torch.randn(*shape).to(dtype)
+    block = a[:, c0:]
+    assert tensor_digest("w[0:1]", block) == tensor_digest("w[0:1]", block.contiguous())
+    b = a.clone()
+    b.view(torch.uint8)[-1, -1] ^= 1
+    assert tensor_digest("w[0:1]", b[:, c0:]) != tensor_digest("w[0:1]", block)

@@ -175,11 +175,23 @@ def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) 
     t = t.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)  # round-to-nearest-even, the same rounding as copy_ into an engine buffer
-    t = t.to("cpu").contiguous()
+    t = t.to("cpu")
     h = new_hasher()
     h.update(name.encode())
     h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
-    h.update(_tensor_bytes(t))
+    if (t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and t.shape[0] > 0
+            and t.shape[1] * t.element_size() >= 8192):
+        # a column block of a matrix with long rows (a weight sync's block of a big row-parallel weight):
+        # hash it row by row in place; the hash streams, so this equals hashing its contiguous copy,
+        # without the copy (shorter rows: the copy is cheaper than a Python call per row)
+        es = t.element_size()
+        row, step = t.shape[1] * es, t.stride(0) * es
+        span = memoryview((ctypes.c_ubyte * ((t.shape[0] - 1) * step + row)).from_address(t.data_ptr())).cast("B")
+        for off in range(0, t.shape[0] * step, step):
+            h.update(span[off:off + row])
+    else:
+        t = t.contiguous()  # kept alive by the name while its bytes are read
+        h.update(_tensor_bytes(t))
     return h.digest()
 
 
