@@ -273,6 +273,9 @@ def train(cfg) -> dict:
         if resume_from and batches.load(resume_from):  # one-step-off: the batch generated during the saved step
             print(f"resumed with the prefetched batch of step {state.step + 1}", flush=True)
         first = rollout.sync_from(actor)
+        transport = getattr(rollout, "transport", "")
+        if transport.startswith("object_store ("):  # shared memory was wanted and could not run: say why
+            print(f"weight sync: {transport}", flush=True)
 
         def evaluate(step: int) -> dict:  # trainer.log_val_generations: N samples to the trackers
             samples = [] if cfg.trainer.log_val_generations > 0 else None
