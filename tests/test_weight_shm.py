@@ -63,8 +63,7 @@ def _sync(engine, ranks, layout, writers, reader, corrupt=None) -> list:
         if corrupt is not None:
             corrupt(b)
         engine.update_weights([(n, reader.tensor(n)) for n in layout.bucket(b)])
-        err, _ = check_bucket(reader, b, engine.hf_views())
-        errors.append(err)
+        errors.append(check_bucket(reader, b, engine.hf_views()))
     return errors
 
 

@@ -506,15 +506,15 @@ class NativeEngine(RolloutEngine):
             self._queue = deque(reqs)
             self._loop_key = (length, recording)  # widened to the cache's length once it is allocated
         self._abort.clear()
+        served: list[_Request] = []
         try:
             cache = self._ensure_cache(rows=len(reqs), length=length)
             with self._sched:
                 self._loop_key = (cache.max_len, recording)
-            self._served: list[_Request] = []
-            self._run_loop(cache, recording)
+            self._run_loop(cache, recording, served)
         except BaseException:
             with self._sched:  # joined calls must not wait forever on a loop that died
-                for r in [*self._served, *self._queue]:
+                for r in [*served, *self._queue]:
                     if r.finish is None:
                         r.finish = "error"
             raise
@@ -535,9 +535,10 @@ class NativeEngine(RolloutEngine):
             out[r.prompt_idx].append(GenerationOutput(r.tokens, r.logprobs, r.finish, routed))
         return out
 
-    def _run_loop(self, cache: KVCache, recording: bool) -> None:
+    def _run_loop(self, cache: KVCache, recording: bool, served: list) -> None:
         """The continuous-batching loop (module docstring) over ``self._queue``, which other calls may
-        extend while it runs; returns when it and the active rows are empty, or at an abort."""
+        extend while it runs; returns when it and the active rows are empty, or at an abort. Every
+        request it admits is appended to ``served``."""
         t0 = time.perf_counter()
         self._recording = recording
         self.model.record_routing(recording)
@@ -547,7 +548,6 @@ class NativeEngine(RolloutEngine):
         waiting = self._queue
         slots = min(self.max_batch_size, cache.max_batch)
         active: list[_Request] = []  # sorted by slot
-        served = self._served
         while True:
             finished = [r for r in active if r.finish is not None]
             active = [r for r in active if r.finish is None]

@@ -88,38 +88,26 @@ class HybridMixin:
     def sync_engine_shm(self, digest: bool) -> dict:
         """Load this rank's engine through the shared buffer (trainer/workers/weight_shm.py; collective
         over every actor rank): per bucket, write this rank's blocks (and digests) into slot ``b % 2``,
-        wait for every rank (one gloo barrier), load the whole bucket into the engine, and digest the
-        engine's blocks against the writers'. One barrier per bucket keeps a slot from being rewritten while a rank
-        still loads it (a rank reaching barrier ``b + 1`` has finished loading ``b``); the digests travel
-        in the buffer's table. A mismatch is reported at the end (raising mid-loop would leave the other
-        ranks waiting at a barrier).
-        Returns ``{"bytes", "buckets", "stream", "engine", "error"}``."""
+        wait for every rank (one gloo barrier), then load the whole bucket into the engine and check its
+        blocks against the writers' digests. One barrier per bucket keeps a slot from being rewritten
+        while a rank still loads it (a rank reaching barrier ``b + 1`` has finished loading ``b``). A
+        mismatch is reported at the end (raising mid-loop would leave the other ranks waiting at a
+        barrier). Returns ``{"bytes", "buckets", "error"}``."""
         import torch.distributed as dist
 
         from megatron_bridge import cpu_shims
 
-        from trainer.workers.weight_shm import check_bucket, write_blocks
+        from trainer.workers.weight_shm import write_blocks
 
-        shm = self._shm
-        sent, got, nbytes, error = {}, {}, 0, None
+        shm, nbytes, error = self._shm, 0, None
         with cpu_shims.suspended():
             for b in range(shm.layout.num_buckets):
                 write_blocks(shm, self._shm_by_bucket.get(b, []), self._shm_params.__getitem__, digest)
                 dist.barrier()
-                nbytes += self.engine_worker.update_weights([(n, shm.tensor(n)) for n in shm.layout.bucket(b)])
-                if digest:
-                    err, held = check_bucket(shm, b, self.engine_worker.engine.hf_views())
-                    error = error or err
-                    got.update(held)
+                n, err = self.engine_worker.load_shared_bucket(b, digest)
+                nbytes, error = nbytes + n, error or err
             dist.barrier()  # no rank writes the next sync's bucket 0 while another still loads this one
-        if not digest:
-            return {"bytes": nbytes, "buckets": shm.layout.num_buckets, "stream": None, "engine": None, "error": None}
-        from megatron_bridge.reshard import Block
-
-        for n, r, c in shm.layout.blocks:
-            sent[Block(n, (), r, c, "", 0, 0).key] = shm.get_digest((n, r, c))
-        return {"bytes": nbytes, "buckets": shm.layout.num_buckets, "stream": combine_digests(sent),
-                "engine": combine_digests(got), "error": error}
+        return {"bytes": nbytes, "buckets": shm.layout.num_buckets, "error": error}
 
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
         done = getattr(self, "_stream_done", None)

@@ -103,20 +103,26 @@ class RolloutWorker:
             raise ValueError(f"the actor's weights have tensors this engine lacks, e.g. {missing[:3]}")
         return True
 
-    def shm_load(self, bucket: int, digest: bool, *written: int) -> int:
-        """Load ``bucket`` from the buffer once every actor rank has written it (``written``: the
-        ranks' results, which Ray resolves first); with ``digest``, check every block of it against
-        the writers' digests in the buffer's table. Returns the bytes loaded."""
-        from trainer.rollout.engine import WeightSyncError
+    def load_shared_bucket(self, bucket: int, digest: bool) -> tuple[int, str | None]:
+        """Load ``bucket`` from the mapped buffer into the engine; with ``digest``, check every block of
+        it against the writers' digests in the buffer's table. Returns (bytes loaded, the first
+        mismatch as an error message or None)."""
         from trainer.workers.weight_shm import check_bucket
 
         tensors = [(n, self._shm.tensor(n)) for n in self._shm.layout.bucket(bucket)]
         self.engine.update_weights(tensors)
-        if digest:
-            error, _ = check_bucket(self._shm, bucket, self.engine.hf_views())
-            if error:
-                raise WeightSyncError(error)
-        return sum(t.numel() * t.element_size() for _, t in tensors)
+        error = check_bucket(self._shm, bucket, self.engine.hf_views()) if digest else None
+        return sum(t.numel() * t.element_size() for _, t in tensors), error
+
+    def shm_load(self, bucket: int, digest: bool, *written: int) -> int:
+        """:meth:`load_shared_bucket` once every actor rank has written it (``written``: the ranks'
+        results, which Ray resolves first); a mismatch raises ``WeightSyncError``."""
+        from trainer.rollout.engine import WeightSyncError
+
+        nbytes, error = self.load_shared_bucket(bucket, digest)
+        if error:
+            raise WeightSyncError(error)
+        return nbytes
 
     def weights_checksum(self) -> str:
         return self.engine.weights_checksum()

@@ -121,6 +121,28 @@ class _EngineCalls:
     """Generation over engines reached through a group: prompts in contiguous chunks, one per engine."""
 
     concurrent_calls = 1  # generate calls that may overlap (see EngineRollout)
+    # shared-memory syncs when the actor and the engines share a node (weight_shm.py), the object-store
+    # path otherwise; ``transport`` says which the last sync took, and why
+    shared_memory = True
+    transport = "object_store"
+    _shm: tuple | None = None  # (actor group, bucket bytes, Layout or None, reason)
+
+    def _shared_layout(self, actor, attach_engines):
+        """The shared-memory sync's layout for this actor (set up at its first sync, again if the bucket
+        size changes), or None where it cannot run; sets ``transport``."""
+        if not self.shared_memory:
+            self.transport = "object_store (shared memory off)"
+            return None
+        if self._shm is None or self._shm[:2] != (actor.group, self.bucket_bytes):
+            self._shm = (actor.group, self.bucket_bytes,
+                         *setup_shared_memory(actor, self.engine_dtype, self.bucket_bytes, attach_engines))
+        self.transport = self._shm[3]
+        return self._shm[2]
+
+    def _shm_buffer_bytes(self) -> int:
+        """The shared-memory sync's buffer (its peak extra memory), 0 when not set up."""
+        layout = self._shm[2] if self._shm is not None else None
+        return layout.file_bytes if layout is not None else 0
 
     size: int
     free_cache: bool
@@ -182,29 +204,13 @@ class EngineRollout(_EngineCalls):
         # leave a thread for abort beside them
         self.concurrent_calls = concurrent_calls
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
-        # shared-memory syncs when the actor and the engines share a node (weight_shm.py); the
-        # object-store path otherwise. ``transport`` says which the last sync took, and why.
         self.shared_memory = shared_memory
-        self._shm: tuple | None = None  # (actor group, Layout or None, bucket bytes)
-        self.transport = self._shm_reason = "object_store"
 
     def _async(self, method, args=None, **kw):
         return self.group.async_call(method, args, **kw)
 
     def _get(self, refs):
         return self.group.get(refs)
-
-    def _shm_layout(self, actor):
-        if self._shm is None or self._shm[0] is not actor.group or self._shm[2] != self.bucket_bytes:
-            layout, self._shm_reason = setup_shared_memory(
-                actor, self.engine_dtype, self.bucket_bytes,
-                lambda args: self._get(self._async("shm_attach", [args] * self.size)))
-            self._shm = (actor.group, layout, self.bucket_bytes)
-        return self._shm[1]
-
-    def _shm_buffer_bytes(self) -> int:
-        layout = self._shm[1] if self._shm is not None else None
-        return layout.file_bytes if layout is not None else 0
 
     def _sync_shared_memory(self, actor, layout, verify: bool) -> dict[str, float]:
         """Bucket ``b``: every actor rank writes its blocks into slot ``b % 2``, then every engine loads
@@ -229,8 +235,7 @@ class EngineRollout(_EngineCalls):
         return m
 
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
-        layout = self._shm_layout(actor) if self.shared_memory else None
-        self.transport = self._shm_reason if self.shared_memory else "object_store (shared memory off)"
+        layout = self._shared_layout(actor, lambda args: self._get(self._async("shm_attach", [args] * self.size)))
         if layout is not None:
             return self._sync_shared_memory(actor, layout, verify)
         t0 = time.perf_counter()
@@ -268,8 +273,7 @@ class HybridRollout(_EngineCalls):
     def __init__(self, actor, *, free_cache: bool, bucket_bytes: int, engine_dtype: str, shared_memory: bool = True):
         self.actor_group, self.size, self.free_cache = actor.group, actor.size, free_cache
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
-        self.shared_memory, self._shm, self._shm_key = shared_memory, None, None
-        self.transport = self._shm_reason = "object_store"
+        self.shared_memory = shared_memory
 
     def _async(self, method, args=None, **kw):
         args = args or [()] * self.size
@@ -285,26 +289,16 @@ class HybridRollout(_EngineCalls):
         if actor.group is not self.actor_group:
             raise ValueError("a hybrid rollout syncs only from the actor group that hosts its engines")
         t0 = time.perf_counter()
-        self.transport = "object_store (shared memory off)"
-        if self.shared_memory:
-            if self._shm_key != self.bucket_bytes:  # set up once (again if the bucket size changes)
-                self._shm_key = self.bucket_bytes
-                self._shm, self._shm_reason = setup_shared_memory(
-                    actor, self.engine_dtype, self.bucket_bytes,
-                    lambda args: self.actor_group.call("engine_shm_attach", [args] * self.size))
-            self.transport = self._shm_reason
-            if self._shm is not None:
-                res = self.actor_group.call("sync_engine_shm", [(verify,)] * self.size)
-                m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
-                m["sync/shared_memory"] = 1.0
-                if verify:
-                    errors = [(i, r["error"]) for i, r in enumerate(res) if r["error"]]
-                    if errors:
-                        raise WeightSyncError(f"rank {errors[0][0]}'s engine: {errors[0][1]}")
-                    check_checksums([(r["stream"], r["engine"]) for r in res])
-                else:
-                    m.pop("sync/verified")
-                return m
+        if self._shared_layout(actor, lambda a: self.actor_group.call("engine_shm_attach", [a] * self.size)):
+            res = self.actor_group.call("sync_engine_shm", [(verify,)] * self.size)
+            errors = [(i, r["error"]) for i, r in enumerate(res) if r["error"]]
+            if errors:  # every rank checked its own engine's blocks against the writers' digests
+                raise WeightSyncError(f"rank {errors[0][0]}'s engine: {errors[0][1]}")
+            m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
+            m["sync/shared_memory"] = 1.0
+            if not verify:
+                m.pop("sync/verified")
+            return m
         res = self.actor_group.call("sync_engine", [(self.bucket_bytes, self.engine_dtype if verify else None)]
                                     * self.size)
         m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
@@ -313,10 +307,6 @@ class HybridRollout(_EngineCalls):
         else:
             m.pop("sync/verified")
         return m
-
-    def _shm_buffer_bytes(self) -> int:
-        """The shared-memory sync's buffer (its peak extra memory), 0 when not set up."""
-        return self._shm.file_bytes if self._shm is not None else 0
 
     def verify(self, actor, streamed: bool = False) -> None:
         if streamed and self.transport != "shared_memory":  # a shared-memory sync checked its blocks already

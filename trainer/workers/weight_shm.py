@@ -151,14 +151,13 @@ def write_blocks(slots: SharedSlots, blocks: list, get_param, digest: bool) -> i
     return len(blocks)
 
 
-def check_bucket(slots: SharedSlots, bucket: int, held: dict) -> tuple[str | None, dict[str, bytes]]:
+def check_bucket(slots: SharedSlots, bucket: int, held: dict) -> str | None:
     """Digest every block of ``bucket`` in the weights the engine holds (``held``: HF name -> view) and
-    compare with the writers' digests in the table. Returns (the first mismatch as an error message
-    or None, {block key: digest held})."""
+    compare with the writers' digests in the table. Returns the first mismatch as an error message,
+    or None."""
     from megatron_bridge.reshard import Block
 
     names = set(slots.layout.bucket(bucket))
-    error, got = None, {}
     for hf_name, rows, cols in slots.layout.blocks:
         if hf_name not in names:
             continue
@@ -166,10 +165,9 @@ def check_bucket(slots: SharedSlots, bucket: int, held: dict) -> tuple[str | Non
         if t is None:
             raise WeightSyncError(f"weight sync failed: the engine has no tensor {hf_name!r}")
         blk = Block(hf_name, tuple(t.shape), rows, cols, "", 0, 0)
-        d = got[blk.key] = tensor_digest(blk.key, blk.dst(t), slots.dtype)
-        want = slots.get_digest((hf_name, rows, cols))
-        if error is None and d != want:
-            error = (f"weight sync failed: block {blk.key} of the engine's weights differs from what the actor "
-                     f"sent (digest {d.hex()[:12]}... vs {want.hex()[:12]}...); the engine would sample from "
-                     f"corrupted weights")
-    return error, got
+        got, want = tensor_digest(blk.key, blk.dst(t), slots.dtype), slots.get_digest((hf_name, rows, cols))
+        if got != want:
+            return (f"weight sync failed: block {blk.key} of the engine's weights differs from what the actor "
+                    f"sent (digest {got.hex()[:12]}... vs {want.hex()[:12]}...); the engine would sample from "
+                    f"corrupted weights")
+    return None
