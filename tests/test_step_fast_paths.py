@@ -150,11 +150,11 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     # the default colocated layout is the hybrid engine: each engine lives in its actor rank's process
     assert c.hybrid and c.rollout.pids() == c.actor.pids()
     full = c.actor.weights_checksum(cfg.actor_rollout_ref.rollout.dtype)
-    # one node: each TP rank writes its own shards into the shared buffer, every engine loads it all
-    # and checks every block's digest (trainer/workers/weight_shm.py)
+    # one node: the engines hold one shared copy of the weights, each TP rank writes its own shards into
+    # it, and the engines check every block's digest (trainer/workers/weight_shm.py)
     m = c.rollout.sync_from(c.actor)
     assert c.rollout.transport == "shared_memory"
-    assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] >= 1
+    assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] == 1
     assert full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
     # the object-store path: TP gathers, each rank loads from the stream it hashed
     c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
@@ -164,8 +164,9 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     streamed = c.actor.stream_checksum()
     assert streamed == full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
     c.rollout.verify(c.actor)  # recomputed from the actor's weights on every rank
-    c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])  # rank 0's engine only
-    with pytest.raises(WeightSyncError, match=r"engine\(s\) \[0\] .*stale or corrupted"):
+    # a load into rank 0's engine shows in both: the engines of the node share their weights' pages
+    c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
+    with pytest.raises(WeightSyncError, match=r"engine\(s\) \[0, 1\] .*stale or corrupted"):
         c.rollout.verify(c.actor)
     with pytest.raises(WeightSyncError, match="stale or corrupted"):
         c.rollout.verify(c.actor, streamed=True)
@@ -173,13 +174,37 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     c.rollout.bucket_bytes = 64 << 10
     m = c.rollout.sync_from(c.actor)
     assert m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
-    # and through shared memory: the two slots alternate, a corrupted engine is repaired
+    # and through shared memory again: a corrupted engine is repaired
     c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
     c.rollout.shared_memory = True
     m = c.rollout.sync_from(c.actor)
-    assert c.rollout.transport == "shared_memory" and m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
+    assert c.rollout.transport == "shared_memory" and m["sync/verified"] == 1.0
     assert c.rollout.engine_checksums() == [full, full]
     c.rollout.verify(c.actor)
+    # a copy that lands wrong on rank 0 (one bit of one down_proj row): its in-cache check names it
+    def lossy_copy(w, on: bool):
+        import ctypes
+
+        from trainer.workers import weight_shm
+
+        real = getattr(weight_shm, "_real_memcpy", weight_shm._memcpy)
+        weight_shm._real_memcpy = real
+        start = w._shm.tensor("model.layers.0.mlp.down_proj.weight").data_ptr()
+
+        def lossy(dst, src, n):  # rank 0 writes whole tensors (TP=1): contiguous, copied by address
+            real(dst, src, n)
+            if w.rank == 0 and dst <= start < dst + n:
+                ctypes.c_ubyte.from_address(start).value ^= 1
+        weight_shm._memcpy = lossy if on else real
+    import ray
+
+    ray.get([w.__ray_call__.remote(lossy_copy, True) for w in c.actor.group.workers])
+    with pytest.raises(WeightSyncError, match=r"rank 0: .*block model.layers.0.mlp.down_proj.weight\[.*differs from what "
+                                              r"the actor sent, first at row 0 of"):
+        c.rollout.sync_from(c.actor)
+    ray.get([w.__ray_call__.remote(lossy_copy, False) for w in c.actor.group.workers])
+    c.rollout.sync_from(c.actor)  # the next sync repairs it
+    assert c.rollout.engine_checksums() == [full, full]
     c.rollout.bucket_bytes = 512 << 20
 
 

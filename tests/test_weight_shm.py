@@ -1,11 +1,14 @@
 """The shared-memory weight sync (trainer/workers/weight_shm.py), in one process: two "ranks" write
-their TP shards' blocks into the buffer and a real native engine loads it. The engine must end up with
-exactly the checkpoint (its own full checksum against the checkpoint's, cast to its dtype), and a
-byte corrupted anywhere between the ranks' copies and the engine's weights must be caught and named.
-The Ray paths (hybrid engine, separate engine workers) run in tests/test_step_fast_paths.py."""
+their TP shards' blocks straight into the weights of real native engines, which share one file. Every
+engine must end up with exactly the checkpoint (its own full checksum against the checkpoint's, cast
+to its dtype); a copy that lands wrong must be caught at its block and row; plans that do not
+partition the engine's tensors are refused. The Ray paths (hybrid engine, separate engine workers)
+run in tests/test_step_fast_paths.py and tests/test_controller.py."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import os
 import sys
 
@@ -18,9 +21,11 @@ from bridge_tiny import make_case  # noqa: E402
 from megatron_bridge.convert import HFCheckpoint, hf_to_megatron_shards  # noqa: E402
 from megatron_bridge.hf_config import read_hf_config  # noqa: E402
 from megatron_bridge.reshard import Block, blocks_for  # noqa: E402
-from trainer.rollout.engine import checksum_named_tensors  # noqa: E402
+from trainer.rollout.engine import SamplingParams, checksum_named_tensors  # noqa: E402
 from trainer.rollout.native import NativeEngine  # noqa: E402
-from trainer.workers.weight_shm import SharedSlots, check_bucket, create_buffer, plan_layout, write_blocks  # noqa: E402
+from trainer.rollout.engine import WeightSyncError  # noqa: E402
+from trainer.workers import weight_shm  # noqa: E402
+from trainer.workers.weight_shm import SharedWeights, create_buffer, plan_layout, prepare_writes, write_blocks  # noqa: E402
 
 TP = 2
 
@@ -33,38 +38,40 @@ class Rank:
         self.blocks = [Block(b.hf_name, b.hf_shape, b.rows, b.cols, n, b.offset, b.row_stride)
                        for n, t in self.params.items() for b in blocks_for(n, hf, tuple(t.shape), TP, r)]
 
+    def plan(self):
+        return [(b.hf_name, b.hf_shape, b.rows, b.cols) for b in self.blocks]
 
-def _setup(path: str, dtype: str, bucket_bytes: int):
+
+def _setup(path: str, dtype: str, engines: int = 2, writer_entries=None):
+    """Two TP ranks and ``engines`` native engines (scrambled weights) joined to one sync file."""
     hf = read_hf_config(path)
     ck = HFCheckpoint(path)
     shards = hf_to_megatron_shards(ck.get, hf, tp=TP, pp=1)
     ranks = [Rank(shards[(0, r)], hf, r) for r in range(TP)]
-    tensors, seen = [], set()
-    for rk in ranks:
-        for b in rk.blocks:
-            if b.hf_name not in seen:
-                seen.add(b.hf_name)
-                tensors.append((b.hf_name, b.hf_shape))
-    layout = plan_layout(tensors, dtype, bucket_bytes, [(b.hf_name, b.rows, b.cols) for rk in ranks for b in rk.blocks])
+    engs = [NativeEngine(path, max_batch_size=2, max_seq_len=64, dtype=getattr(torch, dtype)) for _ in range(engines)]
+    for e in engs:
+        with torch.no_grad():
+            for v in e.hf_views().values():
+                v.normal_()  # the engines start from other weights
+    layout = plan_layout(engs[0].storage_layout(), [rk.plan() for rk in ranks])
     buf, token = create_buffer(layout.file_bytes)
     try:
-        writers = [SharedSlots(buf, token, layout) for _ in ranks]  # each rank's own mapping
-        reader = SharedSlots(buf, token, layout)
+        wl = layout if writer_entries is None else dataclasses.replace(layout, entries=writer_entries(layout.entries))
+        writers = [SharedWeights(buf, token, wl) for _ in ranks]  # each rank's own mapping
+        readers = [SharedWeights(buf, token, layout) for _ in engs]
     finally:
         os.unlink(buf)
-    return ck, ranks, layout, writers, reader
+    for e, r in zip(engs, readers):
+        e.share_weights(r.storage)
+    return ck, ranks, engs, writers, readers
 
 
-def _sync(engine, ranks, layout, writers, reader, corrupt=None) -> list:
-    errors = []
-    for b in range(layout.num_buckets):
-        for rk, w in zip(ranks, writers):
-            write_blocks(w, [blk for blk in rk.blocks if layout.entries[blk.hf_name][0] == b], rk.params.__getitem__, True)
-        if corrupt is not None:
-            corrupt(b)
-        engine.update_weights([(n, reader.tensor(n)) for n in layout.bucket(b)])
-        errors.append(check_bucket(reader, b, engine.hf_views()))
-    return errors
+def _sync(ranks, engs, writers) -> None:
+    """Every rank writes (each chunk compared with what it sent), then every engine re-derives."""
+    for rk, w in zip(ranks, writers):
+        write_blocks(w, prepare_writes(w, rk.blocks), rk.params.__getitem__, True)
+    for e in engs:
+        e.weights_changed()
 
 
 @pytest.fixture(scope="module")
@@ -74,62 +81,120 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("dtype,bucket_kib", [("float32", 1 << 20), ("float32", 48), ("bfloat16", 48)])
-def test_engine_ends_with_exactly_the_checkpoint(ckpt, dtype, bucket_kib):
-    ck, ranks, layout, writers, reader = _setup(ckpt, dtype, bucket_kib << 10)
-    assert layout.num_slots == (1 if bucket_kib > 1000 else 2) and (layout.num_buckets > 2) == (bucket_kib < 1000)
-    engine = NativeEngine(ckpt, max_batch_size=2, max_seq_len=64, dtype=getattr(torch, dtype))
-    with torch.no_grad():
-        for v in engine.hf_views().values():
-            v.normal_()  # the engine starts from other weights
-    assert _sync(engine, ranks, layout, writers, reader) == [None] * layout.num_buckets
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engines_end_with_exactly_the_checkpoint(ckpt, dtype):
+    ck, ranks, engs, writers, readers = _setup(ckpt, dtype)
+    _sync(ranks, engs, writers)
     want = checksum_named_tensors(((n, ck.get(n)) for n in ck.keys()), dtype=getattr(torch, dtype))
-    assert engine.weights_checksum() == want
+    assert [e.weights_checksum() for e in engs] == [want, want]
+    # one copy of the weights for the node: both engines read the same pages
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert engs[0].hf_views()[name].data_ptr() != engs[1].hf_views()[name].data_ptr()  # own mappings...
+    with torch.no_grad():
+        engs[0].hf_views()[name][0, 0] += 1.0
+    assert torch.equal(engs[0].hf_views()[name], engs[1].hf_views()[name])  # ...of one file
+    # and they generate what a private-weight engine with the checkpoint generates
+    ref = NativeEngine(ckpt, max_batch_size=2, max_seq_len=64, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        engs[0].hf_views()[name][0, 0] -= 1.0
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    got, exp = engs[1].generate([[3, 4, 5]], sp)[0][0], ref.generate([[3, 4, 5]], sp)[0][0]
+    assert got.token_ids == exp.token_ids and got.logprobs == exp.logprobs
 
 
-def test_a_corrupted_byte_in_the_buffer_is_caught_and_named(ckpt):
-    ck, ranks, layout, writers, reader = _setup(ckpt, "float32", 48 << 10)
-    engine = NativeEngine(ckpt, max_batch_size=2, max_seq_len=64, dtype=torch.float32)
-    name = "model.layers.1.self_attn.o_proj.weight"  # a row-parallel weight: two column blocks
-    bucket = layout.entries[name][0]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_copy_that_lands_wrong_is_caught_at_its_block_and_row(ckpt, dtype, monkeypatch):
+    ck, ranks, engs, writers, readers = _setup(ckpt, dtype)
+    name = "model.layers.1.self_attn.o_proj.weight"  # a row-parallel weight: a column block per rank
+    real = weight_shm._copy
 
-    def corrupt(b):
-        if b == bucket:
-            raw = reader.tensor(name).view(torch.uint8)
-            raw[3, -1] ^= 0x01  # one bit of one byte, in rank 1's column block
-    errors = _sync(engine, ranks, layout, writers, reader, corrupt)
-    assert [i for i, e in enumerate(errors) if e] == [bucket]
-    assert f"block {name}[0:" in errors[bucket] and "differs from what the actor sent" in errors[bucket]
-    assert ",32:64]" in errors[bucket] or ",16:32]" in errors[bucket]  # the second rank's columns
+    def lossy(dst, src):  # the copy into rank 1's column block of o_proj flips one bit of row 5
+        real(dst, src)
+        if dst.data_ptr() == writers[1].tensor(name)[:, dst.shape[1]:].data_ptr():
+            dst[5:6, :1].view(torch.uint8)[0, 0] ^= 0x01
+    monkeypatch.setattr(weight_shm, "_copy", lossy)
+    with pytest.raises(WeightSyncError, match=rf"block {name}\[0:\d+,\d+:\d+\] .*first at row 5 of"):
+        _sync(ranks, engs, writers)
+    monkeypatch.setattr(weight_shm, "_copy", real)
+    # a byte copy (same dtype, contiguous block: by address) that drops the last byte of gate_proj's rows
+    gates = [w.tensor("model.layers.0.mlp.gate_proj.weight") for w in writers]  # each rank's own mapping
+    gate = gates[0]
+    real_memcpy = weight_shm._memcpy
+
+    def lossy_memcpy(dst, src, n):
+        real_memcpy(dst, src, n)
+        for g in gates:
+            end = g.data_ptr() + g.numel() * g.element_size()
+            if dst < end <= dst + n:
+                ctypes.c_ubyte.from_address(end - 1).value ^= 0x80
+    monkeypatch.setattr(weight_shm, "_memcpy", lossy_memcpy)
+    if dtype == "float32":
+        with pytest.raises(WeightSyncError, match=rf"block model.layers.0.mlp.gate_proj.weight\[\d+:{gate.shape[0]},0:"
+                                                  rf"{gate.shape[1]}\] .*first at row {gate.shape[0] - 1} of"):
+            _sync(ranks, engs, writers)
+    else:
+        _sync(ranks, engs, writers)  # a cast goes through the tensor copy: the byte copy is not used
+    monkeypatch.setattr(weight_shm, "_memcpy", real_memcpy)
+    # a copy that writes nothing at all: the engines keep their old weights
+    with torch.no_grad():
+        for v in engs[0].hf_views().values():
+            v.normal_()  # both engines: one copy of the weights
+    monkeypatch.setattr(weight_shm, "_copy", lambda dst, src: None)
+    monkeypatch.setattr(weight_shm, "_memcpy", lambda dst, src, n: None)
+    with pytest.raises(WeightSyncError, match="differs from what the actor sent"):
+        _sync(ranks, engs, writers)
+    monkeypatch.setattr(weight_shm, "_memcpy", real_memcpy)
+    monkeypatch.setattr(weight_shm, "_copy", real)
+    _sync(ranks, engs, writers)  # and a good sync repairs the engines
+    want = checksum_named_tensors(((n, ck.get(n)) for n in ck.keys()), dtype=getattr(torch, dtype))
+    assert [e.weights_checksum() for e in engs] == [want, want]
 
 
-def test_a_bad_copy_into_the_engine_is_caught(ckpt):
-    ck, ranks, layout, writers, reader = _setup(ckpt, "float32", 1 << 30)
-    engine = NativeEngine(ckpt, max_batch_size=2, max_seq_len=64, dtype=torch.float32)
-    real = engine.update_weights
+def test_writers_that_disagree_with_the_engines_layout_fail_the_end_to_end_check(ckpt):
+    """A writer whose view of one tensor is off by one row (a layout bug) writes, and reads back, the
+    wrong place, so its in-cache check passes; the end-to-end check of the first sync after set-up
+    (every engine's full checksum over its own views, ``_EngineCalls._shm_metrics``) catches it."""
+    name = "model.layers.0.self_attn.q_proj.weight"
 
-    def lossy(named):  # an engine whose load drops the last row of every q_proj
-        named = list(named)
-        out = real(named)
-        for n, _ in named:
-            if n.endswith("q_proj.weight"):
-                engine.hf_views()[n][-1].zero_()
+    def shifted(entries):
+        out = dict(entries)
+        off, shape, stride = out[name]
+        out[name] = (off + stride[0], shape, stride)
         return out
-    engine.update_weights = lossy
-    (err,) = _sync(engine, ranks, layout, writers, reader)
-    assert err is not None and "q_proj.weight[" in err
+    ck, ranks, engs, writers, readers = _setup(ckpt, "float32", writer_entries=shifted)
+    _sync(ranks, engs, writers)
+    want = checksum_named_tensors(((n, ck.get(n)) for n in ck.keys()), dtype=torch.float32)
+    assert engs[0].weights_checksum() != want
 
 
-def test_a_buffer_from_elsewhere_is_refused(ckpt, tmp_path):
-    _, _, layout, _, _ = _setup(ckpt, "float32", 1 << 30)
+def test_a_file_from_elsewhere_is_refused(ckpt, tmp_path):
+    engine = NativeEngine(ckpt, max_batch_size=2, max_seq_len=64, dtype=torch.float32)
+    layout = plan_layout(engine.storage_layout(), [])
     path, token = create_buffer(layout.file_bytes, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="token mismatch"):
-        SharedSlots(path, b"x" * 16, layout)
-    with pytest.raises(FileNotFoundError, match="no sync buffer"):
-        SharedSlots(str(tmp_path / "absent"), token, layout)
-    SharedSlots(path, token, layout)
+        SharedWeights(path, b"x" * 16, layout)
+    with pytest.raises(FileNotFoundError, match="no weight-sync file"):
+        SharedWeights(str(tmp_path / "absent"), token, layout)
+    SharedWeights(path, token, layout)
 
 
-def test_two_writers_of_one_block_are_refused():
+def test_plans_that_do_not_partition_the_engines_tensors_are_refused(ckpt):
+    engine = NativeEngine(ckpt, max_batch_size=2, max_seq_len=64, dtype=torch.float32)
+    el = engine.storage_layout()
+    full = [(n, shape, (0, shape[0]), (0, 1 if len(shape) == 1 else shape[1])) for n, (_, shape, _) in el[2].items()]
+    plan_layout(el, [full])  # one writer of everything: fine
+    name, shape, rows, cols = next(b for b in full if len(b[1]) == 2)
+    rest = [b for b in full if b[0] != name]
+    half = shape[1] // 2
+    left, right = (name, shape, rows, (0, half)), (name, shape, rows, (half, shape[1]))
+    plan_layout(el, [rest + [left], [right]])  # two column blocks: fine
     with pytest.raises(ValueError, match="same block"):
-        plan_layout([("w", (4, 4))], "float32", 1 << 20, [("w", (0, 4), (0, 4)), ("w", (0, 4), (0, 4))])
+        plan_layout(el, [rest + [left], [(name, shape, rows, (half - 1, shape[1]))]])  # one column twice
+    with pytest.raises(ValueError, match="every element must be written"):
+        plan_layout(el, [rest + [left]])  # the right half left stale
+    with pytest.raises(ValueError, match="no actor rank writes"):
+        plan_layout(el, [rest])
+    with pytest.raises(ValueError, match="lacks"):
+        plan_layout(el, [full + [("model.layers.99.mlp.up_proj.weight", shape, rows, cols)]])
+    with pytest.raises(ValueError, match="HF shape"):
+        plan_layout(el, [rest + [(name, (1, *shape), rows, cols)]])

@@ -170,28 +170,53 @@ def new_hasher():
     return xxhash.xxh3_128()
 
 
+CHUNK_BYTES = 512 << 10  # what hashing streams through at a time: it stays in a core's L2 cache
+
+
+def digest_begin(name: str, dtype: torch.dtype, shape) -> "xxhash.xxh3_128":
+    """A hasher primed with what :func:`tensor_digest` hashes before the bytes: (name, dtype, shape)."""
+    h = new_hasher()
+    h.update(name.encode())
+    h.update(b"\0" + str(dtype).encode() + b"\0" + repr(tuple(shape)).encode() + b"\0")
+    return h
+
+
+def hash_rows(h, t: torch.Tensor) -> None:
+    """Feed the row-major bytes of CPU tensor ``t`` to ``h``, in place where it can: all at once when
+    ``t`` is contiguous; a 2-D view with contiguous rows (a column block of a matrix) row by row when
+    rows are long (>= 8 KiB; the hash streams, so this equals hashing its contiguous copy, without the
+    copy), else through a contiguous copy of at most :data:`CHUNK_BYTES` at a time (cheaper than a
+    Python call per short row, and it stays in cache)."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        h.update(_tensor_bytes(t))
+        return
+    if t.dim() != 2 or t.stride(1) != 1:
+        t = t.contiguous()  # kept alive by the name while its bytes are read
+        h.update(_tensor_bytes(t))
+        return
+    es, rows = t.element_size(), t.shape[0]
+    row, step = t.shape[1] * es, t.stride(0) * es
+    if row >= 8192:
+        span = memoryview((ctypes.c_ubyte * ((rows - 1) * step + row)).from_address(t.data_ptr())).cast("B")
+        for off in range(0, rows * step, step):
+            h.update(span[off:off + row])
+        return
+    k = max(1, CHUNK_BYTES // row)
+    for r in range(0, rows, k):
+        c = t[r:r + k].contiguous()
+        h.update(_tensor_bytes(c))
+
+
 def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
     """XXH3-128 of (name, dtype, shape, raw bytes) of one tensor, after an optional cast to ``dtype``."""
     t = t.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)  # round-to-nearest-even, the same rounding as copy_ into an engine buffer
     t = t.to("cpu")
-    h = new_hasher()
-    h.update(name.encode())
-    h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
-    if (t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and t.shape[0] > 0
-            and t.shape[1] * t.element_size() >= 8192):
-        # a column block of a matrix with long rows (a weight sync's block of a big row-parallel weight):
-        # hash it row by row in place; the hash streams, so this equals hashing its contiguous copy,
-        # without the copy (shorter rows: the copy is cheaper than a Python call per row)
-        es = t.element_size()
-        row, step = t.shape[1] * es, t.stride(0) * es
-        span = memoryview((ctypes.c_ubyte * ((t.shape[0] - 1) * step + row)).from_address(t.data_ptr())).cast("B")
-        for off in range(0, t.shape[0] * step, step):
-            h.update(span[off:off + row])
-    else:
-        t = t.contiguous()  # kept alive by the name while its bytes are read
-        h.update(_tensor_bytes(t))
+    h = digest_begin(name, t.dtype, t.shape)
+    hash_rows(h, t)
     return h.digest()
 
 

@@ -44,6 +44,8 @@ CPU kernel for its dtype).
 
 from __future__ import annotations
 
+import bisect
+
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -303,6 +305,78 @@ class CausalLM:
         self._set_rope(max_len or cfg.max_position_embeddings)
         for L in self.layers:
             L.packed = (None, None, None, None)
+        self._repack()
+
+    # ---- the weights in one flat storage (a shared-memory weight sync: trainer/workers/weight_shm.py)
+    _ALIGN = 64  # bytes: every weight starts on a cache line
+
+    def _weight_bases(self) -> list[tuple[object, str, torch.Tensor]]:
+        """(holder, attribute, tensor) of every weight this model allocated (not the derived ones:
+        ``qk_norm``, the packed copies, the rope tables), in a fixed order; a tied head is listed once
+        (under ``embed``) and re-pointed with it."""
+        out = [(self, "embed", self.embed), (self, "norm", self.norm)]
+        if not self.cfg.tie_word_embeddings:
+            out.append((self, "lm_head", self.lm_head))
+        for L in self.layers:
+            for a in ("ln1", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "ln2", "w_gu", "b_gu", "w_down", "b_down"):
+                t = getattr(L, a)
+                if isinstance(t, torch.Tensor):
+                    out.append((L, a, t))
+                elif isinstance(t, MoEWeights):
+                    out += [(t, b, getattr(t, b)) for b in ("router", "w_gu", "w_down", "shared_gu", "shared_down",
+                                                            "shared_gate") if getattr(t, b) is not None]
+        return out
+
+    def _storage_plan(self) -> tuple[int, list[int], dict[str, tuple[int, tuple, tuple]]]:
+        """(elements of one flat storage holding every weight, each base's element offset in it, and
+        HF name -> (element offset, shape, stride) of its view there)."""
+        bases = self._weight_bases()
+        step = max(1, self._ALIGN // self.embed.element_size())
+        offsets, n = [], 0
+        for _, _, t in bases:
+            offsets.append(n)
+            n += -(-t.numel() // step) * step
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t, o)
+                       for (_, _, t), o in zip(bases, offsets))
+        starts = [a for a, _, _, _ in spans]
+        views = {}
+        for name, v in self._hf.items():
+            i = bisect.bisect_right(starts, v.data_ptr()) - 1
+            a, b, base, off = spans[i]
+            if not (i >= 0 and a <= v.data_ptr() < b):
+                raise RuntimeError(f"{name}: a weight view outside every weight tensor")
+            views[name] = (off + (v.data_ptr() - a) // v.element_size(), tuple(v.shape), tuple(v.stride()))
+        return n, offsets, views
+
+    def storage_layout(self) -> tuple[int, dict[str, tuple[int, tuple, tuple]]]:
+        """(elements, HF name -> (element offset, shape, stride)): where :meth:`move_weights` puts every
+        weight in a flat storage of this model's dtype. Models of one config and dtype agree."""
+        n, _, views = self._storage_plan()
+        return n, views
+
+    def move_weights(self, storage: torch.Tensor) -> None:
+        """Move every weight into ``storage`` (flat, this model's dtype and device, at least
+        :meth:`storage_layout`'s elements) with its current values, at the layout's places. Several
+        models may share one storage (engines on one node mapping one shared file: one copy of the
+        weights); what the weights derive (packed copies) stays each model's own."""
+        n, offsets, views = self._storage_plan()
+        if storage.dim() != 1 or storage.numel() < n or storage.dtype != self.dtype or storage.device != self.device:
+            raise ValueError(f"move_weights needs a flat {self.dtype} storage of >= {n} elements on {self.device}; "
+                             f"got {tuple(storage.shape)} {storage.dtype} on {storage.device}")
+        with torch.no_grad():
+            for (holder, attr, t), off in zip(self._weight_bases(), offsets):
+                new = storage[off:off + t.numel()].view(t.shape)
+                if new.data_ptr() != t.data_ptr():
+                    new.copy_(t)
+                setattr(holder, attr, new)
+            if self.cfg.tie_word_embeddings:
+                self.lm_head = self.embed
+            base = storage.storage_offset()
+            self._hf = {name: storage.as_strided(shape, stride, base + off) for name, (off, shape, stride) in views.items()}
+        self._repack()
+
+    def weights_changed(self) -> None:
+        """The weights were written in place (a shared-memory sync): re-derive what is computed from them."""
         self._repack()
 
     def set_prepack(self, enabled: bool = True) -> bool:

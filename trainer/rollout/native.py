@@ -376,6 +376,21 @@ class NativeEngine(RolloutEngine):
         """HF name -> view of the weight this engine holds (a weight sync's check reads them)."""
         return dict(self.model.hf_tensors())
 
+    def storage_layout(self) -> tuple[str, int, dict]:
+        """(dtype, elements, HF name -> (element offset, shape, stride)) of this engine's weights in one
+        flat storage (:meth:`share_weights`)."""
+        n, views = self.model.storage_layout()
+        return str(self.model.dtype).removeprefix("torch."), n, views
+
+    def share_weights(self, storage: torch.Tensor) -> None:
+        """Hold the weights in ``storage`` from now on (a shared-memory weight sync maps it in every
+        engine of the node and the actor ranks write into it: trainer/workers/weight_shm.py)."""
+        self.model.move_weights(storage)
+
+    def weights_changed(self) -> None:
+        """The weights were written in place: re-derive what the model computes from them."""
+        self.model.weights_changed()
+
     def abort(self) -> None:
         """Make the running :meth:`generate` (called from another thread) return at its next step."""
         self._abort.set()

@@ -81,33 +81,30 @@ class HybridMixin:
         engine = self.engine("weights_checksum") if hashing else None
         return {"bytes": nbytes, "buckets": buckets, "stream": stream, "engine": engine}
 
-    def engine_shm_attach(self, path: str, token: bytes, layout) -> bool:
-        return self.engine_worker.shm_attach(path, token, layout)
-
     @resident("params")
-    def sync_engine_shm(self, digest: bool) -> dict:
-        """Load this rank's engine through the shared buffer (trainer/workers/weight_shm.py; collective
-        over every actor rank): per bucket, write this rank's blocks (and digests) into slot ``b % 2``,
-        wait for every rank (one gloo barrier), then load the whole bucket into the engine and check its
-        blocks against the writers' digests. One barrier per bucket keeps a slot from being rewritten
-        while a rank still loads it (a rank reaching barrier ``b + 1`` has finished loading ``b``). A
-        mismatch is reported at the end (raising mid-loop would leave the other ranks waiting at a
-        barrier). Returns ``{"bytes", "buckets", "error"}``."""
+    def sync_engine_shm(self, verify: bool) -> dict:
+        """Write this rank's blocks into the engines' shared weights (trainer/workers/weight_shm.py;
+        collective over every actor rank, each hosting one engine of the node), each chunk compared in
+        cache with what was sent when ``verify``; wait for every rank (one gloo barrier), then
+        re-derive this engine's packed weights. A mismatch is returned, not raised, so that every rank
+        still reaches the barrier; the driver names the rank. Returns ``{"bytes", "buckets", "error"}``."""
         import torch.distributed as dist
 
         from megatron_bridge import cpu_shims
 
+        from trainer.rollout.engine import WeightSyncError
         from trainer.workers.weight_shm import write_blocks
 
-        shm, nbytes, error = self._shm, 0, None
+        error = None
         with cpu_shims.suspended():
-            for b in range(shm.layout.num_buckets):
-                write_blocks(shm, self._shm_by_bucket.get(b, []), self._shm_params.__getitem__, digest)
-                dist.barrier()
-                n, err = self.engine_worker.load_shared_bucket(b, digest)
-                nbytes, error = nbytes + n, error or err
-            dist.barrier()  # no rank writes the next sync's bucket 0 while another still loads this one
-        return {"bytes": nbytes, "buckets": shm.layout.num_buckets, "error": error}
+            try:
+                write_blocks(self._shm, self._shm_writes, self._shm_params.__getitem__, verify)
+            except WeightSyncError as e:
+                error = str(e)
+            finally:
+                dist.barrier()  # no engine re-derives before every rank wrote; a failed rank still arrives
+            nbytes = self.engine_worker.take_shared_weights()
+        return {"bytes": nbytes, "buckets": 1, "error": error}
 
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
         done = getattr(self, "_stream_done", None)

@@ -504,26 +504,24 @@ class MegatronWorker:
         return [(b.hf_name, b.hf_shape, b.rows, b.cols) for b in blocks]
 
     def shm_attach(self, path: str, token: bytes, layout) -> bool:
-        """Map the sync buffer; False when it is not visible from here (another node or namespace)."""
-        from trainer.workers.weight_shm import SharedSlots
+        """Map the sync file; False when it is not visible from here (another node or namespace)."""
+        from trainer.workers.weight_shm import SharedWeights, prepare_writes
 
         try:
-            self._shm = SharedSlots(path, token, layout)
+            self._shm = SharedWeights(path, token, layout)
         except FileNotFoundError:
             return False
-        by_bucket: dict[int, list] = {}
-        for b in self._shm_blocks:
-            by_bucket.setdefault(layout.entries[b.hf_name][0], []).append(b)
-        self._shm_by_bucket = by_bucket
+        self._shm_writes = prepare_writes(self._shm, self._shm_blocks)
         return True
 
     @resident("params")
-    def shm_write(self, bucket: int, digest: bool) -> int:
-        """Write this rank's blocks of ``bucket`` into the buffer (cast to the engine dtype) and, with
-        ``digest``, their digests into its table; returns the number of blocks written."""
+    def shm_write(self, verify: bool) -> int:
+        """Write this rank's blocks into the engines' shared weights (cast to the engine dtype), with
+        ``verify`` each chunk compared in cache with what was sent (``WeightSyncError`` on a
+        difference); returns the bytes written."""
         from trainer.workers.weight_shm import write_blocks
 
-        return write_blocks(self._shm, self._shm_by_bucket.get(bucket, []), self._shm_params.__getitem__, digest)
+        return write_blocks(self._shm, self._shm_writes, self._shm_params.__getitem__, verify)
 
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
         """Checksum of the last ``weight_buckets`` stream (rank 0; others None), equal to

@@ -87,42 +87,39 @@ class RolloutWorker:
         self.engine.update_weights(bucket)
         return sum(t.numel() * t.element_size() for _, t in bucket)
 
-    def shm_attach(self, path: str, token: bytes, layout) -> bool:
-        """Map the weight-sync buffer (trainer/workers/weight_shm.py); False when this engine cannot
-        take a shared-memory sync (not the native engine, or the buffer is not visible from here)."""
-        from trainer.workers.weight_shm import SharedSlots
+    def shm_layout(self) -> tuple | None:
+        """This engine's weights as one flat storage (``NativeEngine.storage_layout``): what a shared-memory
+        sync (trainer/workers/weight_shm.py) lays its file out by; None when the engine cannot take one."""
+        layout = getattr(self.engine, "storage_layout", None)
+        return layout() if layout is not None else None
 
-        if not hasattr(self.engine, "hf_views"):
+    def shm_attach(self, path: str, token: bytes, layout) -> bool:
+        """Map the weight-sync file and move this engine's weights into it (every engine of the node
+        then holds the same pages); False when the file is not visible from here (another node or
+        ``/dev/shm`` namespace) or the engine cannot hold its weights there."""
+        from trainer.workers.weight_shm import SharedWeights
+
+        if not hasattr(self.engine, "share_weights"):
             return False
+        if self.engine.storage_layout()[1:] != (layout.numel, layout.entries):
+            raise ValueError("this engine lays its weights out differently from the weight-sync file")
         try:
-            self._shm = SharedSlots(path, token, layout)
+            self._shm = SharedWeights(path, token, layout)
         except FileNotFoundError:
             return False
-        missing = sorted(set(layout.entries) - set(self.engine.hf_views()))
-        if missing:
-            raise ValueError(f"the actor's weights have tensors this engine lacks, e.g. {missing[:3]}")
+        self.engine.share_weights(self._shm.storage)
         return True
 
-    def load_shared_bucket(self, bucket: int, digest: bool) -> tuple[int, str | None]:
-        """Load ``bucket`` from the mapped buffer into the engine; with ``digest``, check every block of
-        it against the writers' digests in the buffer's table. Returns (bytes loaded, the first
-        mismatch as an error message or None)."""
-        from trainer.workers.weight_shm import check_bucket
+    def take_shared_weights(self) -> int:
+        """After the actor ranks wrote the weights in place: re-derive what the engine computes from
+        them. Returns the sync's bytes."""
+        self.engine.weights_changed()
+        return self._shm.layout.model_bytes
 
-        tensors = [(n, self._shm.tensor(n)) for n in self._shm.layout.bucket(bucket)]
-        self.engine.update_weights(tensors)
-        error = check_bucket(self._shm, bucket, self.engine.hf_views()) if digest else None
-        return sum(t.numel() * t.element_size() for _, t in tensors), error
-
-    def shm_load(self, bucket: int, digest: bool, *written: int) -> int:
-        """:meth:`load_shared_bucket` once every actor rank has written it (``written``: the ranks'
-        results, which Ray resolves first); a mismatch raises ``WeightSyncError``."""
-        from trainer.rollout.engine import WeightSyncError
-
-        nbytes, error = self.load_shared_bucket(bucket, digest)
-        if error:
-            raise WeightSyncError(error)
-        return nbytes
+    def shm_load(self, *written: int) -> int:
+        """:meth:`take_shared_weights` once every actor rank has written (``written``: the ranks'
+        results, which Ray resolves first: a rank's failed check fails this call too)."""
+        return self.take_shared_weights()
 
     def weights_checksum(self) -> str:
         return self.engine.weights_checksum()

@@ -11,16 +11,16 @@ The loop sees only this interface::
 Implementations, each owning its transport:
 
 * :class:`EngineRollout`: one :class:`~trainer.workers.rollout_worker.RolloutWorker` per engine in its
-  own Ray worker. On one node a sync goes through shared memory (trainer/workers/weight_shm.py): each
-  actor rank writes only its own shards' blocks into a HF-layout buffer, every engine loads it and
-  checks each block's digest. Otherwise it streams the actor's HF-named buckets through Ray's object
-  store: actor rank 0 yields each bucket as an object reference, every engine reads that same stored
+  own Ray worker. On one node a sync goes through shared memory (trainer/workers/weight_shm.py): the
+  engines hold their weights in one shared file, each actor rank writes only its own shards' blocks
+  into it, and the engines check every block's digest. Otherwise it streams the actor's HF-named
+  buckets through Ray's object store: actor rank 0 yields each bucket as an object reference, every engine reads that same stored
   object (one bucket in flight, the actor's stream at most two ahead), and the driver only passes
   references.
 * :class:`HybridRollout` (verl's hybrid engine, ``actor_rollout_ref.hybrid_engine``): the engines live
   inside the actor ranks' processes (:class:`~trainer.workers.hybrid_worker.HybridWorker`); on one
-  node the ranks write their shards into the shared buffer and each loads its engine from it, else every
-  rank loads its engine from the (gathered) HF-name iterator with a local copy.
+  node the ranks write their shards straight into the engines' shared weights, else every rank loads
+  its engine from the (gathered) HF-name iterator with a local copy.
 * :class:`FleetRollout` (``rollout.mode=server``): HTTP engine servers behind the real
   ``sglang-router`` (:class:`trainer.rollout.fleet.Fleet`); the actor's stream goes through the
   driver to the fleet client, which drains the servers, pushes every bucket and checks every
@@ -70,28 +70,32 @@ def _sync_metrics(t0: float, nbytes: int, buckets: int) -> dict[str, float]:
             "sync/gbps": nbytes / max(dt, 1e-9) / 1e9, "sync/verified": 1.0}
 
 
-def setup_shared_memory(actor, engine_dtype: str, bucket_bytes: int, attach_engines) -> tuple:
-    """Set up a shared-memory sync (trainer/workers/weight_shm.py) from ``actor`` to engines that
-    ``attach_engines((path, token, layout))`` maps (a list of bools). Returns ``(layout, transport)``;
-    the layout is None where it cannot run, and ``transport`` then says why."""
+def setup_shared_memory(actor, engines) -> tuple:
+    """Set up a shared-memory sync (trainer/workers/weight_shm.py) from ``actor`` to the engines that
+    ``engines`` (an ``_EngineCalls``) reaches: every engine's weights move into one shared file that
+    every actor rank maps. Returns ``(layout, transport)``; the layout is None where it cannot run, and
+    ``transport`` then says why."""
     from trainer.workers.weight_shm import create_buffer, plan_layout
 
     plans = actor.group.call("shm_plan")
     if any(p is None for p in plans):
         return None, "object_store (the actor's strategy has no direct reshard plan)"
-    seen: dict[str, tuple] = {}
-    for plan in plans:
-        for name, shape, _, _ in plan:
-            seen.setdefault(name, shape)
-    layout = plan_layout(list(seen.items()), engine_dtype, bucket_bytes,
-                         [(n, r, c) for plan in plans for n, _, r, c in plan])
+    layouts = engines._call("shm_layout")
+    if any(x is None for x in layouts):
+        return None, "object_store (the rollout engine cannot hold its weights in shared memory)"
+    if any(x != layouts[0] for x in layouts):
+        return None, "object_store (the rollout engines lay their weights out differently)"
+    layout = plan_layout(layouts[0], plans)
     try:
         path, token = create_buffer(layout.file_bytes)
     except OSError as e:
-        return None, f"object_store (no room for a {layout.file_bytes >> 20} MiB sync buffer in /dev/shm: {e})"
+        return None, f"object_store (no room for the {layout.file_bytes >> 20} MiB weight-sync file in /dev/shm: {e})"
     try:
+        # the actor ranks first: an engine that joins moves its weights into the file, so join only
+        # where the writers can reach it
         ok = actor.group.call("shm_attach", [(path, token, layout)] * actor.size)
-        ok += attach_engines((path, token, layout))
+        if all(ok):
+            ok = engines._call("shm_attach", [(path, token, layout)] * engines.size)
     finally:
         os.unlink(path)  # every process that joined keeps its mapping; nothing outlives them
     if not all(ok):
@@ -125,23 +129,38 @@ class _EngineCalls:
     # path otherwise; ``transport`` says which the last sync took, and why
     shared_memory = True
     transport = "object_store"
-    _shm: tuple | None = None  # (actor group, bucket bytes, Layout or None, reason)
+    _shm: tuple | None = None  # (actor group, Layout or None, reason)
+    _shm_proven = False  # a sync since set-up was checked end to end (``_shm_metrics``)
 
-    def _shared_layout(self, actor, attach_engines):
-        """The shared-memory sync's layout for this actor (set up at its first sync, again if the bucket
-        size changes), or None where it cannot run; sets ``transport``."""
+    def _shared_layout(self, actor):
+        """The shared-memory sync's layout for this actor (set up at its first sync), or None where it
+        cannot run; sets ``transport``."""
         if not self.shared_memory:
             self.transport = "object_store (shared memory off)"
             return None
-        if self._shm is None or self._shm[:2] != (actor.group, self.bucket_bytes):
-            self._shm = (actor.group, self.bucket_bytes,
-                         *setup_shared_memory(actor, self.engine_dtype, self.bucket_bytes, attach_engines))
-        self.transport = self._shm[3]
-        return self._shm[2]
+        if self._shm is None or self._shm[0] is not actor.group:
+            self._shm = (actor.group, *setup_shared_memory(actor, self))
+            self._shm_proven = False
+        self.transport = self._shm[2]
+        return self._shm[1]
+
+    def _shm_metrics(self, actor, t0: float, nbytes: int, verify: bool) -> dict[str, float]:
+        """A shared-memory sync's metrics; the first verified one after set-up is also checked end to
+        end (every engine's full checksum over its own views against the actor's: the writers' views of
+        the file and the engines' agree), outside its timing."""
+        m = _sync_metrics(t0, nbytes, 1)
+        m["sync/shared_memory"] = 1.0
+        if not verify:
+            m.pop("sync/verified")
+        elif not self._shm_proven:
+            self.verify(actor)
+            self._shm_proven = True
+        return m
 
     def _shm_buffer_bytes(self) -> int:
-        """The shared-memory sync's buffer (its peak extra memory), 0 when not set up."""
-        layout = self._shm[2] if self._shm is not None else None
+        """The shared-memory sync's file (the engines' weights, one copy for the node, instead of one
+        per engine), 0 when not set up."""
+        layout = self._shm[1] if self._shm is not None else None
         return layout.file_bytes if layout is not None else 0
 
     size: int
@@ -212,32 +231,17 @@ class EngineRollout(_EngineCalls):
     def _get(self, refs):
         return self.group.get(refs)
 
-    def _sync_shared_memory(self, actor, layout, verify: bool) -> dict[str, float]:
-        """Bucket ``b``: every actor rank writes its blocks into slot ``b % 2``, then every engine loads
-        it and checks the ranks' digests. Writes of ``b + 1`` overlap the loads of ``b``; a slot is
-        rewritten only after its previous bucket's loads returned."""
+    def _sync_shared_memory(self, actor, verify: bool) -> dict[str, float]:
+        """Every actor rank writes its blocks into the engines' shared weights (checking each chunk in
+        cache); then (Ray resolves the ranks' results first) every engine re-derives its packed weights."""
         t0 = time.perf_counter()
-        group = actor.group
-        writes, loads, nbytes = None, None, 0
-        for b in range(layout.num_buckets):
-            if writes is not None:
-                group.get(writes)  # the ranks write one bucket at a time
-            writes = group.async_call("shm_write", [(b, verify)] * group.size)
-            if loads is not None:
-                nbytes += sum(self._get(loads)) // self.size  # frees slot (b + 1) % 2 for the next write
-            # an engine starts loading once Ray has the ranks' results: every block and digest is written
-            loads = self._async("shm_load", [(b, verify, *writes)] * self.size)
-        nbytes += sum(self._get(loads)) // self.size
-        m = _sync_metrics(t0, nbytes, layout.num_buckets)
-        m["sync/shared_memory"] = 1.0
-        if not verify:
-            m.pop("sync/verified")
-        return m
+        writes = actor.group.async_call("shm_write", [(verify,)] * actor.size)
+        nbytes = self._get(self._async("shm_load", [tuple(writes)] * self.size))[0]
+        return self._shm_metrics(actor, t0, nbytes, verify)
 
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
-        layout = self._shared_layout(actor, lambda args: self._get(self._async("shm_attach", [args] * self.size)))
-        if layout is not None:
-            return self._sync_shared_memory(actor, layout, verify)
+        if self._shared_layout(actor) is not None:
+            return self._sync_shared_memory(actor, verify)
         t0 = time.perf_counter()
         # with verify, actor rank 0 hashes each bucket after handing it over (while the engines load it)
         streams = actor.weight_streams(self.bucket_bytes, self.engine_dtype if verify else None)
@@ -289,16 +293,12 @@ class HybridRollout(_EngineCalls):
         if actor.group is not self.actor_group:
             raise ValueError("a hybrid rollout syncs only from the actor group that hosts its engines")
         t0 = time.perf_counter()
-        if self._shared_layout(actor, lambda a: self.actor_group.call("engine_shm_attach", [a] * self.size)):
+        if self._shared_layout(actor) is not None:
             res = self.actor_group.call("sync_engine_shm", [(verify,)] * self.size)
             errors = [(i, r["error"]) for i, r in enumerate(res) if r["error"]]
-            if errors:  # every rank checked its own engine's blocks against the writers' digests
-                raise WeightSyncError(f"rank {errors[0][0]}'s engine: {errors[0][1]}")
-            m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
-            m["sync/shared_memory"] = 1.0
-            if not verify:
-                m.pop("sync/verified")
-            return m
+            if errors:  # every rank compared what it wrote with what it sent
+                raise WeightSyncError(f"rank {errors[0][0]}: {errors[0][1]}")
+            return self._shm_metrics(actor, t0, res[0]["bytes"], verify)
         res = self.actor_group.call("sync_engine", [(self.bucket_bytes, self.engine_dtype if verify else None)]
                                     * self.size)
         m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])

@@ -1,96 +1,140 @@
-"""Weight sync through one node's shared memory: no gather, no funnel, every block moved once.
+"""Weight sync through one node's shared memory: the engines' weights live in it, and every actor rank
+writes the shards it owns straight into them. No gather, no funnel, no staging buffer: each byte of
+the model is written once, by its owner, and checked while it is still in that core's cache.
 
-When the actor's ranks and the rollout engines share a node (and its ``/dev/shm``), a sync runs as:
+When the actor's ranks and the rollout engines share a node (and its ``/dev/shm``):
 
-1. each actor rank copies the blocks of its own shards (``megatron_bridge.reshard``) to their final
-   places in a HF-layout buffer in shared memory, casting to the engine dtype on the way, in parallel
-   with the other ranks, and takes the XXH3 digest of each block it sent;
-2. each engine copies the buffer's HF tensors into its weights (``update_weights``), then digests the
-   same blocks of the weights it now holds and compares them with the actor's: a mismatch raises
-   :class:`~trainer.rollout.engine.WeightSyncError`, naming the tensor and block.
+* set-up, once per actor: the driver creates one file the size of an engine's weights (its flat
+  storage layout, ``NativeEngine.storage_layout``). Every engine of the node moves its weights into
+  it (``share_weights``): one copy of the weights per node, mapped by every engine (engines only read
+  their weights, and a sync writes them only while none generates: the loop settles or pauses the
+  engines first). Every actor rank maps it too and finds its blocks (``megatron_bridge.reshard``) in
+  the engines' HF-named views. :func:`plan_layout` checks that the ranks' blocks partition every
+  tensor exactly (no element written twice, none left out), so no later write can touch a checked
+  block. The first sync after set-up is also checked end to end by the caller: every engine's full
+  checksum, over its own views, against the actor's (``rollout.verify``): that proves the writers'
+  views of the file and the engines' views agree;
+* a sync: each rank copies its blocks into the engines' weights, casting to the engine dtype, in
+  pieces of 128 KiB, and right after each piece's copy compares the bytes that now sit in the
+  engines' memory with the bytes it sent (``memcmp``; the cast piece for a cast), both still in L2.
+  A mismatch raises :class:`~trainer.rollout.engine.WeightSyncError` naming the tensor, the block and
+  the row. Then each engine re-derives what it computes from its weights (packed copies).
 
-The model goes through in buckets of ``bucket_bytes``; two buffer slots alternate, so the ranks write
-bucket ``b + 1`` while the engines load bucket ``b`` (peak extra memory: two buckets). Cost per byte:
-one strided copy on the writing rank (ranks in parallel), one copy into each engine, and each side's
-hash (XXH3, ~30 GB/s per core). The object-store path (``trainer/workers/rollouts.py``) gathers every
-tensor-parallel parameter over gloo and funnels the whole model through actor rank 0.
+Why a comparison, not digests: the engines hold the very pages the writer just wrote, so what the
+engine holds can be read back where it is cheapest, in the writer's cache, and compared exactly (no
+collision probability). A digest on each side means a second pass over the model from memory on the
+engine side, which here costs more than the copy itself. Cost per byte: one strided copy by its owner
+(the ranks in parallel) and an in-cache ``memcmp``. Memory: nothing extra; the engines of a node
+share one copy of the weights instead of one each.
 
-The buffer is one file under ``/dev/shm`` created by the driver with ``posix_fallocate`` (a full
-tmpfs is an ``ENOSPC`` at set-up, not a ``SIGBUS`` mid-copy), mapped by every process, then unlinked:
-the mappings stay, and no file outlives the processes. Its first 16 bytes are a random token that
-every process checks after mapping it, so a process on another node (or in another ``/dev/shm``
-namespace) reports that it cannot join and the sync keeps the object-store path.
+The file is created with ``posix_fallocate`` (a full tmpfs is an ``ENOSPC`` at set-up, not a
+``SIGBUS`` mid-copy), mapped by every process, then unlinked: the mappings stay, and no file outlives
+the processes. Its first 16 bytes are a random token that every process checks after mapping it, so
+a process on another node (or in another ``/dev/shm`` namespace) reports that it cannot join and the
+sync keeps the object-store path (trainer/workers/rollouts.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import uuid
 from dataclasses import dataclass
 
 import torch
 
-from trainer.rollout.engine import WeightSyncError, tensor_digest
+from trainer.rollout.engine import WeightSyncError
 
-HEADER = 64  # token (16 bytes), then padding
-ALIGN = 64
-DIGEST = 16  # XXH3-128
+HEADER = 64  # token (16 bytes), then padding: the weights start on a cache line
+
+_libc = ctypes.CDLL(None)
+_memcmp = _libc.memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcpy = _libc.memcpy
+_memcpy.restype = ctypes.c_void_p
+_memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+# a checked copy goes in pieces this size: the piece just copied is compared while both sides are still
+# in L2 (measured here: 128 KiB pieces add 21% to a plain copy, 512 KiB ones 60%, a second pass 90%)
+PIECE = 128 << 10
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where every HF tensor and every block's digest of the sync sits: bucket ``b`` lives in slot
-    ``b % num_slots``; ``blocks[i]`` = (HF name, rows, cols) owns digest row ``i`` of the table."""
+    """The shared file: a header, then the engines' weights, a flat storage of ``numel`` elements of
+    ``dtype``, where HF tensor ``name`` is the view ``entries[name]`` = (element offset, shape, stride).
+    ``blocks``: every rank's (HF name, rows, cols), checked to partition every tensor."""
 
-    dtype: str  # the engine dtype every tensor is written in
-    slot_bytes: int
-    num_slots: int
-    entries: dict  # hf_name -> (bucket, byte offset in its slot, shape)
-    blocks: tuple = ()  # ((hf_name, rows, cols), ...): every writer's blocks, in the digest table's order
-
-    @property
-    def num_buckets(self) -> int:
-        return 1 + max(b for b, _, _ in self.entries.values()) if self.entries else 0
+    dtype: str
+    numel: int
+    entries: dict
+    blocks: tuple = ()
 
     @property
-    def table_bytes(self) -> int:
-        return -(-len(self.blocks) * DIGEST // ALIGN) * ALIGN
+    def esize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @property
     def file_bytes(self) -> int:
-        return HEADER + self.table_bytes + self.num_slots * self.slot_bytes
+        return HEADER + self.numel * self.esize
 
-    def bucket(self, b: int) -> list[str]:
-        return [n for n, (bb, _, _) in self.entries.items() if bb == b]
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the HF tensors a sync writes (what a sync moves)."""
+        n = 0
+        for _, shape, _ in self.entries.values():
+            k = 1
+            for s in shape:
+                k *= int(s)
+            n += k
+        return n * self.esize
 
-    def index(self) -> dict[tuple, int]:
-        return {(n, tuple(r), tuple(c)): i for i, (n, r, c) in enumerate(self.blocks)}
+
+def _frame(shape) -> tuple[int, int]:
+    """The [rows, cols] frame blocks are cut in (``megatron_bridge.reshard.as_2d``)."""
+    if not shape:
+        return 1, 1
+    n = 1
+    for s in shape[1:]:
+        n *= int(s)
+    return int(shape[0]), n
 
 
-def plan_layout(tensors: list[tuple[str, tuple[int, ...]]], dtype: str, bucket_bytes: int,
-                blocks: list[tuple] = ()) -> Layout:
-    """Buckets of at least ``bucket_bytes`` in the given order (the last may be smaller; a tensor larger
-    than a bucket is a bucket by itself: the rule of ``megatron_bridge.export.iter_hf_weights``), and
-    a digest row per block."""
-    esize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    entries, b, off, sizes = {}, 0, 0, []
-    for name, shape in tensors:
-        if name in entries:
-            raise ValueError(f"tensor {name!r} appears twice in the weight-sync layout")
-        n = esize
-        for s in shape:
-            n *= int(s)
-        entries[name] = (b, off, tuple(int(s) for s in shape))
-        off += -(-n // ALIGN) * ALIGN
-        if off >= bucket_bytes:
-            sizes.append(off)
-            b, off = b + 1, 0
-    if off:
-        sizes.append(off)
-    keys = [(n, tuple(r), tuple(c)) for n, r, c in blocks]
-    if len(set(keys)) != len(keys):
-        raise ValueError("two ranks plan to write the same block of a weight")
-    return Layout(dtype, max(sizes, default=ALIGN), min(2, len(sizes)) or 1, entries, tuple(keys))
+def plan_layout(engine_layout: tuple[str, int, dict], plans: list[list[tuple]]) -> Layout:
+    """The sync's layout from an engine's ``storage_layout()`` and every actor rank's plan ((HF name, HF
+    shape, rows, cols) per block). Raises ``ValueError`` where they do not fit: a tensor the engine
+    lacks or holds in another shape, or blocks that do not partition a tensor exactly (two writers of
+    one element, or an element nobody writes: the engine would keep a stale value unchecked)."""
+    dtype, numel, entries = engine_layout
+    by_tensor: dict[str, list] = {}
+    keys = []
+    for plan in plans:
+        for name, shape, rows, cols in plan:
+            if name not in entries:
+                raise ValueError(f"the actor's weights have a tensor the rollout engine lacks: {name!r}")
+            if tuple(entries[name][1]) != tuple(shape):
+                raise ValueError(f"{name}: the actor's HF shape {tuple(shape)} != the engine's {tuple(entries[name][1])}")
+            by_tensor.setdefault(name, []).append((tuple(rows), tuple(cols)))
+            keys.append((name, tuple(rows), tuple(cols)))
+    for name, rects in by_tensor.items():
+        R, C = _frame(entries[name][1])
+        area = 0
+        for i, ((r0, r1), (c0, c1)) in enumerate(rects):
+            if not (0 <= r0 < r1 <= R and 0 <= c0 < c1 <= C):
+                raise ValueError(f"{name}: block [{r0}:{r1},{c0}:{c1}] lies outside its [{R}, {C}] frame")
+            area += (r1 - r0) * (c1 - c0)
+            for (q0, q1), (d0, d1) in rects[:i]:
+                if r0 < q1 and q0 < r1 and c0 < d1 and d0 < c1:
+                    raise ValueError(f"two ranks plan to write the same block of a weight: {name} "
+                                     f"[{r0}:{r1},{c0}:{c1}] and [{q0}:{q1},{d0}:{d1}] overlap")
+        if area != R * C:
+            raise ValueError(f"{name}: the ranks' blocks cover {area} of its {R * C} elements; every element "
+                             f"must be written by exactly one rank")
+    missing = sorted(set(entries) - set(by_tensor)) if plans else []
+    if missing:
+        raise ValueError(f"the rollout engine has weights no actor rank writes, e.g. {missing[:3]}")
+    return Layout(dtype, int(numel), {n: (int(o), tuple(s), tuple(st)) for n, (o, s, st) in entries.items()},
+                  tuple(keys))
 
 
 def create_buffer(nbytes: int, directory: str = "/dev/shm") -> tuple[str, bytes]:
@@ -110,64 +154,96 @@ def create_buffer(nbytes: int, directory: str = "/dev/shm") -> tuple[str, bytes]
     return path, token
 
 
-class SharedSlots:
-    """One process's mapping of the sync buffer: typed views of its tensors, and the digest table."""
+class SharedWeights:
+    """One process's mapping of the sync file: the flat weight storage and HF-named views of it."""
 
     def __init__(self, path: str, token: bytes, layout: Layout):
         if not os.path.exists(path) or os.path.getsize(path) != layout.file_bytes:
-            raise FileNotFoundError(f"{path}: no sync buffer of {layout.file_bytes} bytes here")
+            raise FileNotFoundError(f"{path}: no weight-sync file of {layout.file_bytes} bytes here")
         self.buf = torch.from_file(path, shared=True, size=layout.file_bytes, dtype=torch.uint8)
         if bytes(self.buf[:16].tolist()) != token:
             raise FileNotFoundError(f"{path}: another process's file (token mismatch)")
         self.layout = layout
         self.dtype = getattr(torch, layout.dtype)
-        self._esize = torch.empty((), dtype=self.dtype).element_size()
-        self.index = layout.index()
-        self.table = self.buf[HEADER:HEADER + len(layout.blocks) * DIGEST].view(len(layout.blocks), DIGEST)
+        self.storage = self.buf[HEADER:].view(self.dtype)  # flat: what the engines move their weights into
 
     def tensor(self, name: str) -> torch.Tensor:
-        b, off, shape = self.layout.entries[name]
-        start = HEADER + self.layout.table_bytes + (b % self.layout.num_slots) * self.layout.slot_bytes + off
-        n = torch.Size(shape).numel() * self._esize
-        return self.buf[start:start + n].view(self.dtype).view(shape)
-
-    def put_digest(self, key: tuple, digest: bytes) -> None:
-        self.table[self.index[key]].copy_(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
-
-    def get_digest(self, key: tuple) -> bytes:
-        return bytes(self.table[self.index[key]].tolist())
+        off, shape, stride = self.layout.entries[name]
+        return self.storage.as_strided(shape, stride, self.storage.storage_offset() + off)
 
 
-def write_blocks(slots: SharedSlots, blocks: list, get_param, digest: bool) -> int:
-    """Copy ``blocks`` (``megatron_bridge.reshard.Block``) from their local parameters into the buffer,
-    casting to the engine dtype; with ``digest``, put each block's digest of the bytes sent (the
-    source block after the cast) into the table. Returns the number of blocks written."""
+@dataclass
+class Write:
+    """One block of a rank's sync, prepared once per set-up."""
+
+    blk: object  # megatron_bridge.reshard.Block
+    dst: torch.Tensor  # the block's place in the engines' weights, [rows, cols]
+    k: int  # rows per chunk
+
+
+def prepare_writes(shared: SharedWeights, blocks: list) -> list[Write]:
+    out = []
+    for blk in blocks:
+        dst = blk.dst(shared.tensor(blk.hf_name))
+        out.append(Write(blk, dst, max(1, PIECE // max(1, dst.shape[1] * dst.element_size()))))
+    return out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)  # one name for the copy, so a test can make it lossy
+
+
+def _differs(dst: torch.Tensor, sent: torch.Tensor, scratch: torch.Tensor) -> int:
+    """-1 if ``dst`` holds exactly the bytes of contiguous ``sent`` (same dtype and shape), else the
+    first differing row. A strided ``dst`` (a column block) is gathered into ``scratch`` first; both
+    are in cache right after the copy."""
+    n = sent.numel() * sent.element_size()
+    if dst.is_contiguous():
+        a = dst
+    elif n > scratch.numel():  # one row longer than a chunk (rare): no cache to save
+        a = dst.contiguous()
+    else:
+        a = scratch[:n].view(dst.dtype).view(dst.shape)
+        a.copy_(dst)
+    if n == 0 or _memcmp(a.data_ptr(), sent.data_ptr(), n) == 0:
+        return -1
+    return int((a.view(torch.uint8) != sent.view(torch.uint8)).view(a.shape[0], -1).any(1).nonzero()[0])
+
+
+def _mismatch(blk, row: int) -> WeightSyncError:
+    return WeightSyncError(f"weight sync failed: block {blk.key} of the engines' weights differs from what the actor "
+                           f"sent, first at row {blk.rows[0] + row} of {blk.hf_name}, right after the copy; the "
+                           f"engines would sample from corrupted weights")
+
+
+def write_blocks(shared: SharedWeights, writes: list[Write], get_param, verify: bool) -> int:
+    """Write prepared blocks (:func:`prepare_writes`) from their local parameters into the engines'
+    weights, casting to the engine dtype, in row chunks; with ``verify``, after each chunk's copy
+    compare what the engines' memory now holds with what was sent, and raise ``WeightSyncError`` on the
+    first difference. Returns the bytes written."""
+    nbytes = 0
+    scratch = torch.empty(PIECE + 64, dtype=torch.uint8) if verify else None
     with torch.no_grad():
-        for blk in blocks:
-            src = blk.src(get_param(blk.param))
-            blk.dst(slots.tensor(blk.hf_name)).copy_(src)
-            if digest:
-                slots.put_digest((blk.hf_name, blk.rows, blk.cols), tensor_digest(blk.key, src, slots.dtype))
-    return len(blocks)
-
-
-def check_bucket(slots: SharedSlots, bucket: int, held: dict) -> str | None:
-    """Digest every block of ``bucket`` in the weights the engine holds (``held``: HF name -> view) and
-    compare with the writers' digests in the table. Returns the first mismatch as an error message,
-    or None."""
-    from megatron_bridge.reshard import Block
-
-    names = set(slots.layout.bucket(bucket))
-    for hf_name, rows, cols in slots.layout.blocks:
-        if hf_name not in names:
-            continue
-        t = held.get(hf_name)
-        if t is None:
-            raise WeightSyncError(f"weight sync failed: the engine has no tensor {hf_name!r}")
-        blk = Block(hf_name, tuple(t.shape), rows, cols, "", 0, 0)
-        got, want = tensor_digest(blk.key, blk.dst(t), slots.dtype), slots.get_digest((hf_name, rows, cols))
-        if got != want:
-            return (f"weight sync failed: block {blk.key} of the engine's weights differs from what the actor "
-                    f"sent (digest {got.hex()[:12]}... vs {want.hex()[:12]}...); the engine would sample from "
-                    f"corrupted weights")
-    return None
+        for w in writes:
+            src, dst = w.blk.src(get_param(w.blk.param)), w.dst
+            if not verify:
+                _copy(dst, src)
+            elif dst.is_contiguous() and src.is_contiguous() and src.dtype == dst.dtype:
+                # the common block (a rank's rows of a column-parallel weight): by address, no tensor per piece
+                pd, ps, n = dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()
+                for o in range(0, n, PIECE):
+                    c = min(PIECE, n - o)
+                    _memcpy(pd + o, ps + o, c)
+                    if _memcmp(pd + o, ps + o, c):
+                        raise _mismatch(w.blk, _differs(dst, src, scratch))
+            else:
+                for r in range(0, dst.shape[0], w.k):
+                    s, d = src[r:r + w.k], dst[r:r + w.k]
+                    if s.dtype != dst.dtype or not s.is_contiguous():
+                        s = s.to(dst.dtype).contiguous()  # a chunk-sized temporary, in cache: what is sent
+                    _copy(d, s)
+                    row = _differs(d, s, scratch)
+                    if row >= 0:
+                        raise _mismatch(w.blk, r + row)
+            nbytes += dst.numel() * dst.element_size()
+    return nbytes
