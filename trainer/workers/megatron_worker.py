@@ -586,3 +586,51 @@ class MegatronWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    # ---- weight sync through a torch.distributed group (trainer/workers/weight_group.py) ---------------
+    def wg_host(self) -> tuple[str, int] | None:
+        """Rank 0: host a weight group's store on this node's IP, at a port the kernel picks; returns
+        (ip, port), which also names the group. The other ranks: None."""
+        if self.rank != 0:
+            return None
+        import ray
+
+        from trainer.workers.weight_group import host_store
+
+        ip = ray.util.get_node_ip_address()
+        store = host_store(ip)
+        self._wgs = getattr(self, "_wgs", {})
+        self._wgs[f"{ip}:{store.port}"] = (store, None)
+        return ip, store.port
+
+    def wg_join(self, host: str, port: int, world: int, dtype: str, bucket_bytes: int) -> bool:
+        """Join weight group ``host:port`` as its rank ``self.rank`` (the engines join beside; this blocks
+        until all have), and bucket this rank's blocks (``shm_plan`` planned them) for sending in ``dtype``.
+        A rank may be in several groups (one per rollout)."""
+        from trainer.workers.weight_group import Sender, join
+
+        self._wgs = getattr(self, "_wgs", {})
+        key = f"{host}:{port}"
+        store = self._wgs.pop(key, (None, None))[0]
+        device = next(iter(self._shm_params.values())).device if self._shm_params else torch.device("cpu")
+        pg, store = join(host, port, self.rank, world, device, store)
+        plan = [(b.hf_name, b.hf_shape, b.rows, b.cols) for b in self._shm_blocks]
+        self._wgs[key] = (store, pg, Sender(pg, plan, self._shm_blocks, getattr(torch, dtype), bucket_bytes, device))
+        return True
+
+    @resident("params")
+    def wg_send(self, key: str, engines: list[int], verify: bool, bucket_bytes: int) -> dict:
+        """Send this rank's blocks to the engines (group ranks ``engines``) of weight group ``key``; with
+        ``verify`` the digest of every block as sent (``weight_group.Sender.send``)."""
+        sender = self._wgs[key][2]
+        sender.rebucket(bucket_bytes)
+        return sender.send(engines, self._shm_params.__getitem__, verify)
+
+    def wg_close(self, key: str) -> None:
+        """Leave weight group ``key`` (its rollout's shutdown)."""
+        entry = getattr(self, "_wgs", {}).pop(key, None)
+        if entry is not None and len(entry) > 1 and entry[1] is not None:
+            try:
+                entry[1].shutdown()
+            except Exception:  # noqa: BLE001 (the engines may be gone already)
+                pass

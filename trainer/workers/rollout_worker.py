@@ -132,3 +132,39 @@ class RolloutWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    # ---- weight sync through a torch.distributed group (trainer/workers/weight_group.py) ---------------
+    def wg_join(self, host: str, port: int, rank: int, world: int, plans: list, dtype: str, bucket_bytes: int) -> bool:
+        """Join the weight group as its rank ``rank`` (blocks until every actor rank and engine has);
+        ``plans``: every actor rank's blocks, which this engine will receive in buckets. False when
+        this engine cannot place blocks into its weights (no ``hf_views``)."""
+        from trainer.workers.weight_group import Receiver, join
+
+        views = self.engine.hf_views() if hasattr(self.engine, "hf_views") else {}
+        device = next(iter(views.values())).device if views else torch.device("cpu")
+        self._wg_pg, _ = join(host, port, rank, world, device)
+        if not views or not hasattr(self.engine, "weights_changed"):
+            return False
+        held = {str(v.dtype).removeprefix("torch.") for v in views.values()}
+        if held != {dtype}:
+            raise ValueError(f"the engine holds its weights in {sorted(held)}, but the sync sends {dtype}")
+        self._wg = Receiver(self._wg_pg, plans, getattr(torch, dtype), bucket_bytes, device)
+        return True
+
+    def wg_recv(self, verify: bool, bucket_bytes: int) -> dict:
+        """Receive every actor rank's blocks into this engine's weights, then re-derive what the engine
+        computes from them; with ``verify`` the digest of every block read back from the weights."""
+        self._wg.rebucket(bucket_bytes)
+        res = self._wg.receive(self.engine.hf_views(), verify)
+        self.engine.weights_changed()
+        return res
+
+    def wg_close(self, key: str = "") -> None:
+        """Leave the weight group (an engine is in one)."""
+        pg = getattr(self, "_wg_pg", None)
+        self._wg = self._wg_pg = None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 (the actor ranks may be gone already)
+                pass

@@ -225,6 +225,12 @@ class EngineRollout(_EngineCalls):
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
         self.shared_memory = shared_memory
 
+    # opt-in (no config key yet): where shared memory is not used, sync through a torch.distributed group
+    # of the actor ranks and the engines (trainer/workers/weight_group.py) instead of the object store
+    distributed_group = False
+    _wg: tuple | None = None  # (actor group, the engines' group ranks or None, reason, group key)
+    _wg_proven = False  # a group sync since set-up was checked end to end
+
     def _async(self, method, args=None, **kw):
         return self.group.async_call(method, args, **kw)
 
@@ -242,6 +248,8 @@ class EngineRollout(_EngineCalls):
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
         if self._shared_layout(actor) is not None:
             return self._sync_shared_memory(actor, verify)
+        if self.distributed_group and self._weight_group(actor) is not None:
+            return self._sync_group(actor, verify)
         t0 = time.perf_counter()
         # with verify, actor rank 0 hashes each bucket after handing it over (while the engines load it)
         streams = actor.weight_streams(self.bucket_bytes, self.engine_dtype if verify else None)
@@ -268,7 +276,79 @@ class EngineRollout(_EngineCalls):
         check_checksums([(want, g) for g in self._get(got)])
 
     def shutdown(self) -> None:
+        self._close_group()
         self.group.shutdown()
+
+    # ---- weight sync through a torch.distributed group (trainer/workers/weight_group.py) ---------------
+    def _weight_group(self, actor) -> list[int] | None:
+        """The engines' ranks in the weight group with ``actor`` (set up at its first sync), or None
+        where it cannot run; sets ``transport``."""
+        if self._wg is None or self._wg[0] is not actor.group:
+            self._close_group()
+            self._wg = (actor.group, *self._setup_group(actor))
+            self._wg_proven = False
+        self.transport = self._wg[2]
+        return self._wg[1]
+
+    def _setup_group(self, actor) -> tuple:
+        """Form the weight group: actor rank 0 hosts its store, every actor rank and every engine join
+        (world = actor ranks, then engines); every engine gets every rank's plan. Returns (the engines'
+        group ranks or None, transport)."""
+        if self.group.in_process or actor.group.in_process:
+            return None, "object_store (the distributed-group sync needs the engines in their own processes)"
+        plans = actor.group.call("shm_plan")
+        if any(p is None for p in plans):
+            return None, "object_store (the actor's strategy has no direct reshard plan)"
+        host, port = next(h for h in actor.group.call("wg_host") if h is not None)
+        world = actor.size + self.size
+        senders = actor.group.async_call("wg_join", [(host, port, world, self.engine_dtype, self.bucket_bytes)]
+                                         * actor.size)
+        receivers = self._async("wg_join", [(host, port, actor.size + i, world, plans, self.engine_dtype,
+                                             self.bucket_bytes) for i in range(self.size)])
+        ok = actor.group.get(senders) + self._get(receivers)
+        if not all(ok):
+            self._close_group(actor.group, f"{host}:{port}")
+            return None, "object_store (a rollout engine cannot place blocks into its weights)"
+        return list(range(actor.size, world)), "distributed_group", f"{host}:{port}"
+
+    def _sync_group(self, actor, verify: bool) -> dict[str, float]:
+        """Every actor rank sends its blocks (bucketed, pipelined) to every engine through the group;
+        every engine places them into its weights. With ``verify`` the engines' read-back digests of every
+        block are compared with the senders' (``weight_group.compare_digests``); the first verified sync
+        after set-up is also checked end to end (full checksums), outside its timing."""
+        from trainer.workers.weight_group import compare_digests
+
+        t0 = time.perf_counter()
+        sends = actor.group.async_call("wg_send", [(self._wg[3], self._wg[1], verify, self.bucket_bytes)]
+                                       * actor.size)
+        recvs = self._async("wg_recv", [(verify, self.bucket_bytes)] * self.size)
+        sent, placed = actor.group.get(sends), self._get(recvs)
+        if verify:
+            compare_digests([s["digests"] for s in sent], [p["digests"] for p in placed])
+        m = _sync_metrics(t0, sum(s["bytes"] for s in sent), sum(s["buckets"] for s in sent))
+        m["sync/group"] = 1.0
+        if not verify:
+            m.pop("sync/verified")
+            return m
+        # the hashing's share: the slowest process's time in XXH3 (senders hash while their sends run)
+        m["sync/verify_seconds"] = max(r["hash_s"] for r in sent + placed)
+        if not self._wg_proven:
+            self.verify(actor)
+            self._wg_proven = True
+        return m
+
+    def _close_group(self, actor_group=None, key: str | None = None) -> None:
+        """Leave the weight group on every member (at shutdown, or before forming one for another actor)."""
+        if actor_group is None and self._wg is not None and len(self._wg) > 3:
+            actor_group, key = self._wg[0], self._wg[3]
+        self._wg = None
+        if actor_group is None:
+            return
+        for g in (self.group, actor_group):
+            try:
+                g.call("wg_close", [(key,)] * g.size)
+            except Exception:  # noqa: BLE001 (a group already shut down: nothing left to close)
+                pass
 
 
 class HybridRollout(_EngineCalls):

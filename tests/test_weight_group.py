@@ -1,0 +1,153 @@
+"""The weight sync through a torch.distributed group (trainer/workers/weight_group.py), on a real local
+Ray cluster: a TP=2 megatron actor (so its blocks are real column / row blocks) in split placement with
+two separate engine workers, joined in one gloo group (world = 2 actor ranks + 2 engines). Every actor
+rank sends only its own blocks; each engine must end with exactly the actor's weights in its dtype
+(fp32, and bf16 engines from the fp32 actor); a bit flipped in what an engine placed is caught and
+named (tensor, block, rank, engine); small buckets give the same weights; the metrics name the path."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import tiny_config
+from trainer.rollout.engine import WeightSyncError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
+pytestmark = pytest.mark.slow
+
+BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
+        f"actor_rollout_ref.model.path={TINY}", "trainer.logger=[console]", "data.val_batch_size=64",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.placement=split",
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_engines=2",
+        "actor_rollout_ref.rollout.dtype=float32"]
+
+
+def _scramble(rollout) -> None:
+    """Give every engine other weights, so a sync has to move every byte."""
+    import ray
+
+    def scramble(worker):
+        with torch.no_grad():
+            for v in worker.engine.hf_views().values():
+                v.normal_()
+        worker.engine.weights_changed()
+
+    ray.get([w.__ray_call__.remote(scramble) for w in rollout.group.workers])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from trainer.main import resolve_model_paths
+    from trainer.workers.cluster import Cluster
+
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
+    resolve_model_paths(cfg)
+    c = Cluster(cfg, total_steps=1)
+    c.rollout.shared_memory, c.rollout.distributed_group = False, True
+    yield cfg, c
+    c.shutdown()
+
+
+def test_group_sync_gives_every_engine_the_actors_weights(cluster):
+    cfg, c = cluster
+    r = c.rollout
+    want = c.actor.weights_checksum("float32")
+    _scramble(r)
+    assert all(g != want for g in r.engine_checksums())
+    m = r.sync_from(c.actor)
+    assert r.transport == "distributed_group"
+    assert m["sync/group"] == 1.0 and m["sync/verified"] == 1.0 and "sync/shared_memory" not in m
+    assert m["sync/verify_seconds"] >= 0.0
+    n_params = _engine_numel(r)
+    assert m["sync/bytes"] == 4 * n_params  # every element once, fp32 (each rank only its own blocks)
+    assert m["sync/buckets"] >= 2  # at least one per actor rank
+    assert r.engine_checksums() == [want, want]
+    # unverified: the same weights, no digests
+    _scramble(r)
+    m = r.sync_from(c.actor, verify=False)
+    assert "sync/verified" not in m and m["sync/group"] == 1.0
+    assert r.engine_checksums() == [want, want]
+
+
+def _engine_numel(rollout) -> int:
+    """Elements of an engine's weights (a tied model holds the embedding once)."""
+    import ray
+
+    return ray.get(rollout.group.workers[0].__ray_call__.remote(
+        lambda w: sum(v.numel() for v in w.engine.hf_views().values())))
+
+
+def test_small_buckets_give_the_same_weights(cluster):
+    cfg, c = cluster
+    r = c.rollout
+    want = c.actor.weights_checksum("float32")
+    before = r.bucket_bytes
+    try:
+        r.bucket_bytes = 64 << 10  # many buckets per rank: every receive buffer is reused
+        _scramble(r)
+        m = r.sync_from(c.actor)
+        assert m["sync/buckets"] >= 10 and m["sync/group"] == 1.0
+        assert r.engine_checksums() == [want, want]
+    finally:
+        r.bucket_bytes = before
+
+
+def test_a_flipped_bit_in_what_an_engine_placed_is_caught_and_named(cluster):
+    import ray
+
+    cfg, c = cluster
+    r = c.rollout
+    name = "model.layers.1.self_attn.o_proj.weight"  # row-parallel: each TP rank sends a column block
+
+    def install(worker):
+        from trainer.workers import weight_group
+
+        def flip(source, pieces, views):  # rank 1's block of o_proj: one bit of its first element
+            for p in pieces:
+                if source == 1 and p.block.hf_name == name:
+                    p.block.dst(views[name])[0:1, 0:1].view(torch.uint8)[0, 0] ^= 0x01
+        weight_group.after_place = flip
+
+    def remove(worker):
+        from trainer.workers import weight_group
+
+        weight_group.after_place = None
+
+    ray.get(r.group.workers[1].__ray_call__.remote(install))
+    try:
+        with pytest.raises(WeightSyncError, match=rf"rollout engine 1 holds block {name}\[0:96,48:96\] of tensor "
+                                                  rf"{name} \(from actor rank 1\)"):
+            r.sync_from(c.actor)
+    finally:
+        ray.get(r.group.workers[1].__ray_call__.remote(remove))
+    m = r.sync_from(c.actor)  # the next sync repairs it
+    assert m["sync/verified"] == 1.0
+    want = c.actor.weights_checksum("float32")
+    assert r.engine_checksums() == [want, want]
+
+
+def test_bf16_engines_from_an_fp32_actor(cluster):
+    """A second rollout on the same actor (its own group): two bf16 engines."""
+    from trainer.workers.group import WorkerGroup
+    from trainer.workers.rollout_worker import RolloutWorker
+    from trainer.workers.rollouts import EngineRollout
+
+    cfg, c = cluster
+    kw = dict(model_path=cfg.actor_rollout_ref.model.path, name="native", max_batch_size=4, max_seq_len=32,
+              dtype="bfloat16")
+    r16 = EngineRollout(WorkerGroup("rollout_bf16", RolloutWorker, [kw] * 2, share=0), free_cache=False,
+                        bucket_bytes=c.rollout.bucket_bytes, engine_dtype="bfloat16", shared_memory=False)
+    r16.distributed_group = True
+    try:
+        _scramble(r16)
+        m = r16.sync_from(c.actor)
+        assert r16.transport == "distributed_group" and m["sync/group"] == 1.0 and m["sync/verified"] == 1.0
+        want = c.actor.weights_checksum("bfloat16")
+        assert r16.engine_checksums() == [want, want]
+        # the first rollout's group still works beside it
+        assert c.rollout.sync_from(c.actor)["sync/group"] == 1.0
+    finally:
+        r16.shutdown()

@@ -1,0 +1,267 @@
+"""Weight sync through a torch.distributed group: for rollout engines that share no node (no
+``/dev/shm``) with the actor's ranks. Every actor rank sends only the blocks it owns; every engine
+receives every rank's blocks and places them into its own weights. No gather, no funnel through rank 0,
+no metadata on the wire.
+
+What moves where. The group's world is the actor's ranks (group ranks ``0..A-1``, in actor rank order)
+and then the engine workers (``A..A+E-1``). It is a group of its own, next to megatron's default
+process group (which spans only the actor ranks): one ``torch.distributed.TCPStore`` that actor rank 0
+hosts on its node's IP (on a port the kernel picks, so no race for a free port), under a
+``PrefixStore``, and a ``ProcessGroupGloo`` (tensors on CPU) or ``ProcessGroupNCCL`` (tensors on a GPU)
+built on it and used directly through its ``send`` / ``recv`` methods (torch.distributed's c10d
+backend API, https://pytorch.org/docs/stable/distributed.html: point-to-point ``send``/``recv`` with a
+tag, each returning a ``Work`` to ``wait`` on). The backend follows the device of the tensors; the code
+is the same.
+
+* the plan: each actor rank's blocks (``megatron_bridge.reshard.local_blocks``, as planned for the
+  shared-memory sync by ``MegatronWorker.shm_plan``) are ``(HF name, HF shape, rows, cols)``. The
+  driver gathers every rank's plan and hands all of them to every engine at set-up; both sides cut a
+  rank's blocks, in plan order, into the same buckets (:func:`plan_buckets`: consecutive blocks up to
+  ``bucket_bytes`` in the engine dtype; a lone bigger block is a bucket of its own). So the receiver
+  knows what each incoming bucket holds, and only the weights' bytes travel;
+* a sync: each rank packs bucket ``b`` into one of two send buffers (a strided copy of each block out of
+  its local parameter, cast to the engine dtype with round-to-nearest-even, as ``copy_`` does), posts
+  one ``send`` of the buffer's bytes to every engine (tag ``b``), then packs bucket ``b + 1`` into the
+  other buffer while those sends run. Each engine keeps two receives posted per actor rank, and places
+  each bucket that arrives (``Block.dst(view).copy_``: one strided copy per block into its HF-named
+  views, ``NativeEngine.hf_views``), reposting into the buffer it just emptied, so the next buckets
+  arrive while it places this one. Then ``weights_changed`` re-derives the engine's packed copies.
+
+Verification (every sync, unless the caller turns it off). Per block ``k`` with key ``Block.key`` (HF
+name and bounds): the sender computes ``s_k = H(key, dtype, shape, bytes of the block as sent)`` over
+its packed buffer (the buffer holds the block cast to the engine dtype, so ``s_k`` equals
+``tensor_digest(key, src_block, engine_dtype)``), while the sends run; every engine computes
+``r_k = H(key, dtype, shape, bytes read back from its own weight)`` right after placing it
+(``tensor_digest(key, Block.dst(view))``). ``H`` is XXH3-128 (``trainer.rollout.engine``). The driver
+compares ``r_k == s_k`` for every block of every rank on every engine (:func:`compare_digests`); any
+difference, or a block missing, is a ``WeightSyncError`` that names the tensor, the block, the sending
+rank and the engine. A flipped bit anywhere between the sender's buffer and the engine's weight (the
+wire, a receive buffer, a placement into the wrong place) changes ``r_k`` except with probability
+``2^-128`` per block. The blocks partition every tensor (the first verified sync after set-up is also
+checked end to end with the full checksums, which proves it), so equal digests for all blocks mean the
+engine holds exactly the actor's weights in the engine dtype.
+
+Cost per byte of the model. Sender: one strided read of the parameter and one write of the buffer (the
+cast), the transport's read, and with verification one XXH3 pass over the buffer (about 30 GB/s per
+core, while the sends run). Each rank sends its own ``1/A`` of the model to each of the ``E`` engines
+(gloo's point-to-point is a direct TCP stream per pair). Engine: the transport's write into a receive
+buffer, one strided copy into its weights, and with verification one XXH3 pass reading the placed block
+back (from cache for a small block, from memory for a big one). Memory: two buffers of at most
+``bucket_bytes`` per actor rank, and two per actor rank on every engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron_bridge.reshard import Block
+from trainer.rollout.engine import WeightSyncError, tensor_digest
+
+PREFIX = "coxswain/weight_group"  # the store's keys for this group (PrefixStore)
+TIMEOUT = datetime.timedelta(minutes=30)
+
+# tests: called on an engine as ``after_place(source_rank, pieces, views)`` right after a bucket's
+# blocks (``pieces``) were placed and before they are read back for the check (a test flips a bit here)
+after_place: Callable[[int, list, dict], None] | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One block of a bucket: elements ``[offset, offset + numel)`` of the bucket, in the engine dtype."""
+
+    block: Block
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        r, c = self.block.shape
+        return r * c
+
+
+def plan_buckets(plan: list, esize: int, bucket_bytes: int) -> list[list[Piece]]:
+    """A rank's plan (``(hf_name, hf_shape, rows, cols)`` per block, in its order) cut into buckets of
+    consecutive blocks of at most ``bucket_bytes`` (``esize``: the engine dtype's element size); a lone
+    bigger block forms its own bucket. Pure: the sender and every engine compute the same buckets."""
+    out, cur, size = [], [], 0
+    for hf_name, hf_shape, rows, cols in plan:
+        b = Block(hf_name, tuple(hf_shape), tuple(rows), tuple(cols), "", 0, 0)
+        n = b.shape[0] * b.shape[1]
+        if cur and (size + n) * esize > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(Piece(b, size))
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def bucket_numel(bucket: list[Piece]) -> int:
+    return bucket[-1].offset + bucket[-1].numel if bucket else 0
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for tensors on a GPU, gloo for CPU tensors."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def host_store(host: str) -> torch.distributed.TCPStore:
+    """The group's store, hosted by actor rank 0 on ``host`` at a port the kernel picks (``.port``);
+    it does not wait for the others here: they connect when they join."""
+    return torch.distributed.TCPStore(host, 0, None, True, TIMEOUT, wait_for_workers=False)
+
+
+def join(host: str, port: int, rank: int, world: int, device: torch.device, store=None):
+    """This process's handle of the weight group (blocks until all ``world`` members join). ``store``:
+    the hosted store on actor rank 0; the others connect to ``host:port``."""
+    import torch.distributed as dist
+
+    if store is None:
+        store = dist.TCPStore(host, port, None, False, TIMEOUT)
+    prefixed = dist.PrefixStore(PREFIX, store)
+    if backend_for(device) == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, world, TIMEOUT)
+    return pg, store
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a contiguous tensor (what travels: every backend moves uint8)."""
+    return t.view(torch.uint8)
+
+
+class Sender:
+    """An actor rank's side: its blocks, bucketed, sent to every engine."""
+
+    def __init__(self, pg, plan: list, blocks: list[Block], dtype: torch.dtype, bucket_bytes: int,
+                 device: torch.device):
+        self.pg, self.dtype, self.device = pg, dtype, torch.device(device)
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.plan, self.all_blocks, self.bucket_bytes = plan, blocks, None
+        self.rebucket(bucket_bytes)
+
+    def rebucket(self, bucket_bytes: int) -> None:
+        """Cut the plan into buckets of ``bucket_bytes`` (the engines do the same) and size the buffers."""
+        if bucket_bytes == self.bucket_bytes:
+            return
+        self.bucket_bytes = bucket_bytes
+        self.buckets = plan_buckets(self.plan, self.esize, bucket_bytes)
+        it = iter(self.all_blocks)  # the plan is the blocks' bounds, in the same order
+        self.blocks = [[next(it) for _ in bucket] for bucket in self.buckets]
+        self.bufs = [torch.empty(max((bucket_numel(b) for b in self.buckets), default=0), dtype=self.dtype,
+                                 device=self.device) for _ in range(min(2, len(self.buckets)))]
+
+    def send(self, engines: list[int], param_of: Callable[[str], torch.Tensor], verify: bool) -> dict:
+        """Send every bucket to every engine (group ranks ``engines``), packing the next while the
+        last goes out. Returns ``{"digests": {key: XXH3-128 of the block as sent} (with verify),
+        "bytes", "buckets", "hash_s", "seconds"}``."""
+        t0 = time.perf_counter()
+        digests, hash_s, nbytes = {}, 0.0, 0
+        works: list[list] = [[] for _ in self.bufs]
+        with torch.no_grad():
+            for b, (pieces, blocks) in enumerate(zip(self.buckets, self.blocks)):
+                i = b % len(self.bufs)
+                for w in works[i]:  # the buffer's last sends are done with it
+                    w.wait()
+                buf = self.bufs[i]
+                for p, blk in zip(pieces, blocks):
+                    buf[p.offset:p.offset + p.numel].view(blk.shape).copy_(blk.src(param_of(blk.param)))
+                n = bucket_numel(pieces)
+                wire = _bytes(buf[:n])
+                works[i] = [self.pg.send([wire], e, b) for e in engines]
+                nbytes += n * self.esize
+                if verify:  # the bytes just handed to the sends, while they run
+                    h0 = time.perf_counter()
+                    for p in pieces:
+                        digests[p.block.key] = tensor_digest(p.block.key, buf[p.offset:p.offset + p.numel]
+                                                             .view(p.block.shape))
+                    hash_s += time.perf_counter() - h0
+            for ws in works:
+                for w in ws:
+                    w.wait()
+        return {"digests": digests, "bytes": nbytes, "buckets": len(self.buckets), "hash_s": hash_s,
+                "seconds": time.perf_counter() - t0}
+
+
+class Receiver:
+    """An engine's side: every actor rank's buckets, placed into the engine's weights as they come."""
+
+    def __init__(self, pg, plans: list[list], dtype: torch.dtype, bucket_bytes: int, device: torch.device):
+        self.pg, self.dtype, self.device = pg, dtype, torch.device(device)
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.plans, self.bucket_bytes = plans, None
+        self.rebucket(bucket_bytes)
+
+    def rebucket(self, bucket_bytes: int) -> None:
+        """Cut every rank's plan into buckets of ``bucket_bytes`` (as the senders do); size the buffers."""
+        if bucket_bytes == self.bucket_bytes:
+            return
+        self.bucket_bytes = bucket_bytes
+        self.buckets = [plan_buckets(p, self.esize, bucket_bytes) for p in self.plans]
+        self.bufs = [[torch.empty(max((bucket_numel(b) for b in bk), default=0), dtype=self.dtype, device=self.device)
+                      for _ in range(min(2, len(bk)))] for bk in self.buckets]
+
+    def receive(self, views: dict[str, torch.Tensor], verify: bool) -> dict:
+        """Receive and place every rank's buckets; returns ``{"digests": {key: (source rank, XXH3-128 of
+        the block read back from the engine's weight)} (with verify), "bytes", "hash_s", "seconds"}``."""
+        t0 = time.perf_counter()
+        pending: dict[tuple[int, int], tuple] = {}
+
+        def post(s: int, b: int) -> None:
+            buf = self.bufs[s][b % len(self.bufs[s])][:bucket_numel(self.buckets[s][b])]
+            pending[(s, b)] = (self.pg.recv([_bytes(buf)], s, b), buf)
+
+        for s, bk in enumerate(self.buckets):
+            for b in range(len(self.bufs[s])):
+                post(s, b)
+        order = [(s, b) for b in range(max((len(bk) for bk in self.buckets), default=0))
+                 for s in range(len(self.buckets)) if b < len(self.buckets[s])]
+        digests, hash_s, nbytes = {}, 0.0, 0
+        with torch.no_grad():
+            for s, b in order:
+                work, buf = pending.pop((s, b))
+                work.wait()
+                pieces = self.buckets[s][b]
+                for p in pieces:
+                    p.block.dst(views[p.block.hf_name]).copy_(buf[p.offset:p.offset + p.numel].view(p.block.shape))
+                nbytes += buf.numel() * self.esize
+                if after_place is not None:
+                    after_place(s, pieces, views)
+                if b + len(self.bufs[s]) < len(self.buckets[s]):  # the buffer is free again: the next one
+                    post(s, b + len(self.bufs[s]))
+                if verify:  # read back from the engine's own weights, while the next buckets arrive
+                    h0 = time.perf_counter()
+                    for p in pieces:
+                        digests[p.block.key] = (s, tensor_digest(p.block.key, p.block.dst(views[p.block.hf_name])))
+                    hash_s += time.perf_counter() - h0
+        return {"digests": digests, "bytes": nbytes, "hash_s": hash_s, "seconds": time.perf_counter() - t0}
+
+
+def compare_digests(sent: list[dict], placed: list[dict]) -> None:
+    """``sent[r]``: actor rank r's ``{key: digest}``; ``placed[e]``: engine e's ``{key: (rank, digest)}``.
+    Raise ``WeightSyncError`` naming the first block (tensor, bounds, rank, engine) whose digest differs
+    or that is missing."""
+    want = {k: (r, d) for r, ds in enumerate(sent) for k, d in ds.items()}
+    for e, got in enumerate(placed):
+        for key, (r, d) in want.items():
+            g = got.get(key)
+            name = key.split("[", 1)[0]
+            if g is None:
+                raise WeightSyncError(f"weight sync (distributed group) failed: rollout engine {e} did not place "
+                                      f"block {key} of tensor {name} that actor rank {r} sent")
+            if g[1] != d:
+                raise WeightSyncError(f"weight sync (distributed group) failed: rollout engine {e} holds block {key} "
+                                      f"of tensor {name} (from actor rank {r}) with digest {g[1].hex()[:12]}... but "
+                                      f"rank {r} sent {d.hex()[:12]}...; the engine would sample from corrupted "
+                                      f"weights")
+        extra = set(got) - set(want)
+        if extra:
+            raise WeightSyncError(f"weight sync (distributed group) failed: rollout engine {e} placed block(s) no "
+                                  f"actor rank sent, e.g. {sorted(extra)[0]}")
