@@ -75,6 +75,14 @@ class _CpuStream:
 _STREAM = _CpuStream()
 
 
+class _StreamType(_CpuStream):
+    """``torch.cuda.Stream``'s stand-in: a class, so annotations such as ``torch.cuda.Stream | None``
+    (transformers evaluates them at import) still work, whose constructor returns the one stream."""
+
+    def __new__(cls, *a, **k):
+        return _STREAM
+
+
 class CudaToCpu(TorchFunctionMode):
     """Rewrite ``device="cuda[:N]"`` keyword arguments to ``"cpu"`` on every torch call."""
 
@@ -103,7 +111,7 @@ def install() -> bool:
     if not _patched:
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *a, **k: None
-        torch.cuda.Stream = lambda *a, **k: _STREAM
+        torch.cuda.Stream = _StreamType
         torch.cuda.current_stream = lambda *a, **k: _STREAM
         torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 

@@ -19,8 +19,9 @@ blocks::
 (a column-parallel weight is one block per rank; a row-parallel one a column block; a fused QKV
 weight one block per query group and q/k/v). Every element is written once, by the one rank that
 owns it: replicated tensors by tensor-parallel rank 0 (the ids of the other ranks never appear in the
-merge), data-, context- and expert-data-parallel replicas by the first replica, pipeline stages and
-expert-parallel ranks their own layers.
+merge), pipeline stages and expert-parallel ranks their own layers; data-, context- and
+expert-data-parallel replicas of a shard hold the same values, so they split its blocks among them
+(:func:`spread`: big blocks cut by rows, small ones dealt by bytes), and every replica writes a part.
 
 Cost of building it: one int64 id tensor the size of each full parameter, one parameter at a time,
 once per run. The plan is only a list of block bounds (a few per tensor).
@@ -28,6 +29,7 @@ once per run. The plan is only a list of block bounds (a few per tensor).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,9 +125,38 @@ def blocks_for(canonical: str, hf, local_shape: tuple[int, ...], tp: int, tp_ran
     return out
 
 
+SPLIT_BYTES = 256 << 10  # a block at least this big is cut by rows among the replicas that hold it
+
+
+def spread(blocks: list[Block], n: int, i: int, esize: int = 4) -> list[Block]:
+    """Replica ``i`` of ``n`` identical replicas' share of ``blocks``: a block of at least
+    :data:`SPLIT_BYTES` is cut by rows into ``n`` near-equal parts (part ``i`` is this replica's), the
+    smaller ones are dealt whole, each to the replica with the fewest bytes so far. Every replica
+    computes the same assignment from the same list, so the shares partition the blocks: data-parallel
+    replicas write the model together instead of the first one writing it all."""
+    if n <= 1:
+        return list(blocks)
+    load, out = [0] * n, []
+    for b in blocks:
+        rows = b.rows[1] - b.rows[0]
+        size = rows * (b.cols[1] - b.cols[0]) * esize
+        if size >= SPLIT_BYTES and rows >= n:
+            a, z = b.rows[0] + rows * i // n, b.rows[0] + rows * (i + 1) // n
+            out.append(dataclasses.replace(b, rows=(a, z), offset=b.offset + (a - b.rows[0]) * b.row_stride))
+            for j in range(n):
+                load[j] += size // n
+        else:
+            j = load.index(min(load))
+            load[j] += size
+            if j == i:
+                out.append(b)
+    return out
+
+
 def local_blocks(model) -> list[Block]:
     """Every block this rank writes for its model chunks (call after ``parallel_state`` is set up;
-    no collective). Empty on ranks that own nothing (data-parallel replicas other than the first)."""
+    no collective). The data-parallel (and expert-data-parallel) replicas of a shard share its blocks
+    (:func:`spread`)."""
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.export import _stage_plan
@@ -135,28 +166,29 @@ def local_blocks(model) -> list[Block]:
     m = ms[0]
     hf = m.hf_config
     my_stage = ps.get_pipeline_model_parallel_rank()
-    dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_writer = hf.is_moe and ps.get_expert_data_parallel_rank() == 0
     params = [dict(c.named_parameters()) for c in ms]
-    out = []
+    dense, experts = [], []
     for stage, chunk, name in _stage_plan(m):
         if stage != my_stage:
             continue
         if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
             continue  # HF stores the tied head once, as the embedding
         if is_expert(name):
-            if not expert_writer or expert_index(name) // m.num_local_experts != ps.get_expert_model_parallel_rank():
+            if expert_index(name) // m.num_local_experts != ps.get_expert_model_parallel_rank():
                 continue
-            tp, tp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+            tp, tp_rank, out = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(), experts
         else:
-            if not dense_writer:
-                continue
-            tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            tp, tp_rank, out = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), dense
         lname = local_name(name, ms[chunk].layer_offset, ms[chunk].uses_te, getattr(ms[chunk], "expert_offset", 0))
         p = params[chunk][lname]
         for b in blocks_for(name, hf, tuple(p.shape), tp, tp_rank, value_head=m.is_critic):
             out.append(Block(b.hf_name, b.hf_shape, b.rows, b.cols, f"{chunk}:{lname}", b.offset, b.row_stride))
-    return out
+    esize = next(iter(params[0].values())).element_size()
+    dense = spread(dense, ps.get_data_parallel_world_size(with_context_parallel=True),
+                   ps.get_data_parallel_rank(with_context_parallel=True), esize)
+    if experts:
+        experts = spread(experts, ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank(), esize)
+    return dense + experts
 
 
 def local_param(model, ref: str) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _
     assert all(x["sync/verified"] == 1.0 for x in pushes)
     weights = {0: TINY, **{v: str(tmp_path / "partial" / f"global_step_{v * K}" / "actor" / "huggingface")
                            for v in (1, 2)}}
-    split = 0
+    split = told_apart = 0
     for t in range(1, steps + 1):
         b = load_batch(str(dumps / f"step_{t:06d}"))
         mask = b.response_mask.bool()
@@ -83,10 +83,16 @@ def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _
             sel = mask & (ver == v)
             lp = rollout_logp_under(weights[v], b)
             assert (b.rollout_log_probs - lp)[sel].abs().max() < 1e-4, (t, v)
-            if v > 0:  # not the previous version's: the weights changed at the push
-                assert (b.rollout_log_probs - rollout_logp_under(weights[v - 1], b))[sel].abs().max() > 1e-3, (t, v)
+            if v > 0:
+                # not the previous version's, where the two versions tell these tokens apart (two steps of
+                # zero advantages leave the weights all but equal: then no sampler could be told apart)
+                prev = rollout_logp_under(weights[v - 1], b)
+                if (lp - prev)[sel].abs().max() > 1e-3:
+                    assert (b.rollout_log_probs - prev)[sel].abs().max() > 1e-3, (t, v)
+                    told_apart += 1
         split += sum(len(set(v)) > 1 for v in tv)
     assert split > 0, "no response was continued across a push"
+    assert told_apart > 0, "no pushed version differed from the one before it"
     assert sum(x["async/partial_samples"] for x in h) > 0
 
 

@@ -13,16 +13,20 @@ import torch
 from bridge_tiny import CASES, make_case
 from megatron_bridge.convert import HFCheckpoint, hf_to_megatron_shards, tp_shard
 from megatron_bridge.hf_config import read_hf_config
-from megatron_bridge.reshard import Block, _compress, blocks_for
+from megatron_bridge.reshard import Block, _compress, blocks_for, spread
 
 
-def _write_all(shards: dict, hf, tp: int) -> tuple[dict, dict]:
-    """Apply every rank's blocks; returns (HF tensors, per-element write counts)."""
+def _write_all(shards: dict, hf, tp: int, dp: int = 1) -> tuple[dict, dict]:
+    """Apply every rank's blocks (with ``dp`` data-parallel replicas of each, sharing its blocks as
+    ``local_blocks`` does); returns (HF tensors, per-element write counts)."""
     out, count = {}, {}
     for (stage, r), params in shards.items():
-        for name, local in params.items():
-            local = local.contiguous()  # a live megatron parameter is (tp_shard gives views)
-            for b in blocks_for(name, hf, tuple(local.shape), tp, r):
+        locals_ = {name: local.contiguous() for name, local in params.items()}  # live parameters are contiguous
+        mine = [dataclasses.replace(b, param=name) for name, local in locals_.items()
+                for b in blocks_for(name, hf, tuple(local.shape), tp, r)]
+        for d in range(dp):
+            for b in spread(mine, dp, d):
+                local = locals_[b.param]
                 assert b.shape[0] > 0 and b.shape[1] > 0
                 if b.hf_name not in out:
                     out[b.hf_name] = torch.zeros(b.hf_shape, dtype=local.dtype)
@@ -30,6 +34,27 @@ def _write_all(shards: dict, hf, tp: int) -> tuple[dict, dict]:
                 b.dst(out[b.hf_name]).copy_(b.src(local))
                 b.dst(count[b.hf_name]).add_(1)
     return out, count
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_data_parallel_replicas_share_the_writes(tmp_path, dp, monkeypatch):
+    """Replicas split a shard's blocks (big ones by rows): still exactly once, and the work is shared."""
+    import megatron_bridge.reshard as rs
+
+    monkeypatch.setattr(rs, "SPLIT_BYTES", 1024)  # the tiny model's blocks are small: cut the bigger ones
+    make_case("qwen2_bias_gqa2_tied", str(tmp_path))
+    hf = read_hf_config(str(tmp_path))
+    ck = HFCheckpoint(str(tmp_path))
+    shards = hf_to_megatron_shards(ck.get, hf, tp=2, pp=1)
+    out, count = _write_all(shards, hf, 2, dp)
+    for k in ck.keys():
+        assert torch.equal(out[k], ck.get(k)), k
+        assert bool((count[k] == 1).all()), k
+    local = {n: t.contiguous() for n, t in shards[(0, 0)].items()}
+    mine = [dataclasses.replace(b, param=n) for n, t in local.items() for b in blocks_for(n, hf, tuple(t.shape), 2, 0)]
+    sizes = [sum(b.shape[0] * b.shape[1] for b in spread(mine, dp, d)) for d in range(dp)]
+    assert sum(sizes) == sum(b.shape[0] * b.shape[1] for b in mine)
+    assert max(sizes) <= 1.25 * sum(sizes) / dp, sizes  # balanced, not one replica writing it all
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
