@@ -26,11 +26,13 @@ Implementations, each owning its transport:
   driver to the fleet client, which drains the servers, pushes every bucket and checks every
   server's checksum before reopening them to traffic.
 
-Verification. Every sync is checked against ``trainer.rollout.engine.checksum_named_tensors`` of the
-actor's HF-named tensors cast to the engine dtype: :func:`check_checksums` is the one rule (every actor
-replica streamed the same weights; every engine holds what its actor streamed) used by the object-store
-and hybrid syncs and by ``verify``; the fleet client applies the same comparison per server inside its
-drained push (a server must not serve before it is checked).
+Verification. A streamed sync is checked against ``trainer.rollout.engine.checksum_named_tensors`` of
+the actor's HF-named tensors cast to the engine dtype: :func:`check_checksums` is the one rule (every
+actor replica streamed the same weights; every engine holds what its actor streamed) used by the
+object-store and hybrid syncs and by ``verify``; the fleet client applies the same comparison per server
+inside its drained push (a server must not serve before it is checked). A shared-memory sync compares
+every piece the ranks wrote with what they sent, in cache, and its first sync after set-up also runs
+``verify`` (both sides' full checksums).
 """
 
 from __future__ import annotations
@@ -322,7 +324,14 @@ class EngineRollout(_EngineCalls):
         sends = actor.group.async_call("wg_send", [(self._wg[3], self._wg[1], verify, self.bucket_bytes)]
                                        * actor.size)
         recvs = self._async("wg_recv", [(verify, self.bucket_bytes)] * self.size)
-        sent, placed = actor.group.get(sends), self._get(recvs)
+        try:  # together: the first failure on either side raises at once (its peers would wait for it)
+            res = self._get(sends + recvs)
+        except Exception:
+            # a member failed mid-sync: its peers' sends or receives can no longer complete, so leave this
+            # group (which ends their waits) and form a new one at the next sync
+            self._close_group()
+            raise
+        sent, placed = res[:actor.size], res[actor.size:]
         if verify:
             compare_digests([s["digests"] for s in sent], [p["digests"] for p in placed])
         m = _sync_metrics(t0, sum(s["bytes"] for s in sent), sum(s["buckets"] for s in sent))
