@@ -151,3 +151,38 @@ def test_bf16_engines_from_an_fp32_actor(cluster):
         assert c.rollout.sync_from(c.actor)["sync/group"] == 1.0
     finally:
         r16.shutdown()
+
+
+def test_an_engine_that_fails_mid_sync_fails_the_sync_at_once_and_the_next_sync_works(cluster):
+    import time
+
+    import ray
+
+    cfg, c = cluster
+    r = c.rollout
+
+    def install(worker):
+        from trainer.workers import weight_group
+
+        def fail(source, pieces, views):
+            raise RuntimeError("engine fault injected by the test")
+        weight_group.after_place = fail
+
+    def remove(worker):
+        from trainer.workers import weight_group
+
+        weight_group.after_place = None
+
+    ray.get(r.group.workers[0].__ray_call__.remote(install))
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(Exception, match="engine fault injected"):
+            r.sync_from(c.actor)
+    finally:
+        ray.get(r.group.workers[0].__ray_call__.remote(remove))
+    assert time.perf_counter() - t0 < 60  # not the group's timeout
+    _scramble(r)
+    m = r.sync_from(c.actor)  # a new group
+    assert m["sync/group"] == 1.0 and r.transport == "distributed_group"
+    want = c.actor.weights_checksum("float32")
+    assert r.engine_checksums() == [want, want]

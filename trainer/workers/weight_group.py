@@ -63,7 +63,7 @@ from megatron_bridge.reshard import Block
 from trainer.rollout.engine import WeightSyncError, tensor_digest
 
 PREFIX = "coxswain/weight_group"  # the store's keys for this group (PrefixStore)
-TIMEOUT = datetime.timedelta(minutes=30)
+TIMEOUT = datetime.timedelta(minutes=5)  # joining, and each send / receive (a bucket)
 
 # tests: called on an engine as ``after_place(source_rank, pieces, views)`` right after a bucket's
 # blocks (``pieces``) were placed and before they are read back for the check (a test flips a bit here)
