@@ -25,6 +25,50 @@ BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
         "actor_rollout_ref.rollout.dtype=float32"]
 
 
+def test_sent_digests_are_the_source_blocks_digests_and_buckets_are_cut_alike():
+    """In one process (threads, a real gloo group of 1 sender + 1 receiver): the digest a sender takes of
+    its packed buffer equals ``tensor_digest(key, Block.src(param), engine_dtype)`` for strided column
+    blocks cast fp32 -> bf16, the receiver's buckets match the sender's, and the engine's tensor ends
+    up equal to the cast source."""
+    import threading
+
+    from megatron_bridge.reshard import Block
+    from trainer.rollout.engine import tensor_digest
+    from trainer.workers import weight_group as wg
+
+    torch.manual_seed(0)
+    param = torch.randn(16, 12)  # the blocks take its last 10 columns: strided [4, 10] views
+    full = param[:, 2:]
+    blocks = [Block("w", (16, 10), (r0, r0 + 4), (0, 10), "p", r0 * 12 + 2, 12) for r0 in (0, 4, 8, 12)]
+    plan = [(b.hf_name, b.hf_shape, b.rows, b.cols) for b in blocks]
+    assert [len(b) for b in wg.plan_buckets(plan, 2, 100)] == [1, 1, 1, 1]  # 80 B blocks: one each
+    assert [len(b) for b in wg.plan_buckets(plan, 2, 160)] == [2, 2]
+    store = wg.host_store("127.0.0.1")
+    out, view = {}, {"w": torch.zeros(16, 10, dtype=torch.bfloat16)}
+
+    def sender():
+        pg, _ = wg.join("127.0.0.1", store.port, 0, 2, torch.device("cpu"), store)
+        out["sent"] = wg.Sender(pg, plan, blocks, torch.bfloat16, 160, "cpu").send([1], lambda n: param, True)
+
+    def receiver():
+        pg, _ = wg.join("127.0.0.1", store.port, 1, 2, torch.device("cpu"))
+        out["placed"] = wg.Receiver(pg, [plan], torch.bfloat16, 160, "cpu").receive(view, True)
+
+    ts = [threading.Thread(target=sender), threading.Thread(target=receiver)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    for b in blocks:
+        assert not b.src(param).is_contiguous() and torch.equal(b.src(param), full[b.rows[0]:b.rows[1]])
+        assert out["sent"]["digests"][b.key] == tensor_digest(b.key, b.src(param), torch.bfloat16)
+    assert out["sent"]["buckets"] == 2 and out["sent"]["bytes"] == out["placed"]["bytes"] == 16 * 10 * 2
+    assert torch.equal(view["w"], full.to(torch.bfloat16))
+    wg.compare_digests([out["sent"]["digests"]], [out["placed"]["digests"]])
+    bad = dict(out["placed"]["digests"])
+    bad[blocks[2].key] = (0, bytes(16))
+    with pytest.raises(WeightSyncError, match=r"engine 0 holds block w\[8:12,0:10\] of tensor w \(from actor rank 0\)"):
+        wg.compare_digests([out["sent"]["digests"]], [bad])
+
+
 def _scramble(rollout) -> None:
     """Give every engine other weights, so a sync has to move every byte."""
     import ray
