@@ -1,5 +1,5 @@
 """``python -m trainer.main --help-keys``: every key with its default and the description written next
-to its field in trainer/config.py; ``| head`` ends without a BrokenPipe traceback."""
+to its field in trainer/config/schema.py; ``| head`` ends without a BrokenPipe traceback."""
 
 import subprocess
 import sys

@@ -153,7 +153,7 @@ def field_comments(source_path: str | None = None) -> dict[tuple[str, str], str]
     import tokenize
 
     if source_path is None:
-        import trainer.config as mod
+        import trainer.config.schema as mod
 
         source_path = mod.__file__
     src = open(source_path, encoding="utf-8").read()

@@ -351,7 +351,7 @@ def train(cfg) -> dict:
 
 def cli(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--help-keys" in argv:  # every key, its default and its description (the field's comment in trainer/config.py)
+    if "--help-keys" in argv:  # every key, its default and its description (the field's comment in trainer/config/schema.py)
         from trainer.console import help_keys_lines, print_lines
 
         return print_lines(help_keys_lines())

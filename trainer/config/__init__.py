@@ -1,0 +1,97 @@
+"""Coxswain's whole configuration: omegaconf structured dataclasses (:mod:`.schema`), CLI overrides and
+loading (:mod:`.load`), and cross-key validation (:mod:`.checks`).
+
+Entry point::
+
+    cfg = load_config(["--config", "my.yaml", "algorithm.adv_estimator=grpo", ...])
+
+Errors are ``ConfigError`` with a message that names the key(s) at fault and the fix:
+unknown keys suggest the closest valid key, wrong types name the key, value and expected type,
+cross-field checks name every key involved, legacy verl keys name their replacements.
+"""
+
+from trainer.config.schema import (
+    ActorConfig, ActorRolloutRefConfig, AdcaConfig, AdcaGrpoConfig, AlgorithmConfig, AsyncTrainingConfig,
+    CHOICES, CheckpointContents, ConfigError, CoxswainConfig, CriticConfig, CriticModelConfig,
+    CustomRewardFunctionConfig, DataConfig, DebugConfig, DeepSpeedConfig, FilterGroupsConfig, HooksConfig,
+    KLControlConfig, MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig,
+    PolicyLossConfig, RefConfig, RefMegatronConfig, RewardModelConfig, RewardModelMegatronConfig,
+    RewardModelModelConfig, RolloutConfig, RolloutCorrectionConfig, RouterReplayConfig, SandboxConfig,
+    SandboxFusionConfig, TrainerConfig, ValKwargs, _LEAVES, _flatten, all_keys, closest_key,
+)
+from trainer.config.checks import (
+    DAPO_KWARGS, LOGGERS, MOE_BALANCING, MOE_KEYS, OTHER_ENGINES, OVERLONG_FIELDS, RECOMPUTE_KEYS,
+    deepspeed_errors, deepspeed_roles, moe_settings, recompute_settings, validate, validation_errors,
+    world_size,
+)
+from trainer.config.load import (
+    KEY_ALIASES, LAST_LOAD_NOTES, LEGACY_KEYS, VERL_BASES, load_config, parse_overrides, public_container,
+    save_resolved, to_yaml,
+)
+
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AdcaConfig",
+    "AdcaGrpoConfig",
+    "AlgorithmConfig",
+    "AsyncTrainingConfig",
+    "CHOICES",
+    "CheckpointContents",
+    "ConfigError",
+    "CoxswainConfig",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "DebugConfig",
+    "DeepSpeedConfig",
+    "FilterGroupsConfig",
+    "HooksConfig",
+    "KLControlConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "MultiTurnConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "PolicyLossConfig",
+    "RefConfig",
+    "RefMegatronConfig",
+    "RewardModelConfig",
+    "RewardModelMegatronConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RouterReplayConfig",
+    "SandboxConfig",
+    "SandboxFusionConfig",
+    "TrainerConfig",
+    "ValKwargs",
+    "_LEAVES",
+    "_flatten",
+    "all_keys",
+    "closest_key",
+    "DAPO_KWARGS",
+    "LOGGERS",
+    "MOE_BALANCING",
+    "MOE_KEYS",
+    "OTHER_ENGINES",
+    "OVERLONG_FIELDS",
+    "RECOMPUTE_KEYS",
+    "deepspeed_errors",
+    "deepspeed_roles",
+    "moe_settings",
+    "recompute_settings",
+    "validate",
+    "validation_errors",
+    "world_size",
+    "KEY_ALIASES",
+    "LAST_LOAD_NOTES",
+    "LEGACY_KEYS",
+    "VERL_BASES",
+    "load_config",
+    "parse_overrides",
+    "public_container",
+    "save_resolved",
+    "to_yaml",
+]

@@ -1,0 +1,612 @@
+"""The cross-key checks of a loaded configuration: every problem of a command line is collected and
+reported at once, each naming the keys involved and the fix (features not built are refused here, with
+the reason), plus the settings derived from several keys (recompute, MoE, world size).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.verl_compat import refusals
+
+from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+
+# the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
+DAPO_KWARGS = ("max_resp_len", "overlong_buffer_cfg")
+OVERLONG_FIELDS = ("enable", "len", "penalty_factor", "log")
+
+
+def _reward_errors(cfg) -> list[str]:
+    """reward_model.reward_kwargs / custom_reward_function.reward_kwargs against the chosen manager,
+    with verl's meaning: what verl would reject with a TypeError or an assertion is named here."""
+    rm, crf, errs = cfg.reward_model, cfg.custom_reward_function, []
+    kind = rm.reward_manager
+    kw = OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}
+    move = "keywords for your scorer go in custom_reward_function.reward_kwargs"
+    if kind in ("naive", "prime") and kw:
+        hint = (" DAPO's overlong shaping needs reward_model.reward_manager=dapo." if "overlong_buffer_cfg" in kw else "")
+        errs.append(f"reward_model.reward_kwargs {sorted(kw)}: the {kind} reward manager takes no keywords "
+                    f"(verl would fail with a TypeError); {move}.{hint}")
+    if kind == "dapo":
+        bad = sorted(set(kw) - set(DAPO_KWARGS))
+        if bad:
+            errs.append(f"reward_model.reward_kwargs {bad}: the dapo reward manager takes only {list(DAPO_KWARGS)}; {move}.")
+        ob = kw.get("overlong_buffer_cfg")
+        if ob is not None and not isinstance(ob, dict):
+            errs.append(f"reward_model.reward_kwargs.overlong_buffer_cfg={ob!r} must be a mapping of {list(OVERLONG_FIELDS)}.")
+        elif ob is not None:
+            bad = sorted(set(ob) - set(OVERLONG_FIELDS))
+            if bad:
+                errs.append(f"reward_model.reward_kwargs.overlong_buffer_cfg has {bad}; its fields are {list(OVERLONG_FIELDS)}.")
+            mx = kw.get("max_resp_len")
+            if mx is None:
+                errs.append("reward_model.reward_kwargs.overlong_buffer_cfg needs reward_model.reward_kwargs.max_resp_len "
+                            f"(as verl asserts): add +reward_model.reward_kwargs.max_resp_len={cfg.data.max_response_length}.")
+            elif ob.get("enable") and not (0 < int(ob.get("len", 4)) <= int(mx)):
+                errs.append(f"reward_model.reward_kwargs.overlong_buffer_cfg.len={ob.get('len', 4)} must be in "
+                            f"(0, max_resp_len={mx}].")
+            if ob.get("enable") and rm.overlong_buffer.enable:
+                errs.append("overlong shaping is on twice (reward_model.overlong_buffer.enable and "
+                            "reward_model.reward_kwargs.overlong_buffer_cfg.enable): keep one spelling.")
+        elif "max_resp_len" in kw:
+            errs.append("reward_model.reward_kwargs.max_resp_len is the overlong shaping's maximum length: it needs "
+                        "reward_model.reward_kwargs.overlong_buffer_cfg (verl fails without one); remove it or add the buffer.")
+    if kind == "batch" and not crf.path:
+        errs.append("reward_model.reward_manager=batch calls one scorer for the whole batch: set custom_reward_function.path "
+                    "(and .name) to a function taking data_sources, solution_strs, ground_truths, extra_infos.")
+    if crf.reward_kwargs and not crf.path:
+        errs.append("custom_reward_function.reward_kwargs are bound to custom_reward_function.path's function: set the "
+                    "path, or remove them (the built-in scorers take no keywords).")
+    return errs
+
+
+def _reward_model_errors(cfg) -> list[str]:
+    """A learned reward model (``reward_model.enable``): its checkpoint, micro-batching, and what does not
+    combine with it (trainer/rewards/reward_model.py states the rule)."""
+    rm, errs = cfg.reward_model, []
+    if not rm.enable:
+        if rm.model.path is not None:
+            errs.append(f"reward_model.model.path={rm.model.path} is set but reward_model.enable=false, so nothing would "
+                        f"read it: set reward_model.enable=true to score with it, or remove the line.")
+        return errs
+    if not rm.model.path:
+        errs.append("reward_model.enable=true needs reward_model.model.path: a Hugging Face *ForSequenceClassification "
+                    "checkpoint with num_labels=1 (its head is named 'score') that reads the actor's token ids.")
+    size = rm.micro_batch_size_per_gpu
+    if size is None and not rm.use_dynamic_bsz:
+        errs.append("reward_model.micro_batch_size_per_gpu is not set: give responses per reward-model forward "
+                    "(reward_model.micro_batch_size_per_gpu=N) or fill micro-batches by a token budget "
+                    "(reward_model.use_dynamic_bsz=true with reward_model.forward_max_token_len_per_gpu), as verl requires.")
+    elif size is not None and size < 1:
+        errs.append(f"reward_model.micro_batch_size_per_gpu={size} must be >= 1.")
+    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu < 1:
+        errs.append(f"reward_model.forward_max_token_len_per_gpu={rm.forward_max_token_len_per_gpu} must be >= 1.")
+    ob = (OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}).get("overlong_buffer_cfg") or {}
+    if rm.overlong_buffer.enable or ob.get("enable"):
+        errs.append("DAPO overlong shaping (reward_model.overlong_buffer / reward_kwargs.overlong_buffer_cfg) with "
+                    "reward_model.enable=true: verl's reward managers return the reward model's score unchanged, so "
+                    "verl never shapes it; shaping a learned score is not built. Remove one of the two.")
+    if rm.max_length is not None:
+        if rm.max_length < 1:
+            errs.append(f"reward_model.max_length={rm.max_length} must be >= 1 (or null: the whole input).")
+        elif rm.model.input_tokenizer is None:
+            errs.append("reward_model.max_length truncates re-tokenised reward-model inputs, and with "
+                        "reward_model.model.input_tokenizer=null nothing is re-tokenised (the RM reads the actor's ids "
+                        "whole): set input_tokenizer to the actor's tokenizer path, or remove max_length.")
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        errs.append("reward_model.enable=true with actor_rollout_ref.rollout.multi_turn.enable=true: an episode's reward "
+                    "is the environment's return; scoring whole episodes with a reward model is not built.")
+    return errs
+
+
+
+def deepspeed_roles(cfg) -> dict:
+    """The roles that train (or score) on DeepSpeed: ``{prefix: (role section, its deepspeed_config)}``."""
+    arr = cfg.actor_rollout_ref
+    roles = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref, "critic": cfg.critic,
+             "reward_model": cfg.reward_model}
+    return {k: v for k, v in roles.items() if v.strategy == "deepspeed"}
+
+
+def deepspeed_errors(cfg) -> list[str]:
+    """What the DeepSpeed strategy cannot take, per role, with the reason."""
+    errs = []
+    arr = cfg.actor_rollout_ref
+    default = DeepSpeedConfig()
+    for prefix, role in (("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic),
+                         ("reward_model", cfg.reward_model)):
+        if role.strategy != "deepspeed":
+            changed = sorted(k for k in vars(default) if role.deepspeed_config[k] != getattr(default, k))
+            if changed:
+                errs.append(f"{prefix}.deepspeed_config.{{{', '.join(changed)}}} set, but {prefix}.strategy="
+                            f"{role.strategy}: set {prefix}.strategy=deepspeed, or remove them.")
+    for prefix, role in deepspeed_roles(cfg).items():
+        ds, mg = role.deepspeed_config, role.megatron
+        if ds.zero_stage not in (1, 2, 3):
+            errs.append(f"{prefix}.deepspeed_config.zero_stage={ds.zero_stage}: use 1, 2 or 3 (stage 0 is plain data "
+                        f"parallelism; the megatron strategy does that too).")
+        dt = ds.dtype or mg.dtype
+        if dt not in ("float32", "bfloat16", "float16"):
+            errs.append(f"{prefix}.deepspeed_config.dtype={dt!r}: use float32, bfloat16 or float16.")
+        sizes = {"tensor_model_parallel_size": mg.tensor_model_parallel_size,
+                 "pipeline_model_parallel_size": mg.pipeline_model_parallel_size,
+                 "context_parallel_size": mg.context_parallel_size,
+                 "expert_model_parallel_size": mg.expert_model_parallel_size}
+        big = {k: v for k, v in sizes.items() if v not in (None, 1)}
+        if big or mg.virtual_pipeline_model_parallel_size not in (None, 1):
+            errs.append(f"{prefix}.strategy=deepspeed shards by ZeRO over data parallelism only, but {prefix}.megatron "
+                        f"asks for model parallelism {big or {'virtual_pipeline_model_parallel_size': mg.virtual_pipeline_model_parallel_size}}: "
+                        f"set those to 1, or use strategy=megatron.")
+        if (ds.param_offload or ds.optimizer_offload) and cfg.trainer.device == "cpu":
+            errs.append(f"{prefix}.deepspeed_config.param_offload / optimizer_offload move state from the GPU to CPU "
+                        f"memory; with trainer.device=cpu everything already is there: remove them.")
+        if ds.param_offload and ds.zero_stage != 3:
+            errs.append(f"{prefix}.deepspeed_config.param_offload needs zero_stage=3 (DeepSpeed offloads parameters "
+                        f"only when it partitions them).")
+        if getattr(role, "router_replay", None) is not None and role.router_replay.mode != "disabled":
+            errs.append(f"{prefix}.router_replay with strategy=deepspeed: routing replay is built into the megatron "
+                        f"routers only; use strategy=megatron for MoE routing replay.")
+        optim = getattr(role, "optim", None)
+        if optim is not None and prefix != "actor_rollout_ref.ref" and optim.optimizer != "adam":
+            errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy=deepspeed: the DeepSpeed strategy "
+                        f"trains with AdamW (optimizer=adam).")
+    return errs
+
+
+# megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+# megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
+MOE_KEYS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff")
+MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+
+
+def moe_settings(mcfg) -> dict:
+    """The MoE loss settings of a role's ``override_transformer_config`` (megatron TransformerConfig
+    fields; the load-balancing loss is on only with a positive coefficient)."""
+    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in MOE_KEYS}
+    if float(over.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in over:
+        over["moe_router_load_balancing_type"] = "aux_loss"  # megatron's default type, verl's too
+    return over
+
+
+def recompute_settings(enable: bool, mcfg) -> dict | None:
+    """megatron's recompute settings of a role: verl's ``enable_gradient_checkpointing`` gives full
+    recompute of every layer (``full`` / ``uniform`` / 1 layer per checkpoint), and the
+    ``override_transformer_config`` recompute keys refine or replace it. None: no recompute."""
+    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in RECOMPUTE_KEYS}
+    if not enable and not over.get("recompute_granularity"):
+        return None
+    base = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    out = {**base, **over}
+    if out["recompute_granularity"] == "selective":  # megatron: method / num_layers are for full recompute
+        out.pop("recompute_method"), out.pop("recompute_num_layers")
+    if "recompute_modules" in out:
+        out["recompute_modules"] = list(out["recompute_modules"])
+    return out
+
+
+def world_size(cfg: DictConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def _async_errors(cfg: DictConfig) -> list[str]:
+    """one_step_off and fully_async overlap generation with training: the engines need their own
+    resources. fully_async's keys (verl's fully-async recipe) apply to that mode only."""
+    at, errs = cfg.async_training, []
+    if at.mode in ("one_step_off", "fully_async"):
+        if cfg.trainer.placement != "split":
+            errs.append(f"async_training.mode={at.mode} generates while the trainer trains, on the engines' own "
+                        f"resources: set trainer.placement=split (colocated engines share the trainer's).")
+        if cfg.trainer.debug.train_only:
+            errs.append(f"async_training.mode={at.mode} with trainer.debug.train_only=true: replayed batches are not "
+                        f"generated; remove one of the two.")
+    defaults = AsyncTrainingConfig()
+    if at.mode != "fully_async":
+        for key in ("staleness_threshold", "trigger_parameter_sync_step", "partial_rollout", "require_batches"):
+            if at[key] != getattr(defaults, key):
+                errs.append(f"async_training.{key}={at[key]} applies to async_training.mode=fully_async only (this run "
+                            f"is mode={at.mode}); set the mode or remove the line.")
+        return errs
+    a, r, d = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.data
+    if not at.staleness_threshold >= 0:
+        errs.append(f"async_training.staleness_threshold={at.staleness_threshold} must be >= 0 (verl's fraction of "
+                    f"extra prompts per weight version).")
+    if at.trigger_parameter_sync_step < 1:
+        errs.append(f"async_training.trigger_parameter_sync_step={at.trigger_parameter_sync_step} must be >= 1.")
+    if at.require_batches < 1:
+        errs.append(f"async_training.require_batches={at.require_batches} must be >= 1.")
+    elif d.train_batch_size != a.ppo_mini_batch_size * at.require_batches:
+        errs.append(f"async_training.mode=fully_async: a trainer step takes actor.ppo_mini_batch_size x "
+                    f"async_training.require_batches = {a.ppo_mini_batch_size} x {at.require_batches} prompt groups "
+                    f"(verl's rule), but data.train_batch_size={d.train_batch_size}: set data.train_batch_size="
+                    f"{a.ppo_mini_batch_size * at.require_batches} (or change require_batches).")
+    if at.partial_rollout:
+        if r.multi_turn.enable:
+            errs.append("async_training.partial_rollout=true resumes single-turn responses only; with "
+                        "rollout.multi_turn.enable=true set async_training.partial_rollout=false.")
+        if r.name == "sglang":
+            errs.append("async_training.partial_rollout=true resumes aborted requests on the native engine only (built "
+                        "and tested on CPU); with rollout.name=sglang set async_training.partial_rollout=false.")
+    if cfg.trainer.debug.rollout_only:
+        errs.append("async_training.mode=fully_async with trainer.debug.rollout_only=true: without updates there are "
+                    "no weight pushes, and the rollouter stops at its per-version quota; remove one of the two.")
+    if cfg.trainer.critic_warmup:
+        errs.append("async_training.mode=fully_async with trainer.critic_warmup > 0 is not built: the rollouter's weight "
+                    "versions count actor updates; set trainer.critic_warmup=0.")
+    return errs
+
+
+def _pipeline_errors(cfg: DictConfig) -> list[str]:
+    """trainer.hooks / trainer.pipeline name importable functions (imported now, so a typo fails at load)."""
+    from trainer.pipeline import load_callable
+
+    t, errs = cfg.trainer, []
+    specs = [(f"trainer.hooks.{p}", s) for p, lst in t.hooks.items() for s in (lst or [])]
+    specs += [("trainer.pipeline", t.pipeline)] if t.pipeline else []
+    for key, spec in specs:
+        try:
+            load_callable(spec, key)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
+
+
+def _routing_replay_errors(cfg: DictConfig) -> list[str]:
+    """R3 routing replay: the engines record, the replaying roles read; each half needs the other."""
+    arr, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+    replaying = [f"actor_rollout_ref.{role}.router_replay.mode=R3" for role in ("actor", "ref")
+                 if arr[role].router_replay.mode == "R3"]
+    errs = []
+    if replaying and not r.enable_rollout_routing_replay:
+        errs.append(f"{' and '.join(replaying)} replays the rollout engine's expert choices, which the engines only "
+                    f"return with actor_rollout_ref.rollout.enable_rollout_routing_replay=true: add that line.")
+    if r.enable_rollout_routing_replay and not replaying:
+        errs.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true records every token's experts but no "
+                    "role replays them: add actor_rollout_ref.actor.router_replay.mode=R3, or remove the line.")
+    if replaying and r.name == "sglang":
+        errs.append("R3 routing replay with actor_rollout_ref.rollout.name=sglang is not built yet (the SGLang adapter "
+                    "does not return routed experts); it runs with the native engine.")
+    if replaying and r.mode != "sync":
+        errs.append(f"R3 routing replay with actor_rollout_ref.rollout.mode={r.mode} (the HTTP fleet) is not built yet: "
+                    f"the servers do not return routed experts; use rollout.mode=sync.")
+    if replaying and r.multi_turn.enable:
+        errs.append("R3 routing replay with multi-turn rollouts is not built yet: each turn re-prefills the context, "
+                    "so a trajectory has no single recorded routing; remove router_replay or multi_turn.enable.")
+    return errs
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise one ``ConfigError`` listing every cross-field problem of ``cfg``."""
+    errs = validation_errors(cfg)
+    if errs:
+        raise ConfigError(_report(errs))
+
+
+def validation_errors(cfg: DictConfig) -> list[str]:
+    """Cross-field checks and the refusal table. Every message names all the keys involved and what to
+    change. Nothing here looks at this machine's hardware (a GPU recipe resolves on a CPU login node);
+    ``trainer.main.check_supported`` does that at run time."""
+    from trainer.plan import need_critic, need_ref
+
+    errs: list[str] = list(refusals(cfg))
+    r0 = cfg.actor_rollout_ref.rollout
+    if r0._get_node("name")._is_missing():
+        errs.append("actor_rollout_ref.rollout.name is required (as in verl): native (torch engine, CPU or GPU) or "
+                    "sglang (GPU).")
+        OmegaConf.update(cfg, "actor_rollout_ref.rollout.name", "native")  # so the checks below can run
+    elif r0.name in OTHER_ENGINES:
+        errs.append(f"actor_rollout_ref.rollout.name={r0.name}: Coxswain's engines are sglang (GPU) and native (CPU or "
+                    f"GPU); use actor_rollout_ref.rollout.name=sglang.")
+    for key, (allowed, pluggable) in CHOICES.items():
+        val = OmegaConf.select(cfg, key)
+        if key == "actor_rollout_ref.rollout.name" and val in OTHER_ENGINES:
+            continue  # its own message below
+        if val is None or val in allowed or (pluggable and ":" in str(val)):
+            continue
+        guess = difflib.get_close_matches(str(val), allowed, n=1)
+        extra = " or 'pkg.module:function'" if pluggable else ""
+        errs.append(f"{key}='{val}' is not one of {list(allowed)}{extra}."
+                    + (f" Did you mean '{guess[0]}'?" if guess else ""))
+
+    d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    ws = world_size(cfg)
+    sizes_bad = False
+    for name, val in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.rollout.n", r.n),
+                      ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                      ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs),
+                      ("data.max_response_length", d.max_response_length),
+                      ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)):
+        if val < 1:
+            errs.append(f"{name}={val} must be >= 1.")
+            sizes_bad = True
+    if sizes_bad:  # the divisibility checks below would divide by these
+        return errs
+
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
+                    f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; "
+                    f"make train_batch_size a multiple of ppo_mini_batch_size.")
+    if d.gen_batch_size is not None and d.gen_batch_size < 1:
+        errs.append(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null for data.train_batch_size).")
+
+    rm = cfg.reward_model
+    for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
+                       ("critic", cfg.critic.megatron),
+                       *([("reward_model", rm.megatron)] if rm.enable and rm.strategy == "megatron" else [])):
+        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
+        if bad:
+            errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
+                        f"settings {list(RECOMPUTE_KEYS)}, the MoE losses {list(MOE_KEYS)} (and attention_backend, "
+                        f"which has no effect) are.")
+        lb = dict(mcfg.override_transformer_config).get("moe_router_load_balancing_type")
+        if lb is not None and lb not in MOE_BALANCING:
+            errs.append(f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type={lb!r}: "
+                        f"choose one of {list(MOE_BALANCING)}.")
+        ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
+        if ep < 1 or (etp is not None and etp < 1):
+            errs.append(f"{role}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1.")
+        elif ws % ((etp or mcfg.tensor_model_parallel_size) * ep * mcfg.pipeline_model_parallel_size):
+            errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
+                        f"{etp or mcfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
+                        f"{mcfg.pipeline_model_parallel_size} does not divide the world size {ws}.")
+        tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+        if min(tp, pp, cp) < 1:
+            errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
+            continue
+        if ws % (tp * pp * cp):
+            errs.append(f"{role}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
+                        + (f" x context_parallel_size={cp}" if cp > 1 else "")
+                        + f" = {tp * pp * cp} does not divide the world size trainer.nnodes={cfg.trainer.nnodes} x "
+                        f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} = {ws}.")
+            continue
+        if role == "actor_rollout_ref.actor":
+            dp = ws // (tp * pp * cp)
+            mini = a.ppo_mini_batch_size * r.n
+            if mini % dp:
+                errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x "
+                            f"actor_rollout_ref.rollout.n={r.n} = {mini} responses do not split over the data-parallel "
+                            f"size {dp} (world {ws} / (TP {tp} x PP {pp} x CP {cp})).")
+            elif (a.ppo_micro_batch_size_per_gpu and not a.use_dynamic_bsz and mini // dp > a.ppo_micro_batch_size_per_gpu
+                  and (mini // dp) % a.ppo_micro_batch_size_per_gpu):
+                errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
+                            f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
+                            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
+        vpp = mcfg.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp < 1:
+            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} must be >= 1 (or null).")
+        elif vpp is not None and vpp > 1 and pp < 2:
+            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} interleaves pipeline stages: it needs "
+                        f"{role}.megatron.pipeline_model_parallel_size >= 2 (got {pp}).")
+        elif vpp is not None and vpp > 1 and mcfg.pipeline_layer_split is not None:
+            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} needs an even split: remove "
+                        f"{role}.megatron.pipeline_layer_split.")
+        split = mcfg.pipeline_layer_split
+        if split is not None and len(split) != pp:
+            errs.append(f"{role}.megatron.pipeline_layer_split has {len(split)} entries but "
+                        f"{role}.megatron.pipeline_model_parallel_size={pp}.")
+
+    for key, size, dyn, dyn_key in (
+            ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+             "actor_rollout_ref.actor.use_dynamic_bsz"),
+            ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", r.log_prob_micro_batch_size_per_gpu,
+             r.log_prob_use_dynamic_bsz, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"),
+            *([("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu, cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz,
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz")] if need_ref(cfg) else []),
+            *([("critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz,
+                "critic.use_dynamic_bsz")] if need_critic(cfg) else [])):
+        if size is None and not dyn:
+            errs.append(f"{key} is not set: give responses per micro-batch ({key}=N) or fill micro-batches by a token "
+                        f"budget ({dyn_key}=true), as verl requires.")
+        elif size is not None and size < 1:
+            errs.append(f"{key}={size} must be >= 1.")
+    if r.prompt_length < d.max_prompt_length:
+        errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
+                    f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
+    errs += _routing_replay_errors(cfg)
+    errs += _async_errors(cfg)
+    errs += _pipeline_errors(cfg)
+    t = cfg.trainer
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        errs.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: "
+                    f"trainer.total_epochs passes over the training data).")
+    if t.total_epochs < 1:
+        errs.append(f"trainer.total_epochs={t.total_epochs} must be >= 1.")
+    if r.max_num_seqs < 1:
+        errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
+    model = cfg.actor_rollout_ref.model
+    if model.use_remove_padding and not a.megatron.use_remove_padding:
+        errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="
+                    "false: the megatron roles pack by megatron.use_remove_padding; remove one of the two lines.")
+
+    al = cfg.algorithm
+    up, lo = al.rollout_is_threshold, al.rollout_is_threshold_lower
+    if up is not None and up <= 0:
+        errs.append(f"algorithm.rollout_is_threshold={up} must be > 0 (or null to disable rollout IS).")
+    if lo is not None and up is not None and lo > up:
+        errs.append(f"algorithm.rollout_is_threshold_lower={lo} is greater than algorithm.rollout_is_threshold={up}; "
+                    f"the lower bound must be <= the upper bound.")
+    if lo is not None and up is None:
+        errs.append(f"algorithm.rollout_is_threshold_lower={lo} is set but algorithm.rollout_is_threshold is null "
+                    f"(rollout IS disabled); set rollout_is_threshold too.")
+    if al.rollout_is_veto_threshold is not None and al.rollout_is_veto_threshold <= 0:
+        errs.append(f"algorithm.rollout_is_veto_threshold={al.rollout_is_veto_threshold} must be > 0 (or null to disable the veto).")
+    rc = al.rollout_correction
+    if (rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None) and not r.calculate_log_probs:
+        errs.append("algorithm.rollout_correction (IS, rejection or bypass mode) needs the sampler's log-probs: set "
+                    "actor_rollout_ref.rollout.calculate_log_probs=true.")
+    if (up is not None or al.rollout_rs is not None) and not r.calculate_log_probs:
+        errs.append("algorithm.rollout_is_threshold / algorithm.rollout_rs need the sampler's log-probs: "
+                    "set actor_rollout_ref.rollout.calculate_log_probs=true.")
+    if al.rollout_rs is not None:
+        if al.rollout_rs not in ("token", "seq_sum", "seq_mean", "seq_max"):
+            errs.append(f"algorithm.rollout_rs='{al.rollout_rs}' is not one of ['token', 'seq_sum', 'seq_mean', 'seq_max'] (or null).")
+        if al.rollout_rs_threshold is None:
+            errs.append("algorithm.rollout_rs is set but algorithm.rollout_rs_threshold is null.")
+        elif al.rollout_rs_threshold_lower is not None and al.rollout_rs_threshold_lower > al.rollout_rs_threshold:
+            errs.append(f"algorithm.rollout_rs_threshold_lower={al.rollout_rs_threshold_lower} is greater than "
+                        f"algorithm.rollout_rs_threshold={al.rollout_rs_threshold}.")
+
+    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+    if low < 0 or high < 0:
+        errs.append(f"actor_rollout_ref.actor.clip_ratio_low={low} / clip_ratio_high={high} must be >= 0.")
+    if a.clip_ratio_c <= 1.0:
+        errs.append(f"actor_rollout_ref.actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound of the ratio).")
+
+    if cfg.algorithm.filter_groups.enable:
+        if al.adv_estimator == "gae":
+            errs.append("algorithm.filter_groups.enable=true needs a group estimator; algorithm.adv_estimator=gae has no groups.")
+        if r.n < 2:
+            errs.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
+    if al.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "adca_grpo",
+                            "grpo_vectorized", "rloo_vectorized", "opo", "gpg", "gdpo", "cpgd") and r.n < 2:
+        errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
+                    f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
+
+    errs.extend(deepspeed_errors(cfg))
+    sf = cfg.reward_model.sandbox_fusion
+    if sf.url is not None and not str(sf.url).startswith(("http://", "https://")):
+        errs.append(f"reward_model.sandbox_fusion.url={sf.url!r} must be an http(s) URL of the service's run_code endpoint.")
+    if sf.max_concurrent < 1 or sf.memory_limit_mb < 1:
+        errs.append(f"reward_model.sandbox_fusion.max_concurrent={sf.max_concurrent} and .memory_limit_mb="
+                    f"{sf.memory_limit_mb} must be >= 1.")
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable and not (0 < ob.len <= d.max_response_length):
+        errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
+    errs.extend(_reward_errors(cfg))
+    errs.extend(_reward_model_errors(cfg))
+
+    bad_loggers = [x for x in cfg.trainer.logger if x not in LOGGERS]
+    if bad_loggers:
+        errs.append(f"trainer.logger has {bad_loggers}; supported loggers are {list(LOGGERS)} "
+                    f"(MLFLOW_TRACKING_URI selects an MLflow server; wandb runs offline without WANDB_API_KEY).")
+    if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
+        errs.append(f"actor_rollout_ref.rollout.top_k={r.top_k} must be >= -1, top_p={r.top_p} in (0, 1], "
+                    f"temperature={r.temperature} >= 0.")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        errs.append("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
+    # rollout.name=sglang with trainer.device=cpu runs SGLang's CPU path (trainer/rollout/sglang_cpu); whether it is
+    # installed is checked at run time (trainer.main.check_supported), so --print-config resolves anywhere.
+    errs.extend(_rollout_correction_errors(al))
+    errs.extend(_algorithm_variant_errors(cfg))
+    from trainer.checkpoint import contents_errors  # verl's save_contents / load_contents, honoured or refused
+
+    ck = cfg.actor_rollout_ref.actor.checkpoint
+    errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
+    if r.mode != "sync" and cfg.trainer.debug.in_process:
+        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
+                    f"separate processes by design; use rollout.mode=sync to debug in process.")
+    if cfg.trainer.debug.rollout_only and cfg.trainer.debug.train_only:
+        errs.append("trainer.debug.rollout_only and trainer.debug.train_only cannot both be true.")
+    if cfg.trainer.debug.train_only and not cfg.trainer.debug.dump_batch_path:
+        errs.append("trainer.debug.train_only=true needs trainer.debug.dump_batch_path (a batch dumped by an earlier run).")
+    return errs
+
+
+LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
+OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines
+
+
+def _algorithm_variant_errors(cfg) -> list[str]:
+    """The estimators' and policy losses' own hyper-parameters: valid values, and the inputs they need."""
+    al, a = cfg.algorithm, cfg.actor_rollout_ref.actor
+    pl, errs = a.policy_loss, []
+    # verl's meaning: calculate_sum_pi_squared asks the actor's old-log-prob pass for sum_v pi(v)^2; the optimal
+    # token baseline reads it and verl stops (an assertion in compute_advantage) when it is not asked for
+    if al.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and not a.calculate_sum_pi_squared:
+        errs.append(f"algorithm.adv_estimator={al.adv_estimator} weights its baseline with sum_v pi(v)^2 at every response "
+                    f"position, which the actor's old-log-prob pass returns only when asked: set "
+                    f"actor_rollout_ref.actor.calculate_sum_pi_squared=true (verl requires the same).")
+    if a.calculate_sum_pi_squared and al.rollout_correction.bypass_mode:
+        errs.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true with algorithm.rollout_correction.bypass_mode=true: "
+                    "bypass mode skips the actor's old-log-prob pass (the old log-probs are the sampler's), and that pass "
+                    "is where sum_v pi(v)^2 is computed (verl's bypass mode never computes it either). Use the decoupled "
+                    "mode (bypass_mode=false), or remove calculate_sum_pi_squared and the optimal_token_baseline estimator.")
+    if al.adv_estimator == "gdpo":
+        keys = list(al.gdpo_reward_keys or [])
+        if not keys:
+            errs.append("algorithm.adv_estimator=gdpo normalises each reward component on its own: set "
+                        "algorithm.gdpo_reward_keys=[key,...] to keys of the dict your scorer returns (as verl requires).")
+        if al.gdpo_reward_weights is not None and len(al.gdpo_reward_weights) != len(keys):
+            errs.append(f"algorithm.gdpo_reward_weights has {len(al.gdpo_reward_weights)} entries for {len(keys)} "
+                        f"algorithm.gdpo_reward_keys; give one weight per key (or null for 1 each).")
+        if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            errs.append("algorithm.adv_estimator=gdpo reads the scorer's reward components, which a multi-turn episode "
+                        "does not have (its reward is the environment's return); use grpo with multi_turn.")
+    elif al.gdpo_reward_keys or al.gdpo_reward_weights is not None:
+        errs.append("algorithm.gdpo_reward_keys / gdpo_reward_weights are read by adv_estimator=gdpo only; remove them "
+                    f"(adv_estimator={al.adv_estimator}).")
+    if al.weight_factor_in_cpgd != "STD_weight" and al.adv_estimator != "cpgd":
+        errs.append(f"algorithm.weight_factor_in_cpgd={al.weight_factor_in_cpgd} is read by adv_estimator=cpgd only "
+                    f"(adv_estimator={al.adv_estimator}); remove it.")
+    mode = pl.loss_mode
+    if mode == "dro" and not (pl.dro_beta is not None and pl.dro_beta > 0):
+        errs.append(f"actor_rollout_ref.actor.policy_loss.loss_mode=dro needs actor_rollout_ref.actor.policy_loss.dro_beta "
+                    f"> 0 (the quadratic log-ratio penalty; got {pl.dro_beta}).")
+    elif mode != "dro" and pl.dro_beta is not None:
+        errs.append(f"actor_rollout_ref.actor.policy_loss.dro_beta={pl.dro_beta} is read by loss_mode=dro only "
+                    f"(loss_mode={mode}); remove it.")
+    if not (a.tau_pos > 0 and a.tau_neg > 0):
+        errs.append(f"actor_rollout_ref.actor.tau_pos={a.tau_pos} / tau_neg={a.tau_neg} (SAPO's gate temperatures) must be > 0.")
+    elif mode != "sapo" and (a.tau_pos != 1.0 or a.tau_neg != 1.05):
+        errs.append(f"actor_rollout_ref.actor.tau_pos / tau_neg are read by loss_mode=sapo only (loss_mode={mode}); "
+                    f"remove them.")
+    if a.policy_drift_coeff < 0:
+        errs.append(f"actor_rollout_ref.actor.policy_drift_coeff={a.policy_drift_coeff} must be >= 0.")
+    elif a.policy_drift_coeff and mode != "cpgd":
+        errs.append(f"actor_rollout_ref.actor.policy_drift_coeff={a.policy_drift_coeff} is the policy-drift term of "
+                    f"loss_mode=cpgd (siiRL adds it whenever adv_estimator=cpgd); set "
+                    f"actor_rollout_ref.actor.policy_loss.loss_mode=cpgd (loss_mode={mode}).")
+    if mode == "cpgd":
+        low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        if not low < 1:
+            errs.append(f"actor_rollout_ref.actor.policy_loss.loss_mode=cpgd clips the log ratio at ln(1 - clip_ratio_low): "
+                        f"actor_rollout_ref.actor.clip_ratio_low={low} must be < 1.")
+    if mode == "bypass_mode" and not al.rollout_correction.bypass_mode:
+        errs.append("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is verl's loss of "
+                    "algorithm.rollout_correction.bypass_mode=true (the old log-probs are the sampler's; IS and rejection "
+                    "inside the loss): set that key (and its loss_type), or choose another loss_mode.")
+    return errs
+
+
+def _rollout_correction_errors(al) -> list[str]:
+    """``algorithm.rollout_correction``: valid values, and not mixed with the flat rollout-IS keys."""
+    from trainer.verl_compat import parse_rejection
+
+    rc, errs = al.rollout_correction, []
+    if rc.loss_type not in ("ppo_clip", "reinforce"):
+        errs.append(f"algorithm.rollout_correction.loss_type='{rc.loss_type}' is not ppo_clip | reinforce.")
+    if rc.bypass_mode and al.rollout_is_threshold is not None:
+        errs.append("algorithm.rollout_correction.bypass_mode=true computes IS inside the loss from "
+                    "algorithm.rollout_correction.rollout_is*; set algorithm.rollout_is_threshold=null (the flat keys).")
+    if rc.rollout_is_batch_normalize and rc.rollout_is is None:
+        errs.append("algorithm.rollout_correction.rollout_is_batch_normalize=true needs "
+                    "algorithm.rollout_correction.rollout_is=token|sequence.")
+    if rc.rollout_is is None and rc.rollout_rs is None:
+        if rc.rollout_token_veto_threshold is not None:
+            errs.append("algorithm.rollout_correction.rollout_token_veto_threshold is set but neither rollout_is nor "
+                        "rollout_rs is: set algorithm.rollout_correction.rollout_is=token|sequence.")
+        return errs
+    if al.rollout_is_threshold is not None or al.rollout_rs is not None:
+        errs.append("algorithm.rollout_correction.* and the flat algorithm.rollout_is_threshold / algorithm.rollout_rs "
+                    "keys both configure rollout IS; use one spelling.")
+    if rc.rollout_is is not None and rc.rollout_is not in ("token", "sequence"):
+        errs.append(f"algorithm.rollout_correction.rollout_is='{rc.rollout_is}' is not token | sequence (or null).")
+    if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
+        errs.append(f"algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
+    if rc.rollout_rs is not None:
+        try:
+            parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None
+                            else (rc.rollout_is_threshold if rc.rollout_rs in ("token", "sequence", "geometric") else None),
+                            rc.rollout_rs_threshold_lower)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
+
+def _report(errors: list[str]) -> str:
+    n = len(errors)
+    return (f"{n} problem{'s' if n > 1 else ''} in the configuration:\n" +
+            "\n".join(f"  {i}. {e}" for i, e in enumerate(errors, 1)))

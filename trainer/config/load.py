@@ -1,0 +1,341 @@
+"""Loading a configuration: YAML files, hydra-style ``--config-path/--config-name``, ``key=value``
+overrides (verl's legacy keys and aliases included), then the checks (:mod:`trainer.config.checks`);
+and writing one back out (``public_container``, ``to_yaml``, ``save_resolved``).
+
+Errors are ``ConfigError`` with a message that names the key(s) at fault and the fix: unknown keys
+suggest the closest valid key, wrong types name the key, value and expected type, legacy verl keys name
+their replacements.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from trainer.verl_compat import verl_only
+
+from trainer.config.checks import _report, validation_errors
+from trainer.config.schema import (_LEAVES, ConfigError, CoxswainConfig, _field_type, _flatten, _is_schema_key,
+                                   _type_name, closest_key)
+
+# ----------------------------------------------------------------------------------------------
+# key discovery, legacy keys, choices
+# ----------------------------------------------------------------------------------------------
+LEGACY_KEYS = {
+    "actor_rollout_ref.actor.tis_imp_ratio_cap": (
+        "was removed with verl's TIS rework: use algorithm.rollout_is_threshold=<cap> "
+        "(with algorithm.rollout_is_level=token and algorithm.rollout_is_mode=truncate for the old behaviour; "
+        "see also algorithm.rollout_is, rollout_is_threshold_lower, rollout_is_veto_threshold)"
+    ),
+    "actor_rollout_ref.rollout.tis_imp_ratio_cap": "was removed: use algorithm.rollout_is_threshold=<cap>",
+}
+
+# Other spellings of a key that a pasted recipe may use: alias -> canonical key. The loader moves an
+# alias's value to its canonical key (both set -> an error naming both).
+KEY_ALIASES: dict[str, str] = {
+    # verl >= 0.7 moved the weight-sync bucket under checkpoint_engine
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+    # verl >= 0.6's top-level reward_manager section names the same manager
+    "reward_manager.name": "reward_model.reward_manager",
+    # the ADCA seed (AgentEvolver) reads these at either level: its recommended YAML and its trainer differ
+    "attribution_driven_credit_assignment.adca_grpo.skip_type": "attribution_driven_credit_assignment.skip_type",
+    "attribution_driven_credit_assignment.enable_adca_metric":
+        "attribution_driven_credit_assignment.adca_grpo.enable_adca_metric",
+    "attribution_driven_credit_assignment.consistent_scale": "attribution_driven_credit_assignment.adca_grpo.consistent_scale",
+    "attribution_driven_credit_assignment.pos_unconsistent_scale":
+        "attribution_driven_credit_assignment.adca_grpo.pos_unconsistent_scale",
+    "attribution_driven_credit_assignment.neg_unconsistent_scale":
+        "attribution_driven_credit_assignment.adca_grpo.neg_unconsistent_scale",
+}
+
+
+class _Load:
+    """One load: every problem of every layer (files, hydra composition, command line) is collected and
+    reported together; ``notes`` lists the verl keys accepted with no effect."""
+
+    def __init__(self):
+        self.cfg = OmegaConf.structured(CoxswainConfig)
+        self.default = OmegaConf.structured(CoxswainConfig)
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.set_by: dict[str, tuple[str, str]] = {}  # canonical key -> (origin, spelling) (two spellings in one layer: an error)
+
+    def error(self, origin: str, msg: str) -> None:
+        self.errors.append(f"{origin}: {msg}")
+
+    def set(self, key: str, value, origin: str, *, delete: bool = False, from_base: bool = False) -> None:
+        """Apply one ``key=value`` (or ``~key``) of a layer, or record why it cannot be applied."""
+        key = spelled = key.strip()
+        key = KEY_ALIASES.get(key, key)
+        prev = self.set_by.get(key)
+        if prev is not None and prev[0] == origin and prev[1] != spelled:  # two spellings of one setting in one layer
+            self.error(origin, f"'{prev[1]}' and '{spelled}' are the same setting; give only one.")
+            return
+        if key in LEGACY_KEYS:
+            self.error(origin, f"'{key}' {LEGACY_KEYS[key]}")
+            return
+        if key.split(".", 1)[0] == "hydra" or key.rsplit(".", 1)[-1] == "_target_":
+            return  # hydra's own settings (run dirs, job logging) and verl's dataclass hints: nothing to train
+        if not _is_schema_key(key):
+            kind, why = verl_only(key, value)
+            if kind == "ok" or (kind == "refused" and delete):
+                return
+            if kind == "no_effect":
+                self.notes.append(f"{key}={value!r}: no effect in Coxswain ({why})")
+                return
+            if kind == "refused":
+                self.error(origin, why)
+                return
+            guess = closest_key(key)
+            self.error(origin, f"unknown config key '{key}'." + (f" Did you mean '{guess}'?" if guess else "")
+                       + " (all keys: python -m trainer.main --help-keys)")
+            return
+        if delete:
+            value = OmegaConf.select(self.default, key, default=None)
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=False)
+        elif key in _LEAVES and isinstance(value, str) and not value.startswith("${"):
+            base = _field_type(_LEAVES[key])
+            if typing.get_origin(base) in (list, List):  # verl's trainer.logger=console: a one-item list
+                value = [v.strip() for v in value.split(",") if v.strip()]
+        try:
+            OmegaConf.update(self.cfg, key, value, merge=isinstance(value, dict))
+        except ValidationError:
+            expected = _type_name(_LEAVES[key]) if key in _LEAVES else "a value of the schema's type"
+            self.error(origin, f"key '{key}' got {value!r} ({type(value).__name__}), but expects {expected}.")
+            return
+        except OmegaConfBaseException as e:
+            self.error(origin, f"key '{key}': {getattr(e, 'msg', e)}")
+            return
+        self.set_by[key] = (origin, spelled)
+
+    def layer(self, node, origin: str, *, from_base: bool = False) -> None:
+        for key, value in _flatten(node).items():
+            self.set(key, value, origin, from_base=from_base)
+
+
+def _parse_argv(argv: list[str]) -> tuple[list[str], Optional[str], Optional[str], list[str], list[str]]:
+    """``[--config FILE]... [--config-path DIR --config-name NAME] overrides...`` -> its parts and errors."""
+    files, overrides, errs = [], [], []
+    opts = {"--config-path": None, "--config-name": None, "--config-dir": None}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        if name in ("--config", "--config-file", "-c") or name in opts or (name == "-cp" or name == "-cn"):
+            name = {"-cp": "--config-path", "-cn": "--config-name"}.get(name, name)
+            if not eq:
+                if i + 1 >= len(argv):
+                    errs.append(f"{a} needs a value")
+                    break
+                val, i = argv[i + 1], i + 1
+            if name in opts:
+                opts[name] = val.strip("'\"")
+            else:
+                files.append(val)
+        elif a.startswith("--"):
+            errs.append(f"unknown option '{a}': use --config FILE.yaml, --config-path DIR --config-name NAME, "
+                        f"and key.sub=value overrides")
+        else:
+            overrides.append(a)
+        i += 1
+    path = opts["--config-path"] or opts["--config-dir"]
+    return files, path, opts["--config-name"], overrides, errs
+
+
+# verl's trainer config names: a --config-name that names one of them (with no such file in the
+# config path) means verl's defaults, which are this schema's
+VERL_BASES = {"ppo_megatron_trainer": "megatron", "ppo_trainer": "fsdp"}
+
+
+def _base_dir() -> str:
+    """A config dir holding ``ppo_megatron_trainer.yaml`` written from this schema (verl's defaults), so
+    a user's hydra config with ``defaults: [ppo_megatron_trainer, _self_]`` composes with no verl checkout."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="coxswain_base_")
+    with open(os.path.join(d, "ppo_megatron_trainer.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(CoxswainConfig)))
+    return d
+
+
+def _compose(ld: _Load, path: Optional[str], name: str) -> None:
+    """``--config-path/--config-name``: verl's base names mean the schema's defaults; any other config is
+    composed with hydra (its ``defaults`` list may name ``ppo_megatron_trainer``) and applied as a layer."""
+    origin = f"--config-name={name}"
+    stem = name[:-5] if name.endswith(".yaml") else name
+    cdir = os.path.abspath(os.path.expanduser(path)) if path else None
+    has_file = bool(cdir) and os.path.isfile(os.path.join(cdir, stem + ".yaml"))
+    if not has_file and stem in VERL_BASES:
+        if VERL_BASES[stem] == "fsdp":
+            ld.error(origin, "verl's FSDP trainer config: Coxswain trains with megatron-core; use "
+                             "--config-name=ppo_megatron_trainer and the megatron keys named below.")
+        return
+    if not has_file:
+        ld.error(origin, f"no config '{stem}.yaml' in --config-path={path!r}; give the directory that holds it "
+                         f"(verl's own names ppo_megatron_trainer / ppo_trainer need no directory).")
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=cdir, version_base=None):
+            node = compose(config_name=stem, overrides=[f"hydra.searchpath=[file://{_base_dir()}]"])
+    except Exception as e:  # hydra's own errors name the file and the entry
+        ld.error(origin, f"cannot compose '{stem}' from {cdir}: {e}")
+        return
+    finally:
+        GlobalHydra.instance().clear()
+    ld.layer(node, origin)
+
+
+def _overrides(ld: _Load, items: list[str]) -> None:
+    """Command-line overrides in hydra's grammar (``key=v``, ``+key=v``, ``++key=v``, ``~key``, lists,
+    quoted strings, interpolations), each parsed on its own so that one bad item hides no other."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for item in items:
+        try:
+            (ov,) = parser.parse_overrides([item])
+        except Exception as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            ld.error("command line", f"cannot parse '{item}': {msg}. Use key.sub=value (lists: key=[a,b]).")
+            continue
+        if ov.is_delete():
+            ld.set(ov.key_or_group, None, "command line", delete=True)
+            continue
+        if ov.is_sweep_override():
+            ld.error("command line", f"'{item}' is a hydra sweep (multirun); give one value (a comma list as one value is quoted: key='a,b').")
+            continue
+        try:
+            value = ov.value()
+        except Exception as e:
+            ld.error("command line", f"cannot parse the value of '{item}': {e}")
+            continue
+        ld.set(ov.key_or_group, _plain_value(value), "command line")
+
+
+def _plain_value(v):
+    """hydra's parsed values -> plain Python (its lists/dicts are already plain; quoted strings stay str)."""
+    if isinstance(v, dict):
+        return {k: _plain_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain_value(x) for x in v]
+    return v
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """``key.sub=value`` strings -> the full config they give on top of the schema's defaults (errors raised)."""
+    ld = _Load()
+    _overrides(ld, overrides)
+    if ld.errors:
+        raise ConfigError(_report(ld.errors))
+    return ld.cfg
+
+
+
+LAST_LOAD_NOTES: list[str] = []  # the verl keys the last load accepted with no effect (cli prints them)
+
+
+def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = True) -> DictConfig:
+    """Build the resolved config from ``[--config FILE.yaml]... [--config-path DIR --config-name NAME]
+    key=value ...``. Every problem (unknown keys, types, refused features, cross-field checks) is
+    collected and raised together as one ``ConfigError``."""
+    files, path, name, overrides, errs = _parse_argv(list(argv or []))
+    ld = _Load()
+    for e in errs:
+        ld.error("command line", e)
+    if name:
+        _compose(ld, path, name)
+    elif path:
+        ld.error("--config-path", "needs --config-name too")
+    for f in files:
+        if not os.path.isfile(f):
+            ld.error("--config", f"file '{f}' does not exist")
+            continue
+        node = OmegaConf.load(f)
+        if not isinstance(node, DictConfig):
+            ld.error(f, "the top level must be a mapping of config sections")
+            continue
+        node = OmegaConf.masked_copy(node, [k for k in node if k != "defaults"]) if "defaults" in node else node
+        ld.layer(node, f)
+    _overrides(ld, overrides)
+    LAST_LOAD_NOTES[:] = ld.notes
+    if validate_config:
+        try:
+            ld.errors.extend(validation_errors(ld.cfg))
+        except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing mandatory value
+            ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
+        if not ld.errors:  # every value must resolve, including the ones no check reads
+            try:
+                OmegaConf.to_container(ld.cfg, resolve=True, throw_on_missing=True)
+            except OmegaConfBaseException as e:
+                ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
+    if ld.errors:
+        raise ConfigError(_report(ld.errors))
+    return ld.cfg
+
+
+
+
+def public_container(cfg: DictConfig) -> dict:
+    """The resolved config as plain data that is safe to print, write or log: a value taken from the
+    environment keeps its interpolation (``${oc.env:NAME}``), not the value (a reloaded config resolves it
+    again); a key named like a secret (``api_key``, ``token``, ...) shows ``***``; and a value from the
+    environment, or of a secret-looking environment variable, is masked wherever else it appears."""
+    from trainer.tracking import _SECRET_KEY, _secret_values
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    res = OmegaConf.to_container(cfg, resolve=True)
+    hidden = set(_secret_values())
+
+    def collect(r, v):  # the resolved values that came from the environment
+        if isinstance(v, dict) and isinstance(r, dict):
+            for k in v:
+                collect(r.get(k), v[k])
+        elif isinstance(v, list) and isinstance(r, list):
+            for a, b in zip(r, v):
+                collect(a, b)
+        elif isinstance(r, str) and "oc.env" in r and v not in (None, "") and len(str(v)) >= 4:
+            hidden.add(str(v))
+
+    def walk(r, v, key):
+        if isinstance(v, dict):
+            return {k: walk(r.get(k) if isinstance(r, dict) else None, x, k) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(r[i] if isinstance(r, list) and i < len(r) else None, x, key) for i, x in enumerate(v)]
+        if isinstance(r, str) and "oc.env" in r:
+            return r
+        if _SECRET_KEY.search(str(key)) and v not in (None, ""):
+            return "***"
+        if isinstance(v, str):
+            for h in hidden:
+                v = v.replace(h, "***")
+        return v
+
+    collect(raw, res)
+    return walk(raw, res, "")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The config as YAML, resolved, with secrets kept out (:func:`public_container`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(public_container(cfg)))
+
+
+def save_resolved(cfg: DictConfig, run_dir: str) -> str:
+    """Write the resolved config to ``run_dir/config.yaml`` atomically; returns the path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
