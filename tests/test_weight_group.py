@@ -54,7 +54,7 @@ def test_sent_digests_are_the_source_blocks_digests_and_buckets_are_cut_alike():
         pg, _ = wg.join("127.0.0.1", store.port, 1, 2, torch.device("cpu"))
         out["placed"] = wg.Receiver(pg, [plan], torch.bfloat16, 160, "cpu").receive(view, True)
 
-    ts = [threading.Thread(target=sender), threading.Thread(target=receiver)]
+    ts = [threading.Thread(target=sender, daemon=True), threading.Thread(target=receiver, daemon=True)]
     [t.start() for t in ts]
     [t.join(60) for t in ts]
     for b in blocks:
@@ -67,6 +67,45 @@ def test_sent_digests_are_the_source_blocks_digests_and_buckets_are_cut_alike():
     bad[blocks[2].key] = (0, bytes(16))
     with pytest.raises(WeightSyncError, match=r"engine 0 holds block w\[8:12,0:10\] of tensor w \(from actor rank 0\)"):
         wg.compare_digests([out["sent"]["digests"]], [bad])
+
+
+def test_a_sender_that_fails_mid_sync_drains_so_the_engine_does_not_wait_for_the_timeout():
+    import threading
+    import time
+
+    from megatron_bridge.reshard import Block
+    from trainer.workers import weight_group as wg
+
+    param = torch.randn(16, 10)
+    blocks = [Block("w", (16, 10), (r0, r0 + 4), (0, 10), "p", r0 * 10, 10) for r0 in (0, 4, 8, 12)]
+    plan = [(b.hf_name, b.hf_shape, b.rows, b.cols) for b in blocks]
+    store = wg.host_store("127.0.0.1")
+    out, view, calls = {}, {"w": torch.zeros(16, 10)}, []
+
+    def param_of(name):
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError("pack fault injected by the test")
+        return param
+
+    def sender():
+        pg, _ = wg.join("127.0.0.1", store.port, 0, 2, torch.device("cpu"), store)
+        try:
+            wg.Sender(pg, plan, blocks, torch.float32, 160, "cpu").send([1], param_of, True)
+        except RuntimeError as e:
+            out["error"] = str(e)
+
+    def receiver():
+        pg, _ = wg.join("127.0.0.1", store.port, 1, 2, torch.device("cpu"))
+        out["placed"] = wg.Receiver(pg, [plan], torch.float32, 160, "cpu").receive(view, True)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=sender, daemon=True), threading.Thread(target=receiver, daemon=True)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert not any(t.is_alive() for t in ts) and time.perf_counter() - t0 < 30
+    assert out["error"] == "pack fault injected by the test" and out["placed"]["bytes"] == 16 * 10 * 4
+    assert torch.equal(view["w"][:8], param[:8])  # the buckets before the fault arrived
 
 
 def _scramble(rollout) -> None:

@@ -324,11 +324,17 @@ class EngineRollout(_EngineCalls):
         sends = actor.group.async_call("wg_send", [(self._wg[3], self._wg[1], verify, self.bucket_bytes)]
                                        * actor.size)
         recvs = self._async("wg_recv", [(verify, self.bucket_bytes)] * self.size)
-        try:  # together: the first failure on either side raises at once (its peers would wait for it)
+        try:  # together: the first failure on either side raises at once
             res = self._get(sends + recvs)
         except Exception:
-            # a member failed mid-sync: its peers' sends or receives can no longer complete, so leave this
-            # group (which ends their waits) and form a new one at the next sync
+            # a member failed mid-sync (it drained its part of the exchange, so its peers finish): let them
+            # finish, leave this group and form a new one at the next sync
+            import ray
+
+            from trainer.workers.weight_group import TIMEOUT
+
+            ray.wait(sends + recvs, num_returns=len(sends + recvs), timeout=TIMEOUT.total_seconds(),
+                     fetch_local=False)
             self._close_group()
             raise
         sent, placed = res[:actor.size], res[actor.size:]

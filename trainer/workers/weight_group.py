@@ -53,9 +53,13 @@ model over loopback gloo): 38-44 ms a sync unverified, 51-57 ms verified (+23-30
 slowest process hashed for 7-17 ms), 2.1-2.4x faster than the verified object-store path; on this machine
 the four processes share two cores, so the hashing adds to the transfer instead of hiding behind it.
 
-Failure: the driver waits on every member's call together, so the first one that fails fails the sync
-at once; the group is then left by every member (its peers' pending sends and receives end) and a new one
-is formed at the next sync. ``TIMEOUT`` bounds joining and each send or receive.
+Failure: a member whose sync fails (an exception while packing, placing or hashing) first drains its
+part of the exchange (a sender sends its remaining buckets, whatever its buffer holds; an engine receives
+and drops the buckets still to come), so its peers' sends and receives complete instead of waiting for
+the group's timeout (gloo's pending operations do not end when a group is shut down, only when a peer's
+connection closes or ``TIMEOUT`` passes). The driver waits on every member's call together, so the
+first error fails the sync at once; it then lets the others finish, every member leaves the group, and
+a new one is formed at the next sync. ``TIMEOUT`` bounds joining and each send or receive.
 """
 
 from __future__ import annotations
@@ -171,31 +175,52 @@ class Sender:
         last goes out. Returns ``{"digests": {key: XXH3-128 of the block as sent} (with verify),
         "bytes", "buckets", "hash_s", "seconds"}``."""
         t0 = time.perf_counter()
-        digests, hash_s, nbytes = {}, 0.0, 0
+        digests, hash_s, nbytes, unsent = {}, 0.0, 0, 0
         works: list[list] = [[] for _ in self.bufs]
-        with torch.no_grad():
-            for b, (pieces, blocks) in enumerate(zip(self.buckets, self.blocks)):
-                i = b % len(self.bufs)
-                for w in works[i]:  # the buffer's last sends are done with it
-                    w.wait()
-                buf = self.bufs[i]
-                for p, blk in zip(pieces, blocks):
-                    buf[p.offset:p.offset + p.numel].view(blk.shape).copy_(blk.src(param_of(blk.param)))
-                n = bucket_numel(pieces)
-                wire = _bytes(buf[:n])
-                works[i] = [self.pg.send([wire], e, b) for e in engines]
-                nbytes += n * self.esize
-                if verify:  # the bytes just handed to the sends, while they run
-                    h0 = time.perf_counter()
-                    for p in pieces:
-                        digests[p.block.key] = tensor_digest(p.block.key, buf[p.offset:p.offset + p.numel]
-                                                             .view(p.block.shape))
-                    hash_s += time.perf_counter() - h0
+        try:
+            with torch.no_grad():
+                for b, (pieces, blocks) in enumerate(zip(self.buckets, self.blocks)):
+                    i = b % len(self.bufs)
+                    for w in works[i]:  # the buffer's last sends are done with it
+                        w.wait()
+                    works[i] = []  # a gloo send's Work must be waited once: a second wait waits for another send
+                    buf = self.bufs[i]
+                    for p, blk in zip(pieces, blocks):
+                        buf[p.offset:p.offset + p.numel].view(blk.shape).copy_(blk.src(param_of(blk.param)))
+                    n = bucket_numel(pieces)
+                    works[i] = [self.pg.send([_bytes(buf[:n])], e, b) for e in engines]
+                    unsent = b + 1
+                    nbytes += n * self.esize
+                    if verify:  # the bytes just handed to the sends, while they run
+                        h0 = time.perf_counter()
+                        for p in pieces:
+                            digests[p.block.key] = tensor_digest(p.block.key, buf[p.offset:p.offset + p.numel]
+                                                                 .view(p.block.shape))
+                        hash_s += time.perf_counter() - h0
+                while works:
+                    for w in works.pop():
+                        w.wait()
+        except BaseException:
+            self._drain(engines, works, unsent)
+            raise
+        return {"digests": digests, "bytes": nbytes, "buckets": len(self.buckets), "hash_s": hash_s,
+                "seconds": time.perf_counter() - t0}
+
+
+    def _drain(self, engines: list[int], works: list[list], unsent: int) -> None:
+        """After a failure mid-sync: finish the sends in flight and send the buckets from ``unsent`` on
+        (whatever the buffer holds: the sync has failed), so that the engines' receives complete and
+        nobody waits for the group's timeout; stops at the first transport error (a peer gone)."""
+        try:
             for ws in works:
                 for w in ws:
                     w.wait()
-        return {"digests": digests, "bytes": nbytes, "buckets": len(self.buckets), "hash_s": hash_s,
-                "seconds": time.perf_counter() - t0}
+            for b in range(unsent, len(self.buckets)):
+                wire = _bytes(self.bufs[0][:bucket_numel(self.buckets[b])])
+                for w in [self.pg.send([wire], e, b) for e in engines]:
+                    w.wait()
+        except Exception:  # noqa: BLE001 (the original error is what the caller sees)
+            pass
 
 
 class Receiver:
@@ -231,10 +256,23 @@ class Receiver:
                 post(s, b)
         order = [(s, b) for b in range(max((len(bk) for bk in self.buckets), default=0))
                  for s in range(len(self.buckets)) if b < len(self.buckets[s])]
-        digests, hash_s, nbytes = {}, 0.0, 0
+        digests: dict = {}
+        try:
+            hash_s, nbytes = self._place(order, pending, post, views, verify, digests)
+        except BaseException:
+            self._drain(order, pending)
+            raise
+        return {"digests": digests, "bytes": nbytes, "hash_s": hash_s, "seconds": time.perf_counter() - t0}
+
+    def _place(self, order: list, pending: dict, post, views: dict, verify: bool, digests: dict) -> tuple:
+        """Wait for the buckets in ``order`` (taking each off it), place them, repost; returns (seconds
+        spent hashing, bytes received)."""
+        hash_s, nbytes = 0.0, 0
         with torch.no_grad():
-            for s, b in order:
+            while order:
+                s, b = order[0]
                 work, buf = pending.pop((s, b))
+                order.pop(0)
                 work.wait()
                 pieces = self.buckets[s][b]
                 for p in pieces:
@@ -249,7 +287,22 @@ class Receiver:
                     for p in pieces:
                         digests[p.block.key] = (s, tensor_digest(p.block.key, p.block.dst(views[p.block.hf_name])))
                     hash_s += time.perf_counter() - h0
-        return {"digests": digests, "bytes": nbytes, "hash_s": hash_s, "seconds": time.perf_counter() - t0}
+        return hash_s, nbytes
+
+    def _drain(self, order: list, pending: dict) -> None:
+        """After a failure mid-sync: complete the receives posted and receive (and drop) every bucket
+        still to come, so that the senders' sends complete and nobody waits for the group's timeout;
+        stops at the first transport error (a peer gone)."""
+        try:
+            for work, _ in pending.values():
+                work.wait()
+            done = set(pending)
+            for s, b in order:
+                if (s, b) not in done:
+                    buf = self.bufs[s][0][:bucket_numel(self.buckets[s][b])]
+                    self.pg.recv([_bytes(buf)], s, b).wait()
+        except Exception:  # noqa: BLE001 (the original error is what the caller sees)
+            pass
 
 
 def compare_digests(sent: list[dict], placed: list[dict]) -> None:
