@@ -307,7 +307,11 @@ class EngineRollout(_EngineCalls):
                                          * actor.size)
         receivers = self._async("wg_join", [(host, port, actor.size + i, world, plans, self.engine_dtype,
                                              self.bucket_bytes) for i in range(self.size)])
-        ok = actor.group.get(senders) + self._get(receivers)
+        try:  # together: the first failure raises at once (the others would wait in the join for it)
+            ok = self._get(senders + receivers)
+        except Exception:
+            self._close_group(actor.group, f"{host}:{port}")
+            raise
         if not all(ok):
             self._close_group(actor.group, f"{host}:{port}")
             return None, "object_store (a rollout engine cannot place blocks into its weights)"
