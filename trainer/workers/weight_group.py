@@ -49,9 +49,10 @@ buffer, one strided copy into its weights, and with verification one XXH3 pass r
 back (from cache for a small block, from memory for a big one). Memory: two buffers of at most
 ``bucket_bytes`` per actor rank, and two per actor rank on every engine. Measured
 (benchmarks/bench_weight_group.py, 2-core shared CPU machine, TP=2 actor -> 2 engine workers, 75 MB fp32
-model over loopback gloo): 38-44 ms a sync unverified, 51-57 ms verified (+23-30% on the medians; the
-slowest process hashed for 7-17 ms), 2.1-2.4x faster than the verified object-store path; on this machine
-the four processes share two cores, so the hashing adds to the transfer instead of hiding behind it.
+model over loopback gloo, two runs, best of 5 per bucket size of 8/64/512 MiB): 38-44 ms a sync
+unverified, 50-57 ms verified (+23-37% on the medians; the slowest process hashed for 6-17 ms), 1.9-2.6x
+faster than the verified object-store path; on this machine the four processes share two cores, so the
+hashing adds to the transfer instead of hiding behind it.
 
 Failure: a member whose sync fails (an exception while packing, placing or hashing) first drains its
 part of the exchange (a sender sends its remaining buckets, whatever its buffer holds; an engine receives
