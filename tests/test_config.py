@@ -294,3 +294,15 @@ def test_secrets_stay_out_of_the_printed_and_written_config(tmp_path, monkeypatc
 
     again = load_config(["--config", path])  # the written file still runs: the interpolation resolves again
     assert again.attribution_driven_credit_assignment.base_url == "http://judge-host-9d2f7:8000/v1"
+
+
+def test_weight_sync_distributed_group_is_refused_where_it_cannot_run():
+    """The group sender serves native engine workers of their own; elsewhere the key names the fix."""
+    base = ["actor_rollout_ref.rollout.weight_sync=distributed_group"]
+    tiny_config(base + ["trainer.placement=split"])  # engine workers of their own: fine
+    with pytest.raises(ConfigError, match="hybrid engine"):
+        tiny_config(base + ["trainer.placement=colocated", "actor_rollout_ref.hybrid_engine=true"])
+    with pytest.raises(ConfigError, match="native engine workers"):
+        tiny_config(base + ["trainer.placement=split", "actor_rollout_ref.rollout.mode=server"])
+    with pytest.raises(ConfigError, match="weight_sync"):
+        tiny_config(["actor_rollout_ref.rollout.weight_sync=nccl"])

@@ -22,7 +22,7 @@ BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
         f"actor_rollout_ref.model.path={TINY}", "trainer.logger=[console]", "data.val_batch_size=64",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.placement=split",
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_engines=2",
-        "actor_rollout_ref.rollout.dtype=float32"]
+        "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.weight_sync=distributed_group"]
 
 
 def test_sent_digests_are_the_source_blocks_digests_and_buckets_are_cut_alike():
@@ -129,7 +129,7 @@ def cluster(tmp_path_factory):
     cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path_factory.mktemp('c')}"])
     resolve_model_paths(cfg)
     c = Cluster(cfg, total_steps=1)
-    c.rollout.shared_memory, c.rollout.distributed_group = False, True
+    assert (c.rollout.shared_memory, c.rollout.distributed_group) == (False, True)  # the key's wiring
     yield cfg, c
     c.shutdown()
 
@@ -268,4 +268,47 @@ def test_an_engine_that_fails_mid_sync_fails_the_sync_at_once_and_the_next_sync_
     m = r.sync_from(c.actor)  # a new group
     assert m["sync/group"] == 1.0 and r.transport == "distributed_group"
     want = c.actor.weights_checksum("float32")
+    assert r.engine_checksums() == [want, want]
+
+
+def test_separate_engine_workers_through_shared_memory_catch_a_lossy_copy(cluster):
+    """The same split placement with weight_sync=auto (last here: the engines then keep their weights in
+    the shared file): the engines share one copy, each TP rank writes its own blocks, and a byte copy
+    that lands wrong on an actor rank is named at its block and row (trainer/workers/weight_shm.py)."""
+    import ray
+
+    from trainer.rollout.engine import WeightSyncError
+
+    cfg, c = cluster
+    r = c.rollout
+    r.shared_memory, r.distributed_group = True, False
+    want = c.actor.weights_checksum("float32")
+    _scramble(r)
+    m = r.sync_from(c.actor)  # the first one after set-up also checks the full checksums
+    assert r.transport == "shared_memory" and m["sync/shared_memory"] == 1.0 and m["sync/verified"] == 1.0
+    assert r.engine_checksums() == [want, want]
+
+    def lossy(w, on: bool):
+        import ctypes
+
+        from trainer.workers import weight_shm
+
+        real = getattr(weight_shm, "_real_memcpy", weight_shm._memcpy)
+        weight_shm._real_memcpy = real
+        start = w._shm.tensor("model.layers.0.mlp.gate_proj.weight").data_ptr()  # TP rank 0's rows
+
+        def copy(dst, src, n):
+            real(dst, src, n)
+            if dst <= start < dst + n:
+                ctypes.c_ubyte.from_address(start).value ^= 1
+        weight_shm._memcpy = copy if on else real
+
+    ray.get([w.__ray_call__.remote(lossy, True) for w in c.actor.group.workers])
+    try:
+        with pytest.raises(WeightSyncError, match=r"block model.layers.0.mlp.gate_proj.weight\[0:\d+,0:\d+\] .*differs "
+                                                  r"from what the actor sent, first at row 0 of"):
+            r.sync_from(c.actor)
+    finally:
+        ray.get([w.__ray_call__.remote(lossy, False) for w in c.actor.group.workers])
+    r.sync_from(c.actor)  # the next sync repairs the engines
     assert r.engine_checksums() == [want, want]

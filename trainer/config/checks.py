@@ -496,6 +496,19 @@ def validation_errors(cfg: DictConfig) -> list[str]:
 
     ck = cfg.actor_rollout_ref.actor.checkpoint
     errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
+    if r.weight_sync == "distributed_group":
+        if r.mode != "sync" or r.name != "native":
+            errs.append(f"actor_rollout_ref.rollout.weight_sync=distributed_group with rollout.mode={r.mode}, "
+                        f"rollout.name={r.name}: the group sender is built for native engine workers (mode=sync, "
+                        f"name=native); the HTTP fleet and SGLang sync through their own endpoints. Use weight_sync=auto.")
+        elif cfg.trainer.placement != "split" and cfg.actor_rollout_ref.hybrid_engine:
+            errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with the hybrid engine (colocated, "
+                        "actor_rollout_ref.hybrid_engine=true): its engines live in the actor's processes, where the sync "
+                        "is a copy in shared memory. Set trainer.placement=split (or hybrid_engine=false) for engine "
+                        "workers of their own, or weight_sync=auto.")
+        elif cfg.trainer.debug.in_process:
+            errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with trainer.debug.in_process=true: the "
+                        "group joins separate processes; use weight_sync=auto to debug in process.")
     if r.mode != "sync" and cfg.trainer.debug.in_process:
         errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
                     f"separate processes by design; use rollout.mode=sync to debug in process.")

@@ -239,6 +239,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack old-log-prob micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per old-log-prob micro-batch
     update_weights_bucket_megabytes: int = 512  # weight-sync bucket size in MiB (actor -> rollout engines)
+    weight_sync: str = "auto"  # actor -> engines transport: auto (shared memory on one node, else Ray's object store), distributed_group (a gloo/NCCL group, every rank sends its own shards; native engine workers), object_store
     num_engines: int = 0  # rollout engines (workers) in the fleet; 0 = one per device when colocated (world / rollout TP), 1 split
     generate_threads: int = 0  # CPU torch threads per engine while generating; 0 = 1 (more only on idle cores)
     seed: int = 0  # sampling seed
@@ -552,6 +553,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "actor_rollout_ref.ref.router_replay.mode": (("disabled", "R2", "R3"), False),
     "reward_model.reward_manager": (("naive", "prime", "dapo", "batch"), False),
     "actor_rollout_ref.rollout.mode": (("sync", "async", "server"), False),
+    "actor_rollout_ref.rollout.weight_sync": (("auto", "distributed_group", "object_store"), False),
     "actor_rollout_ref.actor.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
     "critic.optim.lr_decay_style": (("constant", "cosine", "linear"), False),
     "critic.loss_agg_mode": (

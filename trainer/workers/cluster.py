@@ -209,13 +209,16 @@ class Cluster:
                                         log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts,
                                         backend=r.name, device=cfg.trainer.device)
         elif self.hybrid:
-            self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype)
+            self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
+                                         shared_memory=r.weight_sync == "auto")
         else:
             streams = 2 if r.name == "native" else 1  # the native engine admits a call into its running loop
             self.rollout = EngineRollout(
                 WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
                             bundle_of=rollout_bundle, share=0.25, max_concurrency=streams + 1),
-                free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams)
+                free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams,
+                shared_memory=r.weight_sync == "auto")
+            self.rollout.distributed_group = r.weight_sync == "distributed_group"
 
         if placement is not None:
             self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))

@@ -227,8 +227,8 @@ class EngineRollout(_EngineCalls):
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
         self.shared_memory = shared_memory
 
-    # opt-in (no config key yet): where shared memory is not used, sync through a torch.distributed group
-    # of the actor ranks and the engines (trainer/workers/weight_group.py) instead of the object store
+    # ``actor_rollout_ref.rollout.weight_sync=distributed_group``: sync through a torch.distributed group of
+    # the actor ranks and the engines (trainer/workers/weight_group.py) instead of the object store
     distributed_group = False
     _wg: tuple | None = None  # (actor group, the engines' group ranks or None, reason, group key)
     _wg_proven = False  # a group sync since set-up was checked end to end
