@@ -300,6 +300,7 @@ class CausalLM:
                 hf[p + "mlp.down_proj.bias"] = L.b_down
             self.layers.append(L)
         self._hf = hf
+        self._derived_stale = False  # weights written in place since the last re-derive (weights_changed)
         self.packed_head = None
         self.prepack = False
         self._set_rope(max_len or cfg.max_position_embeddings)
@@ -376,8 +377,15 @@ class CausalLM:
         self._repack()
 
     def weights_changed(self) -> None:
-        """The weights were written in place (a shared-memory sync): re-derive what is computed from them."""
-        self._repack()
+        """The weights were written in place (a shared-memory sync, by other processes): what is computed
+        from them is re-derived before the next pass reads it (:meth:`_fresh`), not here: the writers may
+        not all have finished when one engine is told, and every pass starts after the sync returned."""
+        self._derived_stale = True
+
+    def _fresh(self) -> None:
+        if self._derived_stale:
+            self._derived_stale = False
+            self._repack()
 
     def set_prepack(self, enabled: bool = True) -> bool:
         """Keep oneDNN-prepacked copies of the matmul weights (bf16/fp16 on CPU only; doubles their
@@ -424,6 +432,7 @@ class CausalLM:
         (ln1, wqkv, bqkv, qk_norm, wo, bo, ln2, w_gu, b_gu, w_down, b_down); absent ones are None.
         Live tensors (a weight update shows in the next call); build it per call, since
         ``qk_norm`` is re-derived at each load."""
+        self._fresh()
         out: list[torch.Tensor | None] = [self.embed, self.norm, self.lm_head]
         for L in self.layers:
             out += [L.ln1, L.wqkv, L.bqkv, L.qk_norm if L.q_norm is not None else None, L.wo, L.bo, L.ln2,
@@ -512,6 +521,7 @@ class CausalLM:
         """Full forward without a cache: logits ``[n, T, V]`` (fp32) of right-padded ``tokens [n, T]``.
         ``routing`` ``[n, T, R, k]`` (MoE): each token's experts per layer, replayed instead of the
         router's top-k (a row of -1: the router's own choice); the gate weights stay the router's."""
+        self._fresh()
         moes = self.moe_layers()
         if routing is not None:
             if routing.shape[2] != len(moes):
@@ -541,6 +551,7 @@ class CausalLM:
         tokens ``[n, T]`` right-padded, lengths ``[n]``; cache slot ``slots[j]`` receives the keys/values
         of prompt row ``rows[j]`` (a prompt sampled n times is computed once and copied to n slots).
         """
+        self._fresh()
         T = tokens.shape[1]
         same = rows.numel() == tokens.shape[0] and bool((rows == torch.arange(rows.numel(), device=rows.device)).all())
 
@@ -563,6 +574,7 @@ class CausalLM:
         returns next-token logits ``[B, V]`` (fp32). ``max_position`` / ``min_position`` (of
         ``positions``, known to the caller) save host syncs.
         """
+        self._fresh()
         c = self.cfg
         B = tokens.shape[0]
         H, K, G, D = c.num_heads, c.num_kv_heads, c.num_groups, c.head_dim

@@ -83,13 +83,11 @@ class HybridMixin:
 
     @resident("params")
     def sync_engine_shm(self, verify: bool) -> dict:
-        """Write this rank's blocks into the engines' shared weights (trainer/workers/weight_shm.py;
-        collective over every actor rank, each hosting one engine of the node), each chunk compared in
-        cache with what was sent when ``verify``; wait for every rank (one gloo barrier), then
-        re-derive this engine's packed weights. A mismatch is returned, not raised, so that every rank
-        still reaches the barrier; the driver names the rank. Returns ``{"bytes", "buckets", "error"}``."""
-        import torch.distributed as dist
-
+        """Write this rank's blocks into the engines' shared weights (trainer/workers/weight_shm.py; every
+        actor rank, each hosting one engine of the node), each piece compared in cache with what was
+        sent when ``verify``. No barrier: the engine re-derives what it computes from its weights at its
+        next pass, which starts after the driver has every rank's result. A mismatch is returned, so
+        the driver names the rank. Returns ``{"bytes", "buckets", "error"}``."""
         from megatron_bridge import cpu_shims
 
         from trainer.rollout.engine import WeightSyncError
@@ -101,8 +99,6 @@ class HybridMixin:
                 write_blocks(self._shm, self._shm_writes, self._shm_params.__getitem__, verify)
             except WeightSyncError as e:
                 error = str(e)
-            finally:
-                dist.barrier()  # no engine re-derives before every rank wrote; a failed rank still arrives
             nbytes = self.engine_worker.take_shared_weights()
         return {"bytes": nbytes, "buckets": 1, "error": error}
 

@@ -111,8 +111,8 @@ class RolloutWorker:
         return True
 
     def take_shared_weights(self) -> int:
-        """After the actor ranks wrote the weights in place: re-derive what the engine computes from
-        them. Returns the sync's bytes."""
+        """The actor ranks write the weights in place: the engine re-derives what it computes from them
+        at its next pass (``weights_changed``). Returns the sync's bytes."""
         self.engine.weights_changed()
         return self._shm.layout.model_bytes
 

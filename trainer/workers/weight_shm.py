@@ -18,7 +18,8 @@ When the actor's ranks and the rollout engines share a node (and its ``/dev/shm`
   pieces of 128 KiB, and right after each piece's copy compares the bytes that now sit in the
   engines' memory with the bytes it sent (``memcmp``; the cast piece for a cast), both still in L2.
   A mismatch raises :class:`~trainer.rollout.engine.WeightSyncError` naming the tensor, the block and
-  the row. Then each engine re-derives what it computes from its weights (packed copies).
+  the row. Each engine re-derives what it computes from its weights (packed copies) at its next pass,
+  which starts only after the driver has every rank's result: no barrier between the ranks.
 
 Why a comparison, not digests: the engines hold the very pages the writer just wrote, so what the
 engine holds can be read back where it is cheapest, in the writer's cache, and compared exactly (no
