@@ -206,6 +206,18 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     ray.get([w.__ray_call__.remote(lossy_copy, False) for w in c.actor.group.workers])
     c.rollout.sync_from(c.actor)  # the next sync repairs it
     assert c.rollout.engine_checksums() == [full, full]
+    # the first verified sync through a new set-up (a new file) is also checked end to end, and only that one
+    calls = []
+    real_verify = c.rollout.verify
+    c.rollout.verify = lambda actor, streamed=False: (calls.append(streamed), real_verify(actor, streamed))
+    try:
+        c.rollout._shm = None
+        for verify in (False, True, True):
+            c.rollout.sync_from(c.actor, verify=verify)
+    finally:
+        del c.rollout.verify
+    assert calls == [False] and c.rollout.transport == "shared_memory"
+    assert c.rollout.engine_checksums() == [full, full]
     c.rollout.bucket_bytes = 512 << 20
 
 

@@ -170,22 +170,14 @@ def new_hasher():
     return xxhash.xxh3_128()
 
 
-CHUNK_BYTES = 512 << 10  # what hashing streams through at a time: it stays in a core's L2 cache
+_CHUNK_BYTES = 512 << 10  # what hashing streams through at a time: it stays in a core's L2 cache
 
 
-def digest_begin(name: str, dtype: torch.dtype, shape) -> "xxhash.xxh3_128":
-    """A hasher primed with what :func:`tensor_digest` hashes before the bytes: (name, dtype, shape)."""
-    h = new_hasher()
-    h.update(name.encode())
-    h.update(b"\0" + str(dtype).encode() + b"\0" + repr(tuple(shape)).encode() + b"\0")
-    return h
-
-
-def hash_rows(h, t: torch.Tensor) -> None:
+def _hash_rows(h, t: torch.Tensor) -> None:
     """Feed the row-major bytes of CPU tensor ``t`` to ``h``, in place where it can: all at once when
     ``t`` is contiguous; a 2-D view with contiguous rows (a column block of a matrix) row by row when
     rows are long (>= 8 KiB; the hash streams, so this equals hashing its contiguous copy, without the
-    copy), else through a contiguous copy of at most :data:`CHUNK_BYTES` at a time (cheaper than a
+    copy), else through a contiguous copy of at most ``_CHUNK_BYTES`` at a time (cheaper than a
     Python call per short row, and it stays in cache)."""
     if t.numel() == 0:
         return
@@ -203,7 +195,7 @@ def hash_rows(h, t: torch.Tensor) -> None:
         for off in range(0, rows * step, step):
             h.update(span[off:off + row])
         return
-    k = max(1, CHUNK_BYTES // row)
+    k = max(1, _CHUNK_BYTES // row)
     for r in range(0, rows, k):
         c = t[r:r + k].contiguous()
         h.update(_tensor_bytes(c))
@@ -215,8 +207,10 @@ def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) 
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)  # round-to-nearest-even, the same rounding as copy_ into an engine buffer
     t = t.to("cpu")
-    h = digest_begin(name, t.dtype, t.shape)
-    hash_rows(h, t)
+    h = new_hasher()
+    h.update(name.encode())
+    h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+    _hash_rows(h, t)
     return h.digest()
 
 

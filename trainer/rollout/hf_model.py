@@ -337,8 +337,8 @@ class CausalLM:
         for _, _, t in bases:
             offsets.append(n)
             n += -(-t.numel() // step) * step
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t, o)
-                       for (_, _, t), o in zip(bases, offsets))
+        spans = sorted(((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t, o)
+                        for (_, _, t), o in zip(bases, offsets)), key=lambda x: x[0])
         starts = [a for a, _, _, _ in spans]
         views = {}
         for name, v in self._hf.items():

@@ -132,7 +132,16 @@ class _EngineCalls:
     shared_memory = True
     transport = "object_store"
     _shm: tuple | None = None  # (actor group, Layout or None, reason)
-    _shm_proven = False  # a sync since set-up was checked end to end (``_shm_metrics``)
+    _proven: tuple | None = None  # the set-up (``_shm``, ``_wg``) whose first verified sync was checked end to end
+
+    def _check_once(self, actor, setup: tuple) -> None:
+        """The first verified sync through a new set-up (a shared file, a weight group) is also checked end
+        to end, outside its timing: every engine's full checksum over its own views against the actor's.
+        That proves what the per-piece or per-block checks take as given: the writers' views of the
+        engines' weights and the engines' own agree."""
+        if self._proven is not setup:
+            self.verify(actor)
+            self._proven = setup
 
     def _shared_layout(self, actor):
         """The shared-memory sync's layout for this actor (set up at its first sync), or None where it
@@ -142,21 +151,17 @@ class _EngineCalls:
             return None
         if self._shm is None or self._shm[0] is not actor.group:
             self._shm = (actor.group, *setup_shared_memory(actor, self))
-            self._shm_proven = False
         self.transport = self._shm[2]
         return self._shm[1]
 
     def _shm_metrics(self, actor, t0: float, nbytes: int, verify: bool) -> dict[str, float]:
-        """A shared-memory sync's metrics; the first verified one after set-up is also checked end to
-        end (every engine's full checksum over its own views against the actor's: the writers' views of
-        the file and the engines' agree), outside its timing."""
+        """A shared-memory sync's metrics (and, the first verified time, :meth:`_check_once`)."""
         m = _sync_metrics(t0, nbytes, 1)
         m["sync/shared_memory"] = 1.0
         if not verify:
             m.pop("sync/verified")
-        elif not self._shm_proven:
-            self.verify(actor)
-            self._shm_proven = True
+        else:
+            self._check_once(actor, self._shm)
         return m
 
     def _shm_buffer_bytes(self) -> int:
@@ -231,7 +236,6 @@ class EngineRollout(_EngineCalls):
     # the actor ranks and the engines (trainer/workers/weight_group.py) instead of the object store
     distributed_group = False
     _wg: tuple | None = None  # (actor group, the engines' group ranks or None, reason, group key)
-    _wg_proven = False  # a group sync since set-up was checked end to end
 
     def _async(self, method, args=None, **kw):
         return self.group.async_call(method, args, **kw)
@@ -288,7 +292,6 @@ class EngineRollout(_EngineCalls):
         if self._wg is None or self._wg[0] is not actor.group:
             self._close_group()
             self._wg = (actor.group, *self._setup_group(actor))
-            self._wg_proven = False
         self.transport = self._wg[2]
         return self._wg[1]
 
@@ -351,9 +354,7 @@ class EngineRollout(_EngineCalls):
             return m
         # the hashing's share: the slowest process's time in XXH3 (senders hash while their sends run)
         m["sync/verify_seconds"] = max(r["hash_s"] for r in sent + placed)
-        if not self._wg_proven:
-            self.verify(actor)
-            self._wg_proven = True
+        self._check_once(actor, self._wg)
         return m
 
     def _close_group(self, actor_group=None, key: str | None = None) -> None:
@@ -387,8 +388,8 @@ class HybridRollout(_EngineCalls):
 
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
         """Every actor rank loads its own engine from the weight stream; checked per rank (stream
-        == engine) and across ranks (every rank streamed the same weights). Through the shared
-        buffer when the ranks can map it (one node): each rank writes only its own shards."""
+        == engine) and across ranks (every rank streamed the same weights). Through the engines' shared
+        weights when the ranks can map them (one node): each rank writes only its own shards."""
         if actor.group is not self.actor_group:
             raise ValueError("a hybrid rollout syncs only from the actor group that hosts its engines")
         t0 = time.perf_counter()

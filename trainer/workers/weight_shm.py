@@ -66,13 +66,11 @@ STRIDED_PIECE = 1 << 20
 @dataclass(frozen=True)
 class Layout:
     """The shared file: a header, then the engines' weights, a flat storage of ``numel`` elements of
-    ``dtype``, where HF tensor ``name`` is the view ``entries[name]`` = (element offset, shape, stride).
-    ``blocks``: every rank's (HF name, rows, cols), checked to partition every tensor."""
+    ``dtype``, where HF tensor ``name`` is the view ``entries[name]`` = (element offset, shape, stride)."""
 
     dtype: str
     numel: int
     entries: dict
-    blocks: tuple = ()
 
     @property
     def esize(self) -> int:
@@ -111,7 +109,6 @@ def plan_layout(engine_layout: tuple[str, int, dict], plans: list[list[tuple]]) 
     one element, or an element nobody writes: the engine would keep a stale value unchecked)."""
     dtype, numel, entries = engine_layout
     by_tensor: dict[str, list] = {}
-    keys = []
     for plan in plans:
         for name, shape, rows, cols in plan:
             if name not in entries:
@@ -119,7 +116,6 @@ def plan_layout(engine_layout: tuple[str, int, dict], plans: list[list[tuple]]) 
             if tuple(entries[name][1]) != tuple(shape):
                 raise ValueError(f"{name}: the actor's HF shape {tuple(shape)} != the engine's {tuple(entries[name][1])}")
             by_tensor.setdefault(name, []).append((tuple(rows), tuple(cols)))
-            keys.append((name, tuple(rows), tuple(cols)))
     for name, rects in by_tensor.items():
         R, C = _frame(entries[name][1])
         area = 0
@@ -137,8 +133,7 @@ def plan_layout(engine_layout: tuple[str, int, dict], plans: list[list[tuple]]) 
     missing = sorted(set(entries) - set(by_tensor)) if plans else []
     if missing:
         raise ValueError(f"the rollout engine has weights no actor rank writes, e.g. {missing[:3]}")
-    return Layout(dtype, int(numel), {n: (int(o), tuple(s), tuple(st)) for n, (o, s, st) in entries.items()},
-                  tuple(keys))
+    return Layout(dtype, int(numel), {n: (int(o), tuple(s), tuple(st)) for n, (o, s, st) in entries.items()})
 
 
 def create_buffer(nbytes: int, directory: str = "/dev/shm") -> tuple[str, bytes]:
