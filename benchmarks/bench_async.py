@@ -96,6 +96,8 @@ def one_run(model: str, run_dir: str, extra: list[str], steps: int, max_len: int
     from trainer.main import train
 
     cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
+        "--config", os.path.join(ROOT, "recipes", "cpu", "fp32.yaml"),  # the figures are fp32
+       
                        f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run_dir}",
                        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
                        "trainer.save_freq=-1", "trainer.logger=[console]", "trainer.n_gpus_per_node=1",

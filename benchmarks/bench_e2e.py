@@ -33,15 +33,15 @@ Setup, identical on both sides:
 Coxswain: ``trainer.main.train`` with the embedded recipe's defaults (actor megatron-core TP=1 DP=2 over
 2 CPU slots, one native engine per slot colocated, local Ray cluster, 2 scorer processes, one torch
 thread per worker) and only the keys above overridden, console logging only, no eval, no checkpoints.
-Two Coxswain runs: ``coxswain`` (those defaults: fp32, eager) and ``coxswain-bf16-compile`` (its
-throughput settings, ``FAST_SETTINGS``: megatron mixed precision, i.e. bf16 weights and activations
-with fp32 main params, grads and Adam state, the attention kernel in fp32 on CPU, and
-``torch.compile`` of the actor's model chunk, and the rollout engine in bf16 with its decode step
-compiled, ``engine_kwargs.compile_decode``, with inductor's C++ wrapper,
-``engine_kwargs.compile_options.cpp_wrapper``, its matmuls on inductor's C++ GEMM template,
-``engine_kwargs.decode_gemm=cpp``, and padded rather than packed sequences,
-``actor_rollout_ref.actor.megatron.use_remove_padding=false``: no completion ends early here, so packing saves
-nothing, and under ``torch.compile`` the packed attention is a graph break). Coxswain's batch is as
+Three Coxswain runs: ``coxswain``, the recipe as shipped (verl's precision defaults: megatron mixed
+precision, i.e. bf16 weights and activations with fp32 main params, grads and Adam state, the
+attention kernel in fp32 on CPU; a bf16 rollout engine; eager); ``coxswain-compile``, the same plus the
+one compile switch ``trainer.compile=true`` (``torch.compile`` of the actor's model chunk; the engines'
+decode step compiled, launched from inductor's C++ wrapper, its matmuls on inductor's C++ GEMM
+template) and padded rather than packed sequences, ``actor_rollout_ref.actor.megatron.use_remove_padding=false``
+(no completion ends early here, so packing saves nothing, and under ``torch.compile`` the packed
+attention is a graph break): ``FAST_SETTINGS``; and ``coxswain-fp32``, the recipe with
+``recipes/cpu/fp32.yaml`` (fp32 everywhere, what the tests run), for reference. Coxswain's batch is as
 wide as its longest prompt and response
 and each data-parallel shard is trimmed to its own; TRL pads to the longest prompt of its batch, so
 both compute over the same widths.
@@ -101,21 +101,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
-# Coxswain's throughput settings: megatron mixed precision (bf16 weights and activations, fp32 main
-# params, grads and optimizer; attention kernel in fp32 on CPU), torch.compile of the actor chunk, and
-# a bf16 rollout engine with its decode step compiled, launched from C++ (cpp_wrapper), its matmuls
-# on inductor's C++ GEMM template (AMX micro-kernels; decode_gemm=cpp: generate 35% faster, median,
-# interleaved in one process).
-FAST_SETTINGS = ["actor_rollout_ref.actor.megatron.dtype=bfloat16",
-                 "actor_rollout_ref.actor.megatron.use_torch_compile=true",
-                 "actor_rollout_ref.rollout.dtype=bfloat16",
-                 "actor_rollout_ref.rollout.engine_kwargs.compile_decode=true",
-                 "actor_rollout_ref.rollout.engine_kwargs.compile_options.cpp_wrapper=true",
-                 "actor_rollout_ref.rollout.engine_kwargs.decode_gemm=cpp",
+# Coxswain's compile switch (trainer.compile=true: torch.compile of the actor's model chunk, and the
+# rollout engines' decode step compiled, launched from C++ (cpp_wrapper), its matmuls on inductor's C++
+# GEMM template (AMX / AVX-512 micro-kernels; decode_gemm=cpp)), plus padded rather than packed rows.
+FAST_SETTINGS = ["trainer.compile=true",
                  # every completion here is exactly max-new-tokens long, so packing saves no pad token,
                  # and under torch.compile the packed (THD) attention and RoPE are graph breaks:
                  # padded was 0.54 against 0.62 s per compiled bf16 update at this shape
                  "actor_rollout_ref.actor.megatron.use_remove_padding=false"]
+# exact fp32 numerics (what the tests run): a reference row
+FP32_SETTINGS = ["--config", os.path.join(ROOT, "recipes", "cpu", "fp32.yaml")]
 
 SIZES = {
     "full": dict(vocab=1024, hidden=192, layers=6, heads=6, kv=2, ffn=512, prompts=8, n=8, new=64, steps=6),
@@ -378,7 +373,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--coxswain-args", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra Coxswain config overrides, for experiments (printed with the results)")
     ap.add_argument("--no-fast", action="store_true",
-                    help="skip the coxswain-bf16-compile run (the recipe's defaults only; --quick always does)")
+                    help="skip the coxswain-compile and coxswain-fp32 runs (the recipe as shipped only; --quick always does)")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -414,7 +409,8 @@ def main(argv=None) -> dict:
     # named variants: (run name, framework, spec keys). Each framework's fastest variant is its figure.
     cox_variants = [("coxswain", {"extra": list(a.coxswain_args)})]
     if not (a.no_fast or a.quick):  # (compiling takes longer than the whole --quick budget)
-        cox_variants.append(("coxswain-bf16-compile", {"extra": [*FAST_SETTINGS, *a.coxswain_args]}))
+        cox_variants.append(("coxswain-compile", {"extra": [*FAST_SETTINGS, *a.coxswain_args]}))
+        cox_variants.append(("coxswain-fp32", {"extra": [*FP32_SETTINGS, *a.coxswain_args]}))
     trl_variants = [(f"trl-t{th}", {"threads": th, "precision": "fp32"}) for th in threads]
     if not a.quick:
         trl_variants.append((f"trl-t{max(threads)}-bf16", {"threads": max(threads), "precision": "bf16"}))
@@ -468,6 +464,22 @@ def main(argv=None) -> dict:
     result["headline"] = {"coxswain_tok_s": cox["steady"]["tok_s"], "trl_tok_s": best_trl["steady"]["tok_s"],
                           "coxswain_run": cox["name"], "trl_run": best_trl["name"], "ratio": ratio,
                           "tokens_per_cpu_s_ratio": cpu_ratio}
+    # per setting: against TRL's fastest run (tokens/s) and its most CPU-efficient one (tokens/CPU-s)
+    trl_cpu = max(trls, key=lambda r: r["steady"]["tok_per_cpu_s"])
+    print(f"\nagainst TRL's fastest run ({best_trl['name']}, tokens/s) and its most CPU-efficient one "
+          f"({trl_cpu['name']}, tokens per CPU-second):")
+    settings = {}
+    for base in ("coxswain", "coxswain-compile", "coxswain-fp32"):
+        mine = [r for r in coxs if r["name"] == base or r["name"].startswith(base + "-r")]
+        if not mine:
+            continue
+        top = max(mine, key=lambda r: r["steady"]["tok_s"])
+        topc = max(mine, key=lambda r: r["steady"]["tok_per_cpu_s"])
+        settings[base] = {"tok_s_ratio": top["steady"]["tok_s"] / best_trl["steady"]["tok_s"],
+                          "tok_per_cpu_s_ratio": topc["steady"]["tok_per_cpu_s"] / trl_cpu["steady"]["tok_per_cpu_s"]}
+        print(f"  {base:18s} tokens/s {settings[base]['tok_s_ratio']:.2f}x   tokens per CPU-second "
+              f"{settings[base]['tok_per_cpu_s_ratio']:.2f}x")
+    result["headline"]["settings"] = settings
     write_json(a.json, result)
     print(f"headline: Coxswain / TRL GRPOTrainer steady-state tokens/s = {cox['steady']['tok_s']:.0f} / "
           f"{best_trl['steady']['tok_s']:.0f} ({best_trl['name']}) = {ratio:.2f}x "

@@ -125,6 +125,8 @@ def rank_job(src: str, variant: dict, lens: list[int], steps: int, budget: int, 
     batch = RolloutBatch.from_tokens(p_ids, r_ids, p_mask, r_mask)
     adv = torch.randn(r_ids.shape, generator=g) * r_mask
     cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
+        "--config", os.path.join(ROOT, "recipes", "cpu", "fp32.yaml"),  # the figures are fp32
+       
                        f"actor_rollout_ref.model.enable_gradient_checkpointing={variant['recompute']}"])
     optim = dict(optimizer="adam", lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                  adam_eps=1e-8, clip_grad=1.0, lr_schedule="constant", lr_warmup_steps=0, lr_decay_steps=100,

@@ -35,7 +35,9 @@ def measure(model: str, dp: int, n: int, reps: int) -> dict:
     from trainer.workers.cluster import Cluster
     from trainer.workers.dataplane import StepData
 
-    cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"), f"actor_rollout_ref.model.path={model}", f"trainer.n_gpus_per_node={dp}",
+    cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
+        "--config", os.path.join(ROOT, "recipes", "cpu", "fp32.yaml"),  # the figures are fp32
+        f"actor_rollout_ref.model.path={model}", f"trainer.n_gpus_per_node={dp}",
                        "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",

@@ -73,6 +73,8 @@ def build_cluster(model_dir: str, run_dir: str, bucket_mib: int, tp: int = 2, pp
     from trainer.workers.cluster import Cluster
 
     cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
+        "--config", os.path.join(ROOT, "recipes", "cpu", "fp32.yaml"),  # the figures are fp32
+       
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",

@@ -52,6 +52,8 @@ def build_cluster(model_dir: str, run_dir: str, bucket_mib: int, dtype: str):
     from trainer.workers.cluster import Cluster
 
     cfg = load_config(["--config", os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml"),
+        "--config", os.path.join(ROOT, "recipes", "cpu", "fp32.yaml"),  # the figures are fp32
+       
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.placement=split",

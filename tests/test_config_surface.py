@@ -268,3 +268,21 @@ def test_adca_seed_recommended_yaml_resolves():
     with pytest.raises(ConfigError, match="same setting"):
         tiny_config(["attribution_driven_credit_assignment.adca_grpo.skip_type=none",
                      "attribution_driven_credit_assignment.skip_type=none"])
+
+
+def test_compile_switch_fills_only_what_engine_kwargs_leaves_unset():
+    """``trainer.compile=true``: the native engine's compiled decode with the C++ wrapper and GEMM template
+    on CPU, the user's own engine_kwargs winning key by key; SGLang kwargs and MoE models untouched."""
+    from trainer.workers.cluster import compiled_engine_kwargs
+
+    tiny = os.path.join(ROOT, "recipes", "cpu", "tiny_model")
+    moe = os.path.join(ROOT, "recipes", "cpu", "tiny_moe_model")
+    kw = lambda ek, **o: compiled_engine_kwargs(ek, **{"name": "native", "device": "cpu", "model_path": tiny, **o})  # noqa: E731
+    assert kw({}) == {"compile_decode": True, "compile_options": {"cpp_wrapper": True}, "decode_gemm": "cpp"}
+    assert kw({"decode_gemm": "aten", "compile_options": {"cpp_wrapper": False, "max_autotune": True}}) == {
+        "compile_decode": True, "decode_gemm": "aten", "compile_options": {"cpp_wrapper": False, "max_autotune": True}}
+    assert kw({"compile_decode": False}) == {"compile_decode": False}  # an explicit eager engine stays eager
+    assert kw({}, device="cuda") == {"compile_decode": True}  # the C++ wrapper and GEMM template are CPU kernels
+    assert kw({"x": 1}, name="sglang") == {"x": 1}
+    assert kw({}, model_path=moe) == {}
+    assert tiny_config(["trainer.compile=true"]).trainer.compile is True

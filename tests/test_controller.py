@@ -87,6 +87,25 @@ def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
     assert [m.step for m in c.get_metric_history(r.info.run_id, val_key.replace("@", "_at_"))] == [0, 2]
 
 
+def test_shipped_recipe_learns_in_bf16(tmp_path):
+    """The recipe as shipped (verl's bf16 defaults, no fp32 overlay: the README's main job) learns the task
+    within five steps, and its bf16 engines sample from the bf16 actor's weights: the rollout-vs-trainer
+    mismatch stays at bf16 rounding (an engine left on stale or mis-cast weights shows a KL far above it)."""
+    from trainer.config import load_config
+    from trainer.main import train
+
+    from tests.tiny import TINY_YAML
+
+    cfg = load_config(["--config", TINY_YAML, "trainer.total_training_steps=5", "trainer.logger=[console]",
+                       f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert (cfg.actor_rollout_ref.actor.megatron.dtype, cfg.actor_rollout_ref.rollout.dtype) == ("bfloat16", "bfloat16")
+    hist = train(cfg)["history"]
+    before, after = val_core_acc(hist[0]), val_core_acc(hist[-1])
+    assert hist[-1]["step"] == 5 and before < 0.3 and after > 0.6, (before, after)
+    assert all(abs(h["mismatch/mismatch_kl"]) < 0.01 for h in hist[1:]), [h["mismatch/mismatch_kl"] for h in hist[1:]]
+    assert all(h["sync/verified"] == 1.0 for h in hist[1:])
+
+
 def test_tp2_actor_split_placement_and_critic(tmp_path, monkeypatch):
     """TP=2 actor (megatron tensor parallel over 2 CPU ranks), split placement (the engine on its own
     slot), and GAE with a critic group: one step runs, the synced engine matches the TP=2 actor."""

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny import TINY_YAML
+from tests.tiny import TINY_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _main(*args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "trainer.main", "--config", TINY_YAML,
+    return subprocess.run([sys.executable, "-m", "trainer.main", *TINY_ARGS,
                            f"trainer.default_local_dir={tmp_path}", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)
 

@@ -50,7 +50,7 @@ WORKER_TITLES = ("ray::MegatronWorker", "ray::RolloutWorker", "ray::HybridWorker
 
 def driver(args, env, log) -> subprocess.Popen:
     """The recipe script, as the Slurm template and the KubeRay entrypoint run it, in its own session."""
-    return subprocess.Popen(["bash", "recipes/cpu/run_tiny_grpo.sh", *args], cwd=ROOT, env=env, stdout=log,
+    return subprocess.Popen(["bash", "recipes/cpu/run_tiny_grpo.sh", "--config", "recipes/cpu/fp32.yaml", *args], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -208,7 +208,7 @@ def test_a_lost_node_stops_the_run_with_its_name_then_resume_continues(nodes, ru
 def test_too_few_nodes_fail_fast_with_the_cluster_listed(nodes, tmp_path):
     """trainer.nnodes=4 on the two-node cluster: a clear error at start-up, not a wait for a placement."""
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "recipes/cpu/tiny_grpo.yaml", *BASE,
+    out = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *BASE,
                           "trainer.nnodes=4", "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={tmp_path}"],
                          cwd=ROOT, env=nodes.env(), capture_output=True, text=True, timeout=180)
     assert out.returncode != 0 and time.monotonic() - t0 < 100

@@ -23,7 +23,7 @@ def test_tiny_grpo_with_sglang_rollout_trains(tmp_path, placement):
 
     require_sglang_here()
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    p = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "recipes/cpu/tiny_grpo.yaml",
+    p = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml",
                         "actor_rollout_ref.rollout.name=sglang", "trainer.total_training_steps=3", "trainer.test_freq=-1",
                         "trainer.save_freq=-1", "trainer.logger=[console,mlflow]",
                         "trainer.experiment_name=tiny_grpo_sglang", f"trainer.default_local_dir={tmp_path}/run",

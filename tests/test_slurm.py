@@ -58,7 +58,7 @@ def sbatch(slurm: LocalSlurm, tmp: Path, env: dict, *args, timeout_s=420) -> tup
     out = tmp / "job.out"
     t0 = time.monotonic()
     res = slurm.run(["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2",
-                     f"--output={out}", f"--chdir={ROOT}", SBATCH, "recipes/cpu/run_tiny_grpo.sh", *args],
+                     f"--output={out}", f"--chdir={ROOT}", SBATCH, "recipes/cpu/run_tiny_grpo.sh", "--config", "recipes/cpu/fp32.yaml", *args],
                     env=env, timeout_s=60)
     job = res.stdout.strip().split(";")[0]
     assert job.isdigit(), (res.returncode, res.stdout, res.stderr, slurm.logs())

@@ -12,10 +12,13 @@ from trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml")
+# the recipe keeps verl's bf16 defaults; the tests' references are fp32 (recipes/cpu/fp32.yaml)
+FP32_YAML = os.path.join(ROOT, "recipes", "cpu", "fp32.yaml")
+TINY_ARGS = ["--config", TINY_YAML, "--config", FP32_YAML]
 
 
 def tiny_config(overrides=(), **kw):
-    return load_config(["--config", TINY_YAML, *overrides], **kw)
+    return load_config([*TINY_ARGS, *overrides], **kw)
 
 
 # A driver in its own process (and session), for tests that SIGKILL it.
@@ -23,7 +26,7 @@ DRIVER_SCRIPT = """
 import json, sys
 from trainer.config import load_config
 from trainer.main import train
-out = train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *json.loads(sys.argv[1])]))
+out = train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *json.loads(sys.argv[1])]))
 """
 
 

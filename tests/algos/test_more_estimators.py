@@ -394,7 +394,7 @@ def test_vectorized_spellings_are_grpo_and_rloo():
 def _cfg(*ov):
     from trainer.config import load_config
 
-    return load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *ov])
+    return load_config(["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *ov])
 
 
 @pytest.mark.parametrize("name,extra", [

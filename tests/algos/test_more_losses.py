@@ -297,7 +297,7 @@ def test_cpgd_gradient_is_siirls():
 def _cfg(*ov):
     from trainer.config import load_config
 
-    return load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *ov])
+    return load_config(["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *ov])
 
 
 def _plan(*ov):

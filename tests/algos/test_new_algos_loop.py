@@ -31,7 +31,8 @@ def test_gdpo_with_sapo_trains_one_step(tmp_path):
     from trainer.config import load_config
     from trainer.main import train
 
-    cfg = load_config(["--config", str(ROOT / "recipes" / "cpu" / "tiny_grpo.yaml"), *BASE,
+    cfg = load_config(["--config", str(ROOT / "recipes" / "cpu" / "tiny_grpo.yaml"),
+                       "--config", str(ROOT / "recipes" / "cpu" / "fp32.yaml"), *BASE,
                        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=1",
                        "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[score,acc]",
                        "algorithm.gdpo_reward_weights=[1.0,0.5]",
@@ -71,7 +72,8 @@ def test_optimal_token_baseline_trains_on_the_estimator_of_recomputed_inputs(tmp
     from trainer.main import train
 
     dump = tmp_path / "dump"
-    cfg = load_config(["--config", str(ROOT / "recipes" / "cpu" / "tiny_grpo.yaml"), *BASE,
+    cfg = load_config(["--config", str(ROOT / "recipes" / "cpu" / "tiny_grpo.yaml"),
+                       "--config", str(ROOT / "recipes" / "cpu" / "fp32.yaml"), *BASE,
                        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=1",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # the whole batch: one mini-batch
                        "algorithm.adv_estimator=optimal_token_baseline",

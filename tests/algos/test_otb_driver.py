@@ -29,7 +29,7 @@ OTB = ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.acto
 def _cfg(*ov):
     from trainer.config import load_config
 
-    return load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *ov])
+    return load_config(["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *ov])
 
 
 def _plan(*ov):

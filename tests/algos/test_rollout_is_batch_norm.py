@@ -22,7 +22,7 @@ def _plan(level, rs):
           "algorithm.rollout_correction.rollout_is_batch_normalize=true"]
     if rs:
         ov += [f"algorithm.rollout_correction.rollout_rs={rs}", "algorithm.rollout_correction.rollout_rs_threshold='0.7_1.3'"]
-    return Plan.from_config(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *ov]), total_steps=1)
+    return Plan.from_config(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *ov]), total_steps=1)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -19,7 +19,7 @@ SCRIPT = """
 import json, sys
 from trainer.config import load_config
 from trainer.main import train
-train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *json.loads(sys.argv[1])]))
+train(load_config(["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *json.loads(sys.argv[1])]))
 """
 
 

@@ -39,7 +39,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_and_an_explicit_one_stops(tmp_pa
     assert [h["step"] for h in out["history"]] == [1, 2, 3, 4]  # steps 3 and 4 trained after the resume
     # an explicit path to a bad checkpoint: one line, exit 2, no traceback
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    args = ["--config", "recipes/cpu/tiny_grpo.yaml", *BASE, f"trainer.default_local_dir={tmp_path / 'other'}",
+    args = ["--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml", *BASE, f"trainer.default_local_dir={tmp_path / 'other'}",
             "trainer.total_training_steps=4", "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={tmp_path / 'copy'}"]
     import shutil

@@ -584,9 +584,9 @@ class CausalLM:
         x = F.embedding(tokens, self.embed)  # [B, h]
         cos = self.cos[positions][:, None, :]  # [B, 1, D]
         sin = self.sin[positions][:, None, :]
-        # Rows at the same position need no mask (and SDPA runs its unmasked path, as HF's does then).
+        # Rows at the same position need no mask.
         uniform = max_position is not None and min_position == max_position
-        mask = None if uniform else (torch.arange(Lk, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, Lk]
+        allowed = None if uniform else (torch.arange(Lk, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, Lk]
         # Flat row index of (slot b, kv head j, position p) in a [max_batch*K*max_len, D] view of one
         # layer's K (or V) tensor: every layer shares it, so it is built once per step.
         flat = ((torch.arange(B, device=dev)[:, None] * K + torch.arange(K, device=dev)[None, :]) * cache.max_len + positions[:, None]).reshape(-1)  # [B*K]
@@ -598,14 +598,12 @@ class CausalLM:
                                  "decode_step reads it; make the cache with keys_transposed=False")
             kc.view(-1, D).index_copy_(0, flat, k.reshape(B * K, D).to(kc.dtype))
             vc.view(-1, D).index_copy_(0, flat, v.reshape(B * K, D).to(kc.dtype))
-            if kc.dtype == torch.float32:
-                # GQA without repeating K/V: the G query heads that share kv head j become G "query
-                # positions" of one head, [B, K, G, D] against [B, K, Lk, D]. (torch's CPU kernel is
-                # fastest this way in fp32.)
-                a = F.scaled_dot_product_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk], attn_mask=mask)  # [B, K, G, D]
-            else:
-                # bf16/fp16: the kernel's one-query path with native GQA is ~2x faster than the above.
-                a = F.scaled_dot_product_attention(q.reshape(B, H, 1, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk], attn_mask=mask, enable_gqa=True)  # [B, H, 1, D]
+            # Two matmuls and a softmax (decode_attention): torch's CPU flash kernel spends most of a
+            # decode step on per-block setup at one query row per head (bench_e2e engine, 32 rows,
+            # one core, AMD EPYC with AVX512-BF16: its one-query GQA path 340-620 us per layer call
+            # in bf16 against 100 us; fp32 46-103 us against 47-104 us for flash over [B, K, G, D]).
+            a = decode_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk],
+                                 allowed)  # [B, K, G, D]
             a = a.to(x.dtype)
             x = self._mlp_residual(L, x + linear(a.reshape(B, H * D), L.wo, L.bo, L.packed[1]))
         return self.logits(rms_norm(x, self.norm, c.rms_norm_eps))
@@ -614,11 +612,12 @@ class CausalLM:
 DECODE_WEIGHTS_PER_LAYER = 11
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
                      keys_transposed: bool = False) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(D), masked) v`` for the compiled decode step, written out as two batched
-    matmuls and a softmax: q ``[B, K, G, D]`` (the G query heads of kv head j as G query rows, so K/V
-    are never repeated for GQA), k / v ``[B, K, L, D]``, ``allowed`` ``[B, 1, 1, L]``.
+    """``softmax(q k^T / sqrt(D), masked) v`` for a decode step (eager and compiled), written out as two
+    batched matmuls and a softmax: q ``[B, K, G, D]`` (the G query heads of kv head j as G query rows,
+    so K/V are never repeated for GQA), k / v ``[B, K, L, D]``, ``allowed`` ``[B, 1, 1, L]`` (None: every
+    key is visible).
 
     The precision order of HF's eager attention: scores and the value product in the cache's dtype,
     the softmax in fp32. Inductor fuses the scale, mask and softmax into one loop between the two
@@ -633,7 +632,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     if keys_transposed:  # the template's first operand must be contiguous; inductor may lay q out otherwise
         q = q.contiguous(memory_format=torch.contiguous_format)
     s = torch.matmul(q, kt) * (q.shape[-1] ** -0.5)  # [B, K, G, L]
-    p = torch.softmax(s.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    s = s.float()
+    p = torch.softmax(s if allowed is None else s.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.matmul(p.to(v.dtype), v)
 
 

@@ -37,6 +37,23 @@ def _plain(d) -> dict:
     return OmegaConf.to_container(d, resolve=True) if isinstance(d, DictConfig) else dict(d)
 
 
+def compiled_engine_kwargs(engine_kwargs: dict, *, name: str, device: str, model_path: str) -> dict:
+    """``trainer.compile=true`` for a rollout engine: the native engine's compiled decode step, launched from
+    inductor's C++ wrapper with its matmuls on the C++ GEMM template on CPU (each setting only where
+    ``engine_kwargs`` does not name it: the user's own choice wins). SGLang engines and MoE models (whose
+    decode cannot compile) keep their kwargs."""
+    from trainer.hf_io import ArchConfig
+
+    if name != "native" or ArchConfig.from_pretrained(model_path).is_moe:
+        return engine_kwargs
+    out = dict(engine_kwargs)
+    out.setdefault("compile_decode", True)
+    if device == "cpu" and out["compile_decode"]:
+        out["compile_options"] = {"cpp_wrapper": True, **(out.get("compile_options") or {})}
+        out.setdefault("decode_gemm", "cpp")
+    return out
+
+
 def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
     """verl's optimizer keys -> megatron_bridge's: a negative ``lr_warmup_steps`` means "use the ratio", and a
     non-positive ``total_training_steps`` means the run's own step count (verl injects it the same way)."""
@@ -127,7 +144,7 @@ class Cluster:
                         ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size,
                         moe=moe_settings(mcfg),
                         pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                        params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile, optim=optim, seed=mcfg.seed,
+                        params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile or t.compile, optim=optim, seed=mcfg.seed,
                         sequence_parallel=bool(mcfg.sequence_parallel), routing_replay=routing_replay,
                         offload=dict(params=bool(mcfg.param_offload), grads=bool(mcfg.grad_offload),
                                      optimizer=bool(mcfg.optimizer_offload)),
@@ -154,7 +171,9 @@ class Cluster:
         max_len = r.prompt_length + r.response_length  # the engines' context: prompt cap + response budget
         rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
-                   generate_threads=r.generate_threads or 1, engine_kwargs=_plain(r.engine_kwargs),
+                   generate_threads=r.generate_threads or 1,
+                   engine_kwargs=compiled_engine_kwargs(_plain(r.engine_kwargs), name=r.name, device=t.device,
+                                                        model_path=model_path) if t.compile else _plain(r.engine_kwargs),
                    tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
                    sglang=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
                                gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
