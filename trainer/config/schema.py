@@ -483,12 +483,7 @@ class TrainerConfig:
     nnodes: int = 1  # nodes in the Ray cluster
     n_gpus_per_node: int = 8  # devices (GPUs, or CPU slots on CPU) per node
     placement: str = "colocated"  # colocated | split
-    # One switch for the compiled hot paths (slower start, faster steps): every megatron role's model chunk
-    # (as *.megatron.use_torch_compile=true) and the native rollout engines' decode step (engine_kwargs
-    # compile_decode=true and, on CPU, compile_options.cpp_wrapper=true and decode_gemm=cpp, each unless
-    # engine_kwargs sets it; not for MoE models, whose decode cannot compile). The first steps of each
-    # shape compile: about a minute on a 2-core CPU (benchmarks/bench_e2e.py)
-    compile: bool = False
+    compile: bool = False  # one switch for the compiled hot paths: every megatron role's chunk (as *.megatron.use_torch_compile) and the native engines' decode (engine_kwargs compile_decode, plus on CPU cpp_wrapper and decode_gemm=cpp, where engine_kwargs leaves them unset; not for MoE); the first steps compile (about a minute on 2 CPU cores)
     total_epochs: int = 30  # passes over the training prompts
     total_training_steps: Optional[int] = None  # stop after this many steps; None = epochs x batches
     critic_warmup: int = 0  # critic-only steps before the actor trains
