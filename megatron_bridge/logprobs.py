@@ -77,6 +77,110 @@ def _tp_sum(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduceSumIdentityGrad.apply(x, group)
 
 
+# Rows per chunk of the fused pass below: the fp32 temporaries of one chunk (x, e: V x rows elements,
+# 256 KiB each at this size) stay in L2, so the [tokens, V] logits are read once per pass and no
+# [tokens, V] float32 copy, exp or product is ever materialised or kept for the backward.
+_LOGIT_CHUNK = 1 << 16
+
+
+class _VocabLogprobs(torch.autograd.Function):
+    """The fused, row-chunked form of :func:`vocab_parallel_logprobs` (the module docstring's math).
+
+    Forward: per chunk of rows, ``x = z / T`` in float32 (float64 for float64 logits) with the padding
+    columns at ``-inf``, then ``S1``, ``x_y`` and ``S2``. With a tensor-parallel group a first pass
+    takes the row maxima (all-reduced) and the three sums are all-reduced together afterwards; each
+    all-reduce's backward is the identity, as in megatron. Saves only the logits and two ``[N]``
+    vectors (``lse``, ``E = S2 / S1``). Backward, per chunk, recomputing ``p = exp(x - lse)``::
+
+        d logp / d x_v = 1[v = y] - p_v          d H / d x_v = -p_v (x_v - E)
+
+    times ``1 / T`` for ``z``; padding columns get 0. Why: unfused, autograd kept an fp32 ``x`` and
+    ``e`` of ``[tokens, V]`` for the backward (2 x 9.8 GB for 16k tokens of a 152k vocabulary) and ran
+    each elementwise op over the whole array from memory. At bench_e2e's size (2232 tokens, V = 1024,
+    bf16 logits, one core) forward + backward take 7.0 ms (median of 15) against 8.9 ms unfused.
+    """
+
+    @staticmethod
+    def _scaled(z, c, acc, temperature, pad_from):
+        x = z[c].to(acc)
+        if temperature != 1.0:
+            x = x / temperature
+        if pad_from is not None:
+            x[:, pad_from:] = float("-inf")
+        return x
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, pad_from, temperature, group, with_entropy, entropy_grad):
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)  # [N, V]
+        N = z.shape[0]
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        local = labels.reshape(-1) - vocab_start  # [N]
+        owned = (local >= 0) & (local < V)
+        y = local.clamp(0, V - 1)
+        tp = group is not None and dist.get_world_size(group) > 1
+        rows = max(1, _LOGIT_CHUNK // max(V, 1))
+        chunks = [slice(a, min(a + rows, N)) for a in range(0, N, rows)]
+        scaled = _VocabLogprobs._scaled
+        m = torch.empty(N, dtype=acc, device=z.device)
+        if tp:  # the global row max first: every rank's exp must share one shift
+            for c in chunks:
+                m[c] = scaled(z, c, acc, temperature, pad_from).amax(-1)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.zeros(3, N, dtype=acc, device=z.device)  # S1, x_y, S2
+        for c in chunks:
+            x = scaled(z, c, acc, temperature, pad_from)  # [n, V]
+            if not tp:
+                m[c] = x.amax(-1)
+            e = torch.exp(x - m[c, None])
+            sums[0, c] = e.sum(-1)
+            sums[1, c] = x.gather(-1, y[c, None])[:, 0]
+            if with_entropy:  # over the real columns only (0 * -inf would be nan)
+                w = V if pad_from is None else pad_from
+                sums[2, c] = (e[:, :w] * x[:, :w]).sum(-1)
+        sums[1] = torch.where(owned, sums[1], torch.zeros((), dtype=acc, device=z.device))
+        if tp:
+            dist.all_reduce(sums, group=group)
+        lse = m + torch.log(sums[0])
+        mean_x = sums[2] / sums[0]
+        shape = logits.shape[:-1]
+        logp = (sums[1] - lse).reshape(shape)
+        ent = (lse - mean_x).reshape(shape) if with_entropy else logp.new_zeros(0)
+        ctx.save_for_backward(logits, y, owned, lse, mean_x)
+        ctx.args = (pad_from, temperature, with_entropy and entropy_grad, rows)
+        if not (with_entropy and entropy_grad):
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, y, owned, lse, mean_x = ctx.saved_tensors
+        pad_from, temperature, ent_grad, rows = ctx.args
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)
+        N = z.shape[0]
+        acc = lse.dtype
+        g_lp = None if g_logp is None else g_logp.reshape(-1).to(acc) * owned  # the target term: owner only
+        g_lse = None if g_logp is None else g_logp.reshape(-1).to(acc)
+        g_h = g_ent.reshape(-1).to(acc) if (ent_grad and g_ent is not None) else None
+        grad = torch.empty_like(z)
+        for a in range(0, N, rows):
+            c = slice(a, min(a + rows, N))
+            x = _VocabLogprobs._scaled(z, c, acc, temperature, pad_from)
+            p = torch.exp(x - lse[c, None])  # [n, V]; 0 on the padding columns
+            gx = torch.zeros_like(x) if g_lse is None else p * (-g_lse[c, None])
+            if g_h is not None:
+                if pad_from is not None:
+                    x[:, pad_from:] = 0.0  # p is 0 there; keeps 0 * -inf out
+                gx -= g_h[c, None] * p * (x - mean_x[c, None])
+            if g_lp is not None:
+                gx.scatter_add_(-1, y[c, None], g_lp[c, None])
+            if temperature != 1.0:
+                gx = gx / temperature
+            grad[c] = gx.to(grad.dtype)
+        return grad.reshape(logits.shape), None, None, None, None, None, None, None
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -92,38 +196,17 @@ def vocab_parallel_logprobs(
 
     ``vocab_start``: global id of the slice's first column; ``vocab_size``: true vocabulary (ids at
     or beyond it are padding); ``group``: the tensor-parallel group (None = no parallelism).
-    ``entropy_grad=False`` computes the entropy outside autograd (a metric that is not trained on:
-    no extra ``[..., V_local]`` product is recorded for the backward).
+    ``entropy_grad=False`` computes the entropy outside autograd (a metric that is not trained on).
     Returns ``(logp [...], entropy [...] or None)`` in float32 (float64 for float64 logits).
+    Fused and chunked by rows (:class:`_VocabLogprobs`).
     """
-    x = logits if logits.dtype == torch.float64 else logits.float()  # [..., Vl]
-    if temperature != 1.0:
-        x = x / temperature
-    v_local = x.shape[-1]
-    pad = None
+    v_local = logits.shape[-1]
+    pad_from = None
     if vocab_size is not None and vocab_start + v_local > vocab_size:
-        ids = torch.arange(vocab_start, vocab_start + v_local, device=x.device)
-        pad = ids >= vocab_size  # [Vl]
-        x = x.masked_fill(pad, float("-inf"))
-    with torch.no_grad():
-        m = x.amax(-1)  # [...]
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(x - m.unsqueeze(-1))  # [..., Vl]
-    s1 = _tp_sum(e.sum(-1), group)  # [...]
-    lse = m + torch.log(s1)  # [...]
-    local = labels - vocab_start
-    owned = (local >= 0) & (local < v_local)  # [...]
-    tgt = x.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)  # [...]
-    tgt = _tp_sum(torch.where(owned, tgt, torch.zeros_like(tgt)), group)
-    logp = tgt - lse
-    ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            xs = x if pad is None else x.masked_fill(pad, 0.0)  # 0 * -inf would be nan
-            s2 = _tp_sum((e * xs).sum(-1), group)  # [...]
-            ent = lse - s2 / s1
-    return logp, ent
+        pad_from = max(0, vocab_size - vocab_start)
+    logp, ent = _VocabLogprobs.apply(logits, labels, vocab_start, pad_from, float(temperature), group,
+                                     with_entropy, entropy_grad)
+    return logp, (ent if with_entropy else None)
 
 
 @torch.no_grad()
