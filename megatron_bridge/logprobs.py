@@ -102,9 +102,10 @@ class _VocabLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _scaled(z, c, acc, temperature, pad_from):
-        x = z[c].to(acc)
+        # a copy even when z is already in acc: the padding columns are written below, and z is the caller's
+        x = z[c].to(acc, copy=True)
         if temperature != 1.0:
-            x = x / temperature
+            x.div_(temperature)
         if pad_from is not None:
             x[:, pad_from:] = float("-inf")
         return x

@@ -348,6 +348,12 @@ def test_fused_logprobs_match_plain_autograd_across_chunks(monkeypatch, chunk_ro
     (g3,) = torch.autograd.grad((lp3 * w_lp).sum(), z)
     (r3,) = torch.autograd.grad((plain(z2)[0] * w_lp).sum(), z2)
     assert torch.allclose(g3, r3, atol=1e-12)
+    # the caller's logits are never written (the padding columns are masked on a copy, forward and backward)
+    z_in = torch.randn(6, V, generator=g, dtype=torch.float64, requires_grad=True)
+    before = z_in.detach().clone()
+    lp4, h4 = vocab_parallel_logprobs(z_in, labels.reshape(-1)[:6], vocab_size=vocab, with_entropy=True)
+    (lp4.sum() + h4.sum()).backward()
+    assert torch.equal(z_in.detach(), before)
     # bf16 logits: gradient in bf16, values in float32, agreeing with the float64 formula to bf16 input rounding
     zb = z.detach().to(torch.bfloat16).requires_grad_()
     lpb, _ = vocab_parallel_logprobs(zb, labels, vocab_size=vocab, temperature=T)

@@ -207,7 +207,6 @@ class Sender:
         return {"digests": digests, "bytes": nbytes, "buckets": len(self.buckets), "hash_s": hash_s,
                 "seconds": time.perf_counter() - t0}
 
-
     def _drain(self, engines: list[int], works: list[list], unsent: int) -> None:
         """After a failure mid-sync: finish the sends in flight and send the buckets from ``unsent`` on
         (whatever the buffer holds: the sync has failed), so that the engines' receives complete and
