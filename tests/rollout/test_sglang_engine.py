@@ -838,6 +838,64 @@ def test_cpu_update_weights_bucketed_verified_and_restored(gpu_models, cpu_engin
 
 
 @pytest.mark.slow
+def test_cpu_distributed_update_from_the_trainers_sender(gpu_models, cpu_engine):
+    # Split placement's sync (trainer/workers/weight_broadcast.py): this process is the trainer's rank 0.
+    # It hosts the store, joins SGLang's weight-update group over gloo (built as SGLang builds it, so the
+    # two ends must agree on every key), packs model B into flat buckets and broadcasts them; the engine
+    # receives each with update_weights_from_distributed. Then: outputs equal transformers with B, the
+    # checksum is B's, and the probe rows the sender kept are read back from SGLang (Llama) and equal.
+    # A corrupted byte in the broadcast buffer (after the digests were taken) is caught by the read-back
+    # when it hits a probe row.
+    from trainer.workers import weight_broadcast as wb
+
+    (hf_a, _), hf_b = gpu_models["llama"], gpu_model("llama", 7)
+    prompts = gpu_prompts(5)
+    greedy = SamplingParams(temperature=0, max_new_tokens=10)
+    before = cpu_engine.generate(prompts, greedy)
+    w_a, w_b = hf_weights(hf_a, tied=False), hf_weights(hf_b, tied=False)
+    store = wb.host_store("127.0.0.1")
+    world, name = 1 + cpu_engine.tp_size, "coxswain_weights_test"
+    joined = {}
+    t = threading.Thread(target=lambda: joined.update(pg=wb.join(store, world, name, "gloo")))
+    t.start()
+    cpu_engine.init_weight_sync_group("127.0.0.1", store.port, 1, world, group_name=name, backend="gloo")
+    t.join(timeout=120)
+    pg = joined["pg"]
+
+    def push(weights, corrupt=None):
+        buckets = list(se.iter_cast_buckets(list(weights.items()), torch.float32, cpu_engine.bucket_bytes))
+        for bucket in buckets:
+            flat, desc = wb.pack(bucket, torch.float32, digests=True)
+            if corrupt is not None and corrupt in desc["digests"]:
+                m = next(i for i, (n, _) in enumerate(desc["specs"]) if n == corrupt)
+                off = sum(4 * torch.Size(s).numel() for _, s in desc["specs"][:m])
+                flat[off + 1] ^= 0x40  # a flipped bit in the probe's first row, after hashing
+            sender = threading.Thread(target=wb.send, args=(pg, flat))
+            sender.start()
+            cpu_engine.update_weights_broadcast(desc["specs"], group_name=name, digests=desc["digests"],
+                                                probes=desc["probes"])
+            sender.join(timeout=120)
+        return len(buckets)
+
+    try:
+        assert push(w_b) >= 3
+        assert cpu_engine.weights_checksum() == checksum_named_tensors(w_b.items(), dtype=torch.float32)
+        got = cpu_engine.verify_weights_on_gpu(rows=4)
+        assert got and set(got.values()) == {0.0}  # every probe read back from SGLang, exactly B's rows
+        for p, (o,) in zip(prompts, cpu_engine.generate(prompts, greedy)):
+            assert o.token_ids == hf_greedy(hf_b, p, 10)
+        probe = next(n for n in cpu_engine.probe_names if n.endswith("q_proj.weight"))
+        push(w_a, corrupt=probe)
+        bad = cpu_engine.verify_weights_on_gpu(rows=4)
+        assert bad[probe] > 0 and all(v == 0.0 for n, v in bad.items() if n != probe)
+        push(w_a)
+        assert same_outputs(cpu_engine.generate(prompts, greedy), before)
+    finally:
+        cpu_engine.destroy_weight_sync_group(name)
+        wb.leave(pg)
+
+
+@pytest.mark.slow
 def test_cpu_sleep_wake_right_after_generate(gpu_models, cpu_engine):
     # CPU form: no memory saver, so SGLang frees nothing but the prefix cache and the weights survive.
     # sleep() right after generate() used to meet SGLang's "only when idle" assertion now and then (the

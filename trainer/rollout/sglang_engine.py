@@ -515,8 +515,9 @@ def default_probe_names(names: Iterable[str]) -> list[str]:
 
 def probe_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``rows`` rows (elements, for 1-D) of ``t`` as the engine holds them: cast to the
-    engine dtype, then to float32 (exact), as ``get_weights_by_name`` reports them."""
-    return t.detach()[:rows].to("cpu").to(dtype).to(torch.float32)
+    engine dtype, then to float32 (exact), as ``get_weights_by_name`` reports them. Always a copy: for an
+    fp32 view ``.to`` would alias it (and keep a whole flat bucket alive, or follow later writes into it)."""
+    return t.detach()[:rows].to("cpu").to(dtype).to(torch.float32, copy=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -810,14 +811,21 @@ class SGLangEngine(RolloutEngine):
                                                      group_name=group_name, backend=backend),
                "init_weights_update_group")
 
+    def destroy_weight_sync_group(self, group_name: str = "coxswain_weights") -> None:
+        """Leave the weight-broadcast group (``destroy_weights_update_group``, engine.py ~1544)."""
+        _check(self.engine.destroy_weights_update_group(group_name=group_name), "destroy_weights_update_group")
+
     def update_weights_broadcast(self, specs: Sequence[tuple[str, Sequence[int]]], group_name: str = "coxswain_weights",
-                                 digests: Mapping[str, bytes] | None = None) -> list[str]:
+                                 digests: Mapping[str, bytes] | None = None,
+                                 probes: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """Receive one bucket broadcast by group rank 0 (blocks until it arrives).
 
         ``specs``: ``(name, shape)`` in buffer order; the sender broadcasts
         ``flatten_bucket(tensors, engine dtype)[0]`` over the group, concurrently with this call.
         ``digests``: the sender's ``tensor_digest(name, cast tensor)`` per name; this engine never sees
         the bytes, so without them :meth:`weights_checksum` refuses to answer for these names.
+        ``probes``: the sender's first rows of some tensors as sent (``probe_rows``, float32): for those,
+        :meth:`verify_weights_on_gpu` reads the engine's copy back and compares.
         """
         names = [n for n, _ in specs]
         # Shapes checked on meta tensors (no memory); skipped names (tied lm_head) are errors here,
@@ -831,8 +839,13 @@ class SGLangEngine(RolloutEngine):
                 flush_cache=False, load_format="flattened_bucket"), "update_weights_from_distributed")
         for n in names:
             self._digests[n] = (digests or {}).get(n)
-            self._probes.pop(n, None)
-            self._broadcast.add(n)
+            probe = (probes or {}).get(n)
+            if probe is not None and n in self.probe_names:  # the sender's rows as sent: read back and compared
+                self._probes[n] = probe
+                self._broadcast.discard(n)
+            else:
+                self._probes.pop(n, None)
+                self._broadcast.add(n)
         self._mark_pushed(names)
         return names
 
