@@ -297,12 +297,13 @@ def test_secrets_stay_out_of_the_printed_and_written_config(tmp_path, monkeypatc
 
 
 def test_weight_sync_distributed_group_is_refused_where_it_cannot_run():
-    """The group sender serves native engine workers of their own; elsewhere the key names the fix."""
+    """The group serves engine workers of their own (native or SGLang); elsewhere the key names the fix."""
     base = ["actor_rollout_ref.rollout.weight_sync=distributed_group"]
     tiny_config(base + ["trainer.placement=split"])  # engine workers of their own: fine
+    tiny_config(base + ["trainer.placement=split", "actor_rollout_ref.rollout.name=sglang"])  # SGLang's broadcast
     with pytest.raises(ConfigError, match="hybrid engine"):
         tiny_config(base + ["trainer.placement=colocated", "actor_rollout_ref.hybrid_engine=true"])
-    with pytest.raises(ConfigError, match="native engine workers"):
+    with pytest.raises(ConfigError, match="Ray engine workers"):
         tiny_config(base + ["trainer.placement=split", "actor_rollout_ref.rollout.mode=server"])
     with pytest.raises(ConfigError, match="weight_sync"):
         tiny_config(["actor_rollout_ref.rollout.weight_sync=nccl"])

@@ -497,10 +497,10 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     ck = cfg.actor_rollout_ref.actor.checkpoint
     errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
     if r.weight_sync == "distributed_group":
-        if r.mode != "sync" or r.name != "native":
-            errs.append(f"actor_rollout_ref.rollout.weight_sync=distributed_group with rollout.mode={r.mode}, "
-                        f"rollout.name={r.name}: the group sender is built for native engine workers (mode=sync, "
-                        f"name=native); the HTTP fleet and SGLang sync through their own endpoints. Use weight_sync=auto.")
+        if r.mode != "sync":
+            errs.append(f"actor_rollout_ref.rollout.weight_sync=distributed_group with rollout.mode={r.mode}: the group "
+                        f"joins the actor with Ray engine workers (mode=sync, native or SGLang); the HTTP fleet's "
+                        f"servers sync through their own endpoints. Use weight_sync=auto.")
         elif cfg.trainer.placement != "split" and cfg.actor_rollout_ref.hybrid_engine:
             errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with the hybrid engine (colocated, "
                         "actor_rollout_ref.hybrid_engine=true): its engines live in the actor's processes, where the sync "

@@ -239,7 +239,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack old-log-prob micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per old-log-prob micro-batch
     update_weights_bucket_megabytes: int = 512  # weight-sync bucket size in MiB (actor -> rollout engines)
-    weight_sync: str = "auto"  # actor -> engines transport: auto (shared memory on one node, else Ray's object store), distributed_group (a gloo/NCCL group, every rank sends its own shards; native engine workers), object_store
+    weight_sync: str = "auto"  # actor -> engines transport: auto (shared memory on one node, else Ray's object store), distributed_group (a gloo/NCCL group of the actor and engine workers of their own: to native engines every rank sends its own shards; to SGLang rank 0 broadcasts full tensors, SGLang's update_weights_from_distributed), object_store
     num_engines: int = 0  # rollout engines (workers) in the fleet; 0 = one per device when colocated (world / rollout TP), 1 split
     generate_threads: int = 0  # CPU torch threads per engine while generating; 0 = 1 (more only on idle cores)
     seed: int = 0  # sampling seed

@@ -238,6 +238,9 @@ class Cluster:
                 free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams,
                 shared_memory=r.weight_sync == "auto")
             self.rollout.distributed_group = r.weight_sync == "distributed_group"
+            # SGLang takes full tensors broadcast from one sender (weight_broadcast.py), the native engines
+            # every rank's own blocks (weight_group.py)
+            self.rollout.broadcast = r.name == "sglang"
 
         if placement is not None:
             self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))

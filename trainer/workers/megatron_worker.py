@@ -634,3 +634,63 @@ class MegatronWorker:
                 entry[1].shutdown()
             except Exception:  # noqa: BLE001 (the engines may be gone already)
                 pass
+
+    # ---- SGLang's distributed weight update: rank 0 broadcasts full tensors (trainer/workers/weight_broadcast.py)
+    def bc_host(self) -> tuple[str, int, str] | None:
+        """Rank 0: host the broadcast group's store on this node's IP at a port the kernel picks; returns
+        (ip, port, backend: NCCL where the weights are on a GPU, else gloo). The other ranks: None."""
+        if self.rank != 0:
+            return None
+        import ray
+
+        from trainer.workers.weight_broadcast import host_store
+        from trainer.workers.weight_group import backend_for
+
+        m = self._module()
+        device = next(p for c in (m if isinstance(m, (list, tuple)) else [m]) for p in c.parameters()).device
+        ip = ray.util.get_node_ip_address()
+        store = host_store(ip)
+        self._bcs = getattr(self, "_bcs", {})
+        self._bcs[f"{ip}:{store.port}"] = (store, None)
+        return ip, store.port, backend_for(device)
+
+    def bc_join(self, key: str, world: int, group_name: str, backend: str) -> None:
+        """Rank 0 joins broadcast group ``key`` as its rank 0 (blocks until every engine rank has)."""
+        if self.rank != 0:
+            return
+        from trainer.workers.weight_broadcast import join
+
+        store = self._bcs[key][0]
+        self._bcs[key] = (store, join(store, world, group_name, backend))
+
+    def bc_send(self, key: str, bucket_bytes: int, dtype: str, verify: bool) -> Iterator[Any]:
+        """Collective over the model group (every rank drains it; the gathers need them all): rank 0
+        packs each HF bucket into a flat buffer in ``dtype``, yields its description (``weight_broadcast.pack``)
+        to the driver, which hands it to the engines, then broadcasts the buffer to them. The other ranks
+        yield None. With ``verify`` the digests also make ``stream_checksum``."""
+        from trainer.workers.weight_broadcast import pack, send
+
+        dt = getattr(torch, dtype)
+        self._stream_digests, self._stream_done = {}, threading.Event()
+        try:
+            for bucket in self._hf_buckets(bucket_bytes):
+                if self.rank != 0:
+                    yield None
+                    continue
+                flat, desc = pack(bucket, dt, digests=verify)
+                for n in desc["digests"] or ():
+                    if n in self._stream_digests:
+                        raise ValueError(f"tensor {n!r} appears twice in the weight stream")
+                self._stream_digests.update(desc["digests"] or {})
+                yield desc  # the engines' receive joins the broadcast below
+                send(self._bcs[key][1], flat)
+        finally:
+            self._stream_done.set()
+
+    def bc_close(self, key: str) -> None:
+        """Leave broadcast group ``key``."""
+        from trainer.workers.weight_broadcast import leave
+
+        entry = getattr(self, "_bcs", {}).pop(key, None)
+        if entry is not None and entry[1] is not None:
+            leave(entry[1])

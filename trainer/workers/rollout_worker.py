@@ -168,3 +168,34 @@ class RolloutWorker:
                 pg.shutdown()
             except Exception:  # noqa: BLE001 (the actor ranks may be gone already)
                 pass
+
+    # ---- SGLang's distributed weight update (trainer/workers/weight_broadcast.py) ---------------------
+    def bc_ranks(self) -> int:
+        """How many ranks this engine brings to a broadcast group (its tensor-parallel size); 0 when the
+        engine takes no broadcast (only SGLang does)."""
+        return int(self.engine.tp_size) if hasattr(self.engine, "update_weights_broadcast") else 0
+
+    def bc_join(self, host: str, port: int, rank_offset: int, world: int, group_name: str, backend: str) -> None:
+        """Join the trainer's broadcast group: this engine's TP ranks become ranks ``rank_offset ..``."""
+        self.engine.init_weight_sync_group(host, port, rank_offset, world, group_name=group_name, backend=backend)
+        self._bc_group = group_name
+
+    def bc_recv(self, desc: dict) -> int:
+        """Receive one bucket the trainer's rank 0 broadcasts (``desc``: ``weight_broadcast.pack``'s
+        description); returns its bytes."""
+        self.engine.update_weights_broadcast(desc["specs"], group_name=self._bc_group, digests=desc["digests"],
+                                             probes=desc["probes"])
+        return desc["bytes"]
+
+    def bc_read_back(self) -> dict:
+        """``{name: max |engine - sent|}`` over the probe rows the sender kept, read back from the engine
+        (None where the model class cannot be read back)."""
+        return self.engine.verify_weights_on_gpu()
+
+    def bc_close(self) -> None:
+        group, self._bc_group = getattr(self, "_bc_group", None), None
+        if group is not None:
+            try:
+                self.engine.destroy_weight_sync_group(group)
+            except Exception:  # noqa: BLE001 (the engine may be gone already)
+                pass

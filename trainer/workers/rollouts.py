@@ -236,6 +236,9 @@ class EngineRollout(_EngineCalls):
     # the actor ranks and the engines (trainer/workers/weight_group.py) instead of the object store
     distributed_group = False
     _wg: tuple | None = None  # (actor group, the engines' group ranks or None, reason, group key)
+    # SGLang engines: their own protocol, a broadcast of full tensors from actor rank 0 (weight_broadcast.py)
+    broadcast = False
+    _bc: tuple | None = None  # (actor group, group key)
 
     def _async(self, method, args=None, **kw):
         return self.group.async_call(method, args, **kw)
@@ -254,6 +257,8 @@ class EngineRollout(_EngineCalls):
     def sync_from(self, actor, verify: bool = True) -> dict[str, float]:
         if self._shared_layout(actor) is not None:
             return self._sync_shared_memory(actor, verify)
+        if self.distributed_group and self.broadcast:
+            return self._sync_broadcast(actor, verify)
         if self.distributed_group and self._weight_group(actor) is not None:
             return self._sync_group(actor, verify)
         t0 = time.perf_counter()
@@ -283,7 +288,79 @@ class EngineRollout(_EngineCalls):
 
     def shutdown(self) -> None:
         self._close_group()
+        self._close_broadcast()
         self.group.shutdown()
+
+    # ---- SGLang's distributed weight update (trainer/workers/weight_broadcast.py) ----------------------
+    def _setup_broadcast(self, actor) -> str:
+        """Form the broadcast group: actor rank 0 hosts its store and is rank 0; each engine's TP ranks
+        follow, in engine order. Returns the group's key (``ip:port``)."""
+        if self.group.in_process or actor.group.in_process:
+            raise ValueError("weight_sync=distributed_group needs the engines and the actor in their own processes")
+        host, port, backend = next(h for h in actor.group.call("bc_host") if h is not None)
+        key, name = f"{host}:{port}", f"coxswain_weights_{port}"
+        ranks = self.group.call("bc_ranks")
+        if not all(ranks):
+            actor.group.call("bc_close", [(key,)] * actor.size)
+            raise ValueError("weight_sync=distributed_group: a rollout engine takes no broadcast (SGLang engines do)")
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        world = 1 + sum(ranks)
+        joins = actor.group.async_call("bc_join", [(key, world, name, backend)] * actor.size)
+        joins += self._async("bc_join", [(host, port, off, world, name, backend) for off in offsets])
+        self._bc = (actor.group, key)
+        try:  # together: the members block in the join until all are in
+            self._get(joins)
+        except Exception:
+            self._close_broadcast()
+            raise
+        return key
+
+    def _sync_broadcast(self, actor, verify: bool) -> dict[str, float]:
+        """Actor rank 0 broadcasts each flat bucket (gathered, cast, packed) to every SGLang engine,
+        which receives it through ``update_weights_from_distributed``; rank 0 packs the next bucket
+        meanwhile. With ``verify``: every engine's checksum of what it was given equals the actor's of
+        what it streamed, and the probe rows read back from every engine (where its model class allows)
+        equal what was sent; the first verified sync also against the actor's full checksum."""
+        if self._bc is None or self._bc[0] is not actor.group:
+            self._close_broadcast()
+            self._setup_broadcast(actor)
+        self.transport = "distributed_group"
+        key = self._bc[1]
+        t0 = time.perf_counter()
+        streams = actor.group.streams("bc_send", key, self.bucket_bytes, self.engine_dtype, verify)
+        nbytes = buckets = 0
+        try:
+            for items in zip(*streams):
+                desc = actor.group.stream_get(items[0])  # rank 0's description (the others yield None)
+                nbytes += self._get(self._async("bc_recv", [(desc,)] * self.size))[0]
+                buckets += 1
+        except Exception:
+            self._close_broadcast()  # a new group at the next sync
+            raise
+        m = _sync_metrics(t0, nbytes, buckets)
+        m["sync/group"] = 1.0
+        if not verify:
+            m.pop("sync/verified")
+            return m
+        self.verify(actor, streamed=True)
+        for e, diffs in enumerate(self._get(self._async("bc_read_back"))):
+            bad = {n: d for n, d in diffs.items() if d is not None and d != 0.0}
+            if bad:
+                raise WeightSyncError(f"weight sync (broadcast) failed: rollout engine {e} holds {sorted(bad)[0]} "
+                                      f"with first rows differing from what actor rank 0 sent (max |diff| "
+                                      f"{bad[sorted(bad)[0]]}); the engine would sample from corrupted weights")
+        self._check_once(actor, self._bc)
+        return m
+
+    def _close_broadcast(self) -> None:
+        bc, self._bc = self._bc, None
+        if bc is None:
+            return
+        for g, args in ((self.group, None), (bc[0], [(bc[1],)] * bc[0].size)):
+            try:
+                g.call("bc_close", args)
+            except Exception:  # noqa: BLE001 (a group already shut down: nothing left to close)
+                pass
 
     # ---- weight sync through a torch.distributed group (trainer/workers/weight_group.py) ---------------
     def _weight_group(self, actor) -> list[int] | None:
