@@ -34,8 +34,8 @@ Coxswain: ``trainer.main.train`` with the embedded recipe's defaults (actor mega
 2 CPU slots, one native engine per slot colocated, local Ray cluster, 2 scorer processes, one torch
 thread per worker) and only the keys above overridden, console logging only, no eval, no checkpoints.
 Three Coxswain runs: ``coxswain``, the recipe as shipped (verl's precision defaults: megatron mixed
-precision, i.e. bf16 weights and activations with fp32 main params, grads and Adam state, the
-attention kernel in fp32 on CPU; a bf16 rollout engine; eager); ``coxswain-compile``, the same plus the
+precision, i.e. bf16 weights and activations with fp32 main params, grads and Adam state, attention
+as Hugging Face's eager bf16 attention computes it; a bf16 rollout engine; eager); ``coxswain-compile``, the same plus the
 one compile switch ``trainer.compile=true`` (``torch.compile`` of the actor's model chunk; the engines'
 decode step compiled, launched from inductor's C++ wrapper, its matmuls on inductor's C++ GEMM
 template) and padded rather than packed sequences, ``actor_rollout_ref.actor.megatron.use_remove_padding=false``
@@ -71,6 +71,9 @@ History: component timings at this benchmark's model and batch size (6 query / 2
   * ``megatron_bridge.attention``: torch's CPU flash-attention backward in bf16 was about 10x slower
     than in fp32 (Sapphire Rapids core: 474 ms against 47 ms per forward+backward of 6 layers), hence
     the fp32 kernel in the bf16 run; AMX makes the matmuls around attention about 5x faster in bf16.
+    Since 2026-11-27 bf16 attention on CPU is written out as HF's eager attention instead (bf16
+    matmuls, fp32 softmax; one op for scale, upcast and mask): 3.3-4.4 ms against 7.6-7.9 ms per layer
+    for the fp32 kernel (AMD EPYC core with AVX512-BF16, 32 x 70 tokens).
   * ``megatron_bridge.attention``: SDPA's native GQA instead of ``repeat_interleave`` copies:
     forward+backward 17 ms instead of 22 ms per layer.
   * ``megatron_bridge.attention``: on the permuted ``[s, b, heads, d]`` views the kernel's forward ran

@@ -103,10 +103,13 @@ def test_bf16_and_compile_match_fp32_eager(tmp_path):
     assert float((d_bf - d_ref).norm() / d_ref.norm()) < 5e-2
 
 
-def test_cpu_attention_upcasts_bf16_to_the_fp32_kernel():
-    """bf16 q/k/v on CPU: exactly the fp32 kernel's output rounded to bf16 (padded mask and THD)."""
+def test_cpu_attention_bf16_is_hf_eager_attention():
+    """bf16 q/k/v on CPU: Hugging Face's eager attention (scores and the value product in bf16, the
+    masked softmax in fp32), GQA head h reading kv head h // (H / K): against a float64 reference and
+    against that formula written out with repeated kv heads (padded mask and THD)."""
     from types import SimpleNamespace
 
+    import torch.nn.functional as F
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_bridge.attention import TorchSDPAttention
@@ -122,21 +125,34 @@ def test_cpu_attention_upcasts_bf16_to_the_fp32_kernel():
     mask = ~torch.ones(S, S, dtype=torch.bool).tril()[None, None].expand(B, 1, S, S).clone()
     mask[0, :, :, 0] = True  # a left pad in row 0
     mask[0, 0, 0, 0] = False  # which still sees itself
-    got = attn(q, k, v, mask)
-    want = attn(q.float(), k.float(), v.float(), mask).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    # the bf16 kernel itself differs (else this test could not tell an upcast from none)
-    import torch.nn.functional as F
 
-    bf_direct = F.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.repeat_interleave(2, 2).permute(1, 2, 0, 3), v.repeat_interleave(2, 2).permute(1, 2, 0, 3),
-        attn_mask=~mask, scale=attn.scale).permute(2, 0, 1, 3).reshape(S, B, -1)
-    assert not torch.equal(bf_direct, got)
+    def hf_eager(q, k, v, masked):  # [S, B, heads, D] -> [S, B, H * D], the formula spelled out
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(H // K, 2), v.repeat_interleave(H // K, 2)))
+        sc = torch.matmul(qb, kb.transpose(-1, -2)).float() * attn.scale
+        p = torch.softmax(sc.masked_fill(masked, float("-inf")), dim=-1).to(vb.dtype)
+        return torch.matmul(p, vb).permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+    def f64(q, k, v, masked):
+        qb, kb, vb = (t.double().permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(H // K, 2), v.repeat_interleave(H // K, 2)))
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=~masked, scale=attn.scale).permute(2, 0, 1, 3).reshape(
+            q.shape[0], q.shape[1], -1)
+
+    got = attn(q, k, v, mask)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - f64(q, k, v, mask)).abs().max() < 3e-2  # bf16 scores and probabilities
+    assert (got.float() - hf_eager(q, k, v, mask).float()).abs().max() <= 2 ** -6  # one bf16 ulp at |x| < 2
+    # a head reading the wrong kv head, or the mask ignored, is far off (so the checks above can fail)
+    assert (got.double() - f64(q, k.flip(2), v.flip(2), mask)).abs().max() > 0.1
+    assert (got.double() - f64(q, k, v, torch.zeros_like(mask))).abs().max() > 0.1
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
     got = attn(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=psp)
-    want = attn(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), None, packed_seq_params=psp).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    causal = ~torch.ones(S, S, dtype=torch.bool).tril()
+    for lo, hi in ((0, 2), (2, 6)):  # each packed sequence attends only within itself
+        seg = [t[lo:hi, :1] for t in (q, k, v)]
+        want = hf_eager(*seg, causal[: hi - lo, : hi - lo])[:, 0]
+        assert (got[lo:hi].float() - want.float()).abs().max() <= 2 ** -6
+        assert (got[lo:hi].double() - f64(*seg, causal[: hi - lo, : hi - lo])[:, 0]).abs().max() < 3e-2
 
 
 def adam_job(src, seqs):
