@@ -253,14 +253,20 @@ def test_bf16_cache_decode_matches_bf16_forward(models, arch):
     tokens = torch.zeros(2, T, dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = torch.tensor(s)
+    # max_len 16: from 8 keys on, decode reads the whole (masked, zero-filled) cache rather than a slice
+    # of it (which the CPU bf16 bmm would copy); max_len 64: always the slice. Both must agree.
     cache = KVCache(m.cfg, max_batch=2, max_len=16, dtype=torch.bfloat16)
+    sliced = KVCache(m.cfg, max_batch=2, max_len=64, dtype=torch.bfloat16)
     with torch.inference_mode():
-        m.prefill(cache, tokens, torch.tensor([5, 8]), torch.tensor([0, 1]), torch.tensor([0, 1]))
+        for c in (cache, sliced):
+            m.prefill(c, tokens, torch.tensor([5, 8]), torch.tensor([0, 1]), torch.tensor([0, 1]))
         for _ in range(3):
             nxt = torch.randint(0, VOCAB, (2,), generator=g)
             for i in range(2):
                 seqs[i].append(int(nxt[i]))
             logits = m.decode(cache, nxt, torch.tensor([len(s) - 1 for s in seqs]))
+            other = m.decode(sliced, nxt, torch.tensor([len(s) - 1 for s in seqs]))
+            assert torch.equal(logits, other)  # the masked slots add exact zeros (measured: bit-identical)
             for i, s in enumerate(seqs):
                 full = m.forward(torch.tensor([s]))[0, -1]
                 ref = hf_logits(hf, s)[-1]

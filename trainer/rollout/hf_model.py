@@ -584,9 +584,14 @@ class CausalLM:
         x = F.embedding(tokens, self.embed)  # [B, h]
         cos = self.cos[positions][:, None, :]  # [B, 1, D]
         sin = self.sin[positions][:, None, :]
-        # Rows at the same position need no mask.
-        uniform = max_position is not None and min_position == max_position
-        allowed = None if uniform else (torch.arange(Lk, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, Lk]
+        # Keys read: the first Lk positions of each slot, or in bf16 / fp16 the whole cache once Lk is at
+        # least half of it. A slice of the cache is not a contiguous batch of matrices, and the CPU
+        # low-precision bmm then copies it (both operands, every layer, every step: 8% of a bf16 generate
+        # at the bench_e2e shape); the slots past each row's position are masked (and zero).
+        Lc = cache.max_len if cache.v[0].dtype != torch.float32 and 2 * Lk >= cache.max_len else Lk
+        # Rows at the same position need no mask (when only their keys are read).
+        uniform = max_position is not None and min_position == max_position and Lc == Lk
+        allowed = None if uniform else (torch.arange(Lc, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, Lc]
         # Flat row index of (slot b, kv head j, position p) in a [max_batch*K*max_len, D] view of one
         # layer's K (or V) tensor: every layer shares it, so it is built once per step.
         flat = ((torch.arange(B, device=dev)[:, None] * K + torch.arange(K, device=dev)[None, :]) * cache.max_len + positions[:, None]).reshape(-1)  # [B*K]
@@ -602,7 +607,7 @@ class CausalLM:
             # decode step on per-block setup at one query row per head (bench_e2e engine, 32 rows,
             # one core, AMD EPYC with AVX512-BF16: its one-query GQA path 340-620 us per layer call
             # in bf16 against 100 us; fp32 46-103 us against 47-104 us for flash over [B, K, G, D]).
-            a = decode_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B, :, :Lk], vc[:B, :, :Lk],
+            a = decode_attention(q.reshape(B, K, G, D).to(kc.dtype), kc[:B, :, :Lc], vc[:B, :, :Lc],
                                  allowed)  # [B, K, G, D]
             a = a.to(x.dtype)
             x = self._mlp_residual(L, x + linear(a.reshape(B, H * D), L.wo, L.bo, L.packed[1]))
