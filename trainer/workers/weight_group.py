@@ -1,7 +1,8 @@
 """Weight sync through a torch.distributed group: for rollout engines that share no node (no
 ``/dev/shm``) with the actor's ranks. Every actor rank sends only the blocks it owns; every engine
 receives every rank's blocks and places them into its own weights. No gather, no funnel through rank 0,
-no metadata on the wire.
+no metadata on the wire. (SGLang engines take full tensors from one sender instead: their protocol is
+``trainer/workers/weight_broadcast.py``.)
 
 What moves where. The group's world is the actor's ranks (group ranks ``0..A-1``, in actor rank order)
 and then the engine workers (``A..A+E-1``). It is a group of its own, next to megatron's default
