@@ -79,8 +79,8 @@ class TorchSDPAttention(MegatronModule):
     def _thd(self, query, key, value, psp):
         """``[T, heads, d]`` packed tokens: causal attention within each sequence. Sequences of similar
         length are batched into one right-padded ``[n, heads, L_max, d]`` kernel call: with right
-        padding the causal mask alone keeps every real query off the pad keys, so the flash kernel
-        runs with no explicit mask; pad queries are dropped. Buckets keep the padded cost within 2x
+        padding the causal mask alone keeps every real query off the pad keys, so attention
+        (:func:`attend`) runs with no explicit mask; pad queries are dropped. Buckets keep the padded cost within 2x
         of ``sum_i L_i^2`` (see ``thd_buckets``)."""
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[2])  # [T, heads, d]
         for n, L, src, slot in _thd_plan(psp, query.device):

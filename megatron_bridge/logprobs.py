@@ -57,26 +57,6 @@ import torch.distributed as dist
 # vocab-parallel math (pure torch + torch.distributed; no megatron)
 
 
-class _AllReduceSumIdentityGrad(torch.autograd.Function):
-    """Sum over ``group`` in forward; identity in backward (the consumer is replicated per rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _tp_sum(x: torch.Tensor, group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    return _AllReduceSumIdentityGrad.apply(x, group)
-
-
 # Rows per chunk of the fused pass below: the fp32 temporaries of one chunk (x, e: V x rows elements,
 # 256 KiB each at this size) stay in L2, so the [tokens, V] logits are read once per pass and no
 # [tokens, V] float32 copy, exp or product is ever materialised or kept for the backward.

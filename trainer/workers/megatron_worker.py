@@ -474,12 +474,16 @@ class MegatronWorker:
                 pairs = [(n, t.detach().cpu()) for n, t in bucket]
                 yield pairs
                 if hashing:
-                    for n, t in pairs:
-                        if n in self._stream_digests:
-                            raise ValueError(f"tensor {n!r} appears twice in the weight stream")
-                        self._stream_digests[n] = tensor_digest(n, t, dt)
+                    self._add_stream_digests((n, tensor_digest(n, t, dt)) for n, t in pairs)
         finally:
             self._stream_done.set()
+
+    def _add_stream_digests(self, digests) -> None:
+        """Record ``(name, digest)`` pairs of the stream in progress (``stream_checksum``); a name twice is an error."""
+        for n, d in digests:
+            if n in self._stream_digests:
+                raise ValueError(f"tensor {n!r} appears twice in the weight stream")
+            self._stream_digests[n] = d
 
     # ---- direct resharding through shared memory (trainer/workers/weight_shm.py) -------------------
     def _reshard_blocks(self) -> list | None:
@@ -678,10 +682,7 @@ class MegatronWorker:
                     yield None
                     continue
                 flat, desc = pack(bucket, dt, digests=verify)
-                for n in desc["digests"] or ():
-                    if n in self._stream_digests:
-                        raise ValueError(f"tensor {n!r} appears twice in the weight stream")
-                self._stream_digests.update(desc["digests"] or {})
+                self._add_stream_digests((desc["digests"] or {}).items())
                 yield desc  # the engines' receive joins the broadcast below
                 send(self._bcs[key][1], flat)
         finally:
