@@ -7,7 +7,8 @@ engine: verl's hybrid engine; a real local Ray cluster, gloo). Two transports, i
 
   * ``shared memory`` (the default on one node, trainer/workers/weight_shm.py): the engines of the node hold
     one copy of their weights in a /dev/shm file; each rank writes only the blocks of its own shards
-    (megatron_bridge/reshard.py) straight into it (no barrier: engines re-derive at their next pass); verified: each rank compares,
+    (megatron_bridge/reshard.py) straight into it (no barrier: engines re-derive at their next pass; the
+    driver starts the ranks on a doorbell, trainer/workers/doorbell.py, not a Ray call); verified: each rank compares,
     piece by piece while both are in cache, the bytes now in the engines' memory with the bytes it sent;
   * ``object store`` (the previous path, still used across nodes and for DeepSpeed): every rank walks
     megatron_bridge's bucketed HF iterator (a TP all-gather over gloo per parameter) and loads its

@@ -155,6 +155,7 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     m = c.rollout.sync_from(c.actor)
     assert c.rollout.transport == "shared_memory"
     assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] == 1
+    assert m["sync/doorbell"] == 1.0  # the driver rang the ranks directly (trainer/workers/doorbell.py)
     assert full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
     # the object-store path: TP gathers, each rank loads from the stream it hashed
     c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
@@ -206,17 +207,36 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     ray.get([w.__ray_call__.remote(lossy_copy, False) for w in c.actor.group.workers])
     c.rollout.sync_from(c.actor)  # the next sync repairs it
     assert c.rollout.engine_checksums() == [full, full]
+    # a rank whose sync raises (not a mismatch) fails the sync through the doorbell, naming the rank;
+    # the later syncs of this set-up go through Ray
+    def broken_writes(w, on: bool):
+        from trainer.workers import weight_shm
+
+        real = getattr(weight_shm, "_real_write_blocks", weight_shm.write_blocks)
+        weight_shm._real_write_blocks = real
+
+        def boom(*a, **k):
+            raise OSError("the shared file went away")
+        weight_shm.write_blocks = boom if on and w.rank == 1 else real
+    ray.get([w.__ray_call__.remote(broken_writes, True) for w in c.actor.group.workers])
+    from trainer.workers.doorbell import DoorbellError
+
+    with pytest.raises(DoorbellError, match=r"(?s)rank 1: sync_engine_shm failed.*OSError: the shared file went away"):
+        c.rollout.sync_from(c.actor)
+    ray.get([w.__ray_call__.remote(broken_writes, False) for w in c.actor.group.workers])
+    m = c.rollout.sync_from(c.actor)
+    assert m["sync/doorbell"] == 0.0 and m["sync/verified"] == 1.0 and c.rollout.engine_checksums() == [full, full]
     # the first verified sync through a new set-up (a new file) is also checked end to end, and only that one
     calls = []
     real_verify = c.rollout.verify
     c.rollout.verify = lambda actor, streamed=False: (calls.append(streamed), real_verify(actor, streamed))
     try:
         c.rollout._shm = None
-        for verify in (False, True, True):
-            c.rollout.sync_from(c.actor, verify=verify)
+        ms = [c.rollout.sync_from(c.actor, verify=verify) for verify in (False, True, True)]
     finally:
         del c.rollout.verify
     assert calls == [False] and c.rollout.transport == "shared_memory"
+    assert [m["sync/doorbell"] for m in ms] == [1.0] * 3  # a new set-up opens a new doorbell
     assert c.rollout.engine_checksums() == [full, full]
     c.rollout.bucket_bytes = 512 << 20
 

@@ -102,6 +102,14 @@ class HybridMixin:
             nbytes = self.engine_worker.take_shared_weights()
         return {"bytes": nbytes, "buckets": 1, "error": error}
 
+    def doorbell_open(self) -> tuple[str, bytes]:
+        """Serve :meth:`sync_engine_shm` on a doorbell (trainer/workers/doorbell.py): the driver rings it
+        without a Ray round trip. Returns (address, token); a second call replaces the first doorbell."""
+        from trainer.workers.doorbell import serve
+
+        self._doorbell = serve(self, ("sync_engine_shm",), getattr(self, "_doorbell", None))
+        return self._doorbell.address, self._doorbell.token
+
     def stream_checksum(self, timeout: float = 600.0) -> str | None:
         done = getattr(self, "_stream_done", None)
         if done is None or not done.wait(timeout):

@@ -19,8 +19,9 @@ Implementations, each owning its transport:
   references.
 * :class:`HybridRollout` (verl's hybrid engine, ``actor_rollout_ref.hybrid_engine``): the engines live
   inside the actor ranks' processes (:class:`~trainer.workers.hybrid_worker.HybridWorker`); on one
-  node the ranks write their shards straight into the engines' shared weights, else every rank loads
-  its engine from the (gathered) HF-name iterator with a local copy.
+  node the ranks write their shards straight into the engines' shared weights (the driver rings them
+  on a doorbell, trainer/workers/doorbell.py, not a Ray call), else every rank loads its engine from
+  the (gathered) HF-name iterator with a local copy.
 * :class:`FleetRollout` (``rollout.mode=server``): HTTP engine servers behind the real
   ``sglang-router`` (:class:`trainer.rollout.fleet.Fleet`); the actor's stream goes through the
   driver to the fleet client, which drains the servers, pushes every bucket and checks every
@@ -46,6 +47,7 @@ from typing import Iterator, Protocol
 import torch
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams, WeightSyncError
+from trainer.workers.doorbell import Doorbell, DoorbellError
 from trainer.workers.group import WorkerGroup
 
 
@@ -471,11 +473,22 @@ class HybridRollout(_EngineCalls):
             raise ValueError("a hybrid rollout syncs only from the actor group that hosts its engines")
         t0 = time.perf_counter()
         if self._shared_layout(actor) is not None:
-            res = self.actor_group.call("sync_engine_shm", [(verify,)] * self.size)
+            bell = self._doorbell()
+            if bell is not None:
+                try:
+                    res = bell.call("sync_engine_shm", [(verify,)] * self.size)
+                except DoorbellError:
+                    self._bell = (self._shm, None)  # later syncs go through Ray
+                    self.actor_group.call("ping")  # a lost worker or node raises here, named by the group
+                    raise
+            else:
+                res = self.actor_group.call("sync_engine_shm", [(verify,)] * self.size)
             errors = [(i, r["error"]) for i, r in enumerate(res) if r["error"]]
             if errors:  # every rank compared what it wrote with what it sent
                 raise WeightSyncError(f"rank {errors[0][0]}: {errors[0][1]}")
-            return self._shm_metrics(actor, t0, res[0]["bytes"], verify)
+            m = self._shm_metrics(actor, t0, res[0]["bytes"], verify)
+            m["sync/doorbell"] = float(bell is not None)
+            return m
         res = self.actor_group.call("sync_engine", [(self.bucket_bytes, self.engine_dtype if verify else None)]
                                     * self.size)
         m = _sync_metrics(t0, res[0]["bytes"], res[0]["buckets"])
@@ -485,6 +498,21 @@ class HybridRollout(_EngineCalls):
             m.pop("sync/verified")
         return m
 
+    _bell: tuple | None = None  # (the ``_shm`` set-up it serves, Doorbell or None)
+
+    def _doorbell(self):
+        """The doorbell to the actor ranks for shared-memory syncs (trainer/workers/doorbell.py), opened
+        with each shared-memory set-up; None in-process or where the driver cannot reach them (another
+        node): Ray calls then."""
+        if self._bell is None or self._bell[0] is not self._shm:
+            if self._bell is not None and self._bell[1] is not None:
+                self._bell[1].close()
+            bell = None
+            if not self.actor_group.in_process:
+                bell = Doorbell.connect(self.actor_group.call("doorbell_open"))
+            self._bell = (self._shm, bell)
+        return self._bell[1]
+
     def verify(self, actor, streamed: bool = False) -> None:
         if streamed and self.transport != "shared_memory":  # a shared-memory sync checked its blocks already
             check_checksums(list(zip(self.actor_group.call("stream_checksum"), self.engine_checksums())))
@@ -492,7 +520,9 @@ class HybridRollout(_EngineCalls):
             check_checksums(self.actor_group.call("verify_engine", dtype=self.engine_dtype))
 
     def shutdown(self) -> None:  # the actor group owns the processes
-        pass
+        if self._bell is not None and self._bell[1] is not None:
+            self._bell[1].close()
+        self._bell = None
 
 
 class FleetRollout:
