@@ -363,3 +363,40 @@ def test_fused_logprobs_match_plain_autograd_across_chunks(monkeypatch, chunk_ro
     assert lpb.dtype == torch.float32 and gb.dtype == torch.bfloat16
     assert torch.allclose(lpb.double(), plain(zb.detach().double())[0], atol=1e-5)
     assert torch.allclose(gb.double(), r64, atol=2e-2 / T)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mscale", [1.0, 0.7])
+def test_packed_rope_is_megatrons_rope_bit_for_bit(dtype, mscale):
+    """``model._thd_rope`` (tables once per forward, the sign on the table, a custom backward) gives
+    megatron's own ``_apply_rotary_pos_emb_bshd`` output and input gradient bit for bit, on a packed
+    row whose positions restart per sequence; the tables are reused for the same (freqs, cu_seqlens)
+    and rebuilt for new ones."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_bridge import model as bm
+
+    bm._install_thd_rope()
+    real = bm._MEGATRON_THD_ROPE is not None and rope_utils._apply_rotary_pos_emb_bshd
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 9, 3]
+    T, H, D = sum(lens), 3, 16
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    table = torch.arange(32, dtype=torch.float32)[:, None] * inv[None]
+    freqs = torch.cat((table, table), dim=-1)[:, None, None, :]  # [32, 1, 1, D] from position 0
+    pos = torch.cat([torch.arange(n) for n in lens])
+    t = torch.randn(T, H, D, generator=g).to(dtype).requires_grad_()
+    want = real(t.unsqueeze(1), freqs[pos], mscale=mscale).squeeze(1)  # megatron, per-token angles
+    up = torch.randn(T, H, D, generator=g).to(dtype)
+    (gwant,) = torch.autograd.grad(want, t, up)
+    got = bm._thd_rope(t, cu, freqs, mscale=mscale)
+    (ggot,) = torch.autograd.grad(got, t, up)
+    assert torch.equal(got, want) and torch.equal(ggot, gwant)
+    assert not torch.equal(got, real(t.unsqueeze(1), freqs[:T], mscale=mscale).squeeze(1))  # positions restart
+    tables = bm._ROPE_TABLES[0][1]
+    bm._thd_rope(t, cu, freqs, mscale=mscale)
+    assert bm._ROPE_TABLES[0][1] is tables  # same forward: reused
+    cu2 = torch.tensor([0, 18], dtype=torch.int32)
+    one = bm._thd_rope(t, cu2, freqs, mscale=mscale)  # a new packing: new tables
+    assert torch.equal(one, real(t.unsqueeze(1), freqs[:T], mscale=mscale).squeeze(1))
