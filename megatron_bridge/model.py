@@ -128,7 +128,8 @@ def _rope_tables(freqs, cu_seqlens, T: int, dtype, mscale: float) -> tuple[torch
     twice per layer: the last call's are kept (keyed by identity; the tensors are held, so an id is
     never reused while it is the key)."""
     key = (freqs, cu_seqlens, T, dtype, mscale)
-    last = _ROPE_TABLES[0]
+    compiling = torch.compiler.is_compiling()  # a traced graph computes them itself (no global state)
+    last = None if compiling else _ROPE_TABLES[0]
     if last is not None and all(a is b or (not torch.is_tensor(a) and a == b) for a, b in zip(last[0], key)):
         return last[1]
     f = freqs if freqs.size(0) == T else freqs[_thd_positions(cu_seqlens, T, freqs.device)]
@@ -137,7 +138,8 @@ def _rope_tables(freqs, cu_seqlens, T: int, dtype, mscale: float) -> tuple[torch
     sin = (torch.sin(f) * mscale).to(dtype)
     half = f.shape[-1] // 2
     sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    _ROPE_TABLES[0] = (key, (cos, sin_signed))
+    if not compiling:
+        _ROPE_TABLES[0] = (key, (cos, sin_signed))
     return cos, sin_signed
 
 
