@@ -200,3 +200,19 @@ def test_plans_that_do_not_partition_the_engines_tensors_are_refused(ckpt):
         plan_layout(el, [full + [("model.layers.99.mlp.up_proj.weight", shape, rows, cols)]])
     with pytest.raises(ValueError, match="HF shape"):
         plan_layout(el, [rest + [(name, (1, *shape), rows, cols)]])
+
+
+def test_piece_size_follows_the_l2_cache(tmp_path):
+    """A checked copy's piece is a quarter of the core's L2 (source + destination piece: half of it),
+    read from sysfs; sizes in sysfs's spellings parse, and an unreadable size falls back."""
+    from trainer.workers import weight_shm as ws
+
+    assert [ws._cache_size(t) for t in ("1024K\n", "2M", "65536", " 512k ")] == [1 << 20, 2 << 20, 65536, 512 << 10]
+    with pytest.raises(ValueError):
+        ws._cache_size("lots")
+    f = tmp_path / "size"
+    f.write_text("2048K\n")
+    assert ws._l2_bytes(path=str(f)) == 2 << 20
+    f.write_text("?")
+    assert ws._l2_bytes(path=str(f)) == 512 << 10 and ws._l2_bytes(path=str(tmp_path / "none")) == 512 << 10
+    assert ws.PIECE == min(max(ws._l2_bytes() // 4, 64 << 10), 1 << 20)
