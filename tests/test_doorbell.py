@@ -27,6 +27,9 @@ class Target:
     def fail(self) -> None:
         raise ValueError(f"rank {self.rank} cannot")
 
+    def fail_long(self) -> None:
+        raise ValueError("y" * 100_000 + " the end")
+
     def secret(self) -> str:  # not served
         return "leaked"
 
@@ -34,7 +37,7 @@ class Target:
 def _worker(rank: int, conn) -> None:
     from trainer.workers.doorbell import serve
 
-    server = serve(Target(rank), ("work", "fail"))
+    server = serve(Target(rank), ("work", "fail", "fail_long"))
     conn.send((server.address, server.token))
     conn.recv()  # stay alive until the test is done
 
@@ -129,3 +132,32 @@ def test_a_worker_killed_mid_call_is_an_error_not_a_hang():
         bell.call("work", [(1, 30.0)])
     assert time.perf_counter() - t0 < 10
     p.join(5)
+
+
+def test_a_worker_dead_before_the_call_fails_it_after_the_others_reply():
+    ctx = mp.get_context("spawn")
+    procs, endpoints, pipes = [], [], []
+    for rank in range(2):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(rank, b), daemon=True)
+        p.start()
+        procs.append(p)
+        pipes.append(a)
+        endpoints.append(a.recv())
+    bell = Doorbell.connect(endpoints)
+    procs[0].kill()
+    procs[0].join(5)
+    t0 = time.perf_counter()
+    with pytest.raises(DoorbellError, match=r"(?s)rank 0: work failed.*(could not reach|closed the doorbell)"):
+        bell.call("work", [(1, 0.0), (1, 0.5)])
+    assert time.perf_counter() - t0 >= 0.45  # rank 1 ran its call to the end before the error was raised
+    pipes[1].send("done")
+    procs[1].join(5)
+
+
+def test_a_long_traceback_still_fits_in_a_reply(workers):
+    _, endpoints = workers
+    bell = Doorbell.connect(endpoints)
+    with pytest.raises(DoorbellError, match=r"(?s)rank 0: fail_long failed.*yyyy the end") as e:
+        bell.call("fail_long", [()] * 3)  # a 100 KB message: more than one packet holds
+    assert len(str(e.value)) < 20_000

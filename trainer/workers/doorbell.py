@@ -37,6 +37,7 @@ import threading
 import traceback
 
 MAX_MSG = 1 << 16  # requests and replies are a few hundred bytes: a verify flag, a byte count, an error
+MAX_ERROR = 16 << 10  # characters of a worker's traceback sent back (a reply must fit in one packet)
 
 
 class _Server:
@@ -73,7 +74,7 @@ class _Server:
                         raise ValueError(f"method {method!r} is not served by this doorbell ({sorted(self.methods)})")
                     reply = {"ok": getattr(self.target, method)(*args)}
                 except Exception:  # noqa: BLE001 - sent back to the driver, which raises it with the rank
-                    reply = {"error": traceback.format_exc()}
+                    reply = {"error": traceback.format_exc()[-MAX_ERROR:]}  # the end of a traceback names the fault
                 try:
                     conn.sendall(json.dumps(reply).encode())
                 except OSError:
@@ -130,10 +131,14 @@ class Doorbell:
         worker is left mid-call when the caller recovers)."""
         if not self.conns:
             raise DoorbellError("the doorbell is closed")
-        for s, tok, args in zip(self.conns, self.tokens, args_per_rank):
-            s.sendall(tok + json.dumps([method, list(args)]).encode())
         replies: list = [None] * len(self.conns)
-        waiting = {s.fileno(): i for i, s in enumerate(self.conns)}
+        waiting = {}
+        for i, (s, tok, args) in enumerate(zip(self.conns, self.tokens, args_per_rank)):
+            try:
+                s.sendall(tok + json.dumps([method, list(args)]).encode())
+                waiting[s.fileno()] = i
+            except OSError as e:  # its process is gone: the others still run, and are waited for
+                replies[i] = {"error": f"could not reach the worker ({e}; its process exited or was killed)"}
         while waiting:
             ready, _, _ = select.select(list(waiting), [], [])
             for fd in ready:
