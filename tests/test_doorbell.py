@@ -42,17 +42,23 @@ def _worker(rank: int, conn) -> None:
     conn.recv()  # stay alive until the test is done
 
 
-@pytest.fixture(scope="module")
-def workers():
+def _spawn(n: int) -> tuple[list, list, list]:
+    """``n`` worker processes, each serving a doorbell: (processes, pipes that end them, endpoints)."""
     ctx = mp.get_context("spawn")
     procs, pipes, endpoints = [], [], []
-    for rank in range(3):
+    for rank in range(n):
         a, b = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(rank, b), daemon=True)
         p.start()
         procs.append(p)
         pipes.append(a)
         endpoints.append(a.recv())
+    return procs, pipes, endpoints
+
+
+@pytest.fixture(scope="module")
+def workers():
+    procs, pipes, endpoints = _spawn(3)
     yield procs, endpoints
     for a in pipes:
         try:
@@ -119,11 +125,8 @@ def test_unreachable_workers_give_no_doorbell():
 
 
 def test_a_worker_killed_mid_call_is_an_error_not_a_hang():
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=_worker, args=(0, b), daemon=True)
-    p.start()
-    bell = Doorbell.connect([a.recv()])
+    (p,), _, endpoints = _spawn(1)
+    bell = Doorbell.connect(endpoints)
     import threading
 
     threading.Timer(0.5, os.kill, (p.pid, signal.SIGKILL)).start()
@@ -135,15 +138,7 @@ def test_a_worker_killed_mid_call_is_an_error_not_a_hang():
 
 
 def test_a_worker_dead_before_the_call_fails_it_after_the_others_reply():
-    ctx = mp.get_context("spawn")
-    procs, endpoints, pipes = [], [], []
-    for rank in range(2):
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(rank, b), daemon=True)
-        p.start()
-        procs.append(p)
-        pipes.append(a)
-        endpoints.append(a.recv())
+    procs, pipes, endpoints = _spawn(2)
     bell = Doorbell.connect(endpoints)
     procs[0].kill()
     procs[0].join(5)
