@@ -118,7 +118,7 @@ def _thd_positions(cu_seqlens, T: int, device) -> torch.Tensor:
     return torch.arange(T, device=device) - cu[:-1][seg]
 
 
-_ROPE_TABLES: list = [None]  # ((freqs, cu_seqlens, T, dtype, mscale), (cos, sin_signed)) of the last call
+_ROPE_TABLES: list = [None]  # (key, (cos, sin_signed)) of the last call; key: see _rope_tables
 
 
 def _rope_tables(freqs, cu_seqlens, T: int, dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +127,7 @@ def _rope_tables(freqs, cu_seqlens, T: int, dtype, mscale: float) -> tuple[torch
     get the same ``freqs`` and ``cu_seqlens`` objects, so the tables are built once per forward, not
     twice per layer: the last call's are kept (keyed by identity; the tensors are held, so an id is
     never reused while it is the key)."""
-    key = (freqs, cu_seqlens, T, dtype, mscale)
+    key = (freqs, cu_seqlens, freqs._version, cu_seqlens._version, T, dtype, mscale)  # an in-place edit: rebuilt
     compiling = torch.compiler.is_compiling()  # a traced graph computes them itself (no global state)
     last = None if compiling else _ROPE_TABLES[0]
     if last is not None and all(a is b or (not torch.is_tensor(a) and a == b) for a, b in zip(last[0], key)):

@@ -156,3 +156,26 @@ def test_a_long_traceback_still_fits_in_a_reply(workers):
     with pytest.raises(DoorbellError, match=r"(?s)rank 0: fail_long failed.*yyyy the end") as e:
         bell.call("fail_long", [()] * 3)  # a 100 KB message: more than one packet holds
     assert len(str(e.value)) < 20_000
+
+
+def test_closing_a_doorbell_ends_its_accept_thread():
+    """A replaced doorbell (a new shared-memory set-up) leaves no thread behind in the worker."""
+    import threading
+
+    from trainer.workers.doorbell import serve
+
+    def accepting() -> int:
+        return sum(t.name == "coxswain-doorbell" and t.is_alive() for t in threading.enumerate())
+
+    before = accepting()
+    first = serve(Target(0), ("work",))
+    second = serve(Target(0), ("work",), previous=first)
+    deadline = time.monotonic() + 5
+    while accepting() > before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert accepting() == before + 1
+    bell = Doorbell.connect([(second.address, second.token)])
+    assert bell.call("work", [(4,)])[0]["twice"] == 8
+    assert Doorbell.connect([(first.address, first.token)]) is None  # the old one no longer listens
+    bell.close()
+    second.close()

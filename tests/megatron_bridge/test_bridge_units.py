@@ -397,6 +397,10 @@ def test_packed_rope_is_megatrons_rope_bit_for_bit(dtype, mscale):
     tables = bm._ROPE_TABLES[0][1]
     bm._thd_rope(t, cu, freqs, mscale=mscale)
     assert bm._ROPE_TABLES[0][1] is tables  # same forward: reused
+    freqs.add_(0.5)  # the same tensor edited in place: the tables follow it
+    edited = bm._thd_rope(t, cu, freqs, mscale=mscale)
+    assert torch.equal(edited, real(t.unsqueeze(1), freqs[pos], mscale=mscale).squeeze(1))
+    freqs.sub_(0.5)
     cu2 = torch.tensor([0, 18], dtype=torch.int32)
     one = bm._thd_rope(t, cu2, freqs, mscale=mscale)  # a new packing: new tables
     assert torch.equal(one, real(t.unsqueeze(1), freqs[:T], mscale=mscale).squeeze(1))

@@ -83,9 +83,10 @@ class _Server:
     def close(self) -> None:
         self.closed = True
         try:
-            self.sock.close()
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (a bare close leaves it blocked)
         except OSError:
             pass
+        self.sock.close()
 
 
 def serve(target, methods, previous: _Server | None = None) -> _Server:
@@ -146,9 +147,10 @@ class Doorbell:
                 try:
                     msg = self.conns[i].recv(MAX_MSG)
                 except OSError as e:
-                    msg, replies[i] = b"", {"error": f"connection error: {e}"}
-                replies[i] = json.loads(msg) if msg else (replies[i] or {"error": "the worker closed the doorbell "
-                                                                     "(its process exited or was killed)"})
+                    replies[i] = {"error": f"connection error: {e}"}
+                    continue
+                replies[i] = json.loads(msg) if msg else {"error": "the worker closed the doorbell (its process "
+                                                          "exited or was killed)"}
         for i, r in enumerate(replies):
             if "error" in r:
                 self.close()  # a worker that failed mid-call may be in any state: later calls go through Ray
