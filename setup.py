@@ -4,7 +4,7 @@ torch is pinned to the exact CPU build on disk: an unpinned torch (asked for her
 pulls gigabytes of CUDA wheels. Every addition is checked with ``pip install --dry-run``.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 TORCH = "torch==2.13.0"
 
@@ -52,4 +52,8 @@ setup(
     install_requires=install_requires,
     extras_require=extras,
     entry_points={"console_scripts": ["coxswain=trainer.main:cli"]},
+    # the weight sync's checked copy (trainer/workers/_copycheck.c, called through ctypes). optional: without a
+    # C compiler the install goes on and the sync checks its copies in Python, slower (weight_shm.KERNEL is None)
+    ext_modules=[Extension("trainer.workers._copycheck", ["trainer/workers/_copycheck.c"], extra_compile_args=["-O2"],
+                           optional=True)],
 )

@@ -104,24 +104,43 @@ def test_engines_end_with_exactly_the_checkpoint(ckpt, dtype):
     assert got.token_ids == exp.token_ids and got.logprobs == exp.logprobs
 
 
+def _kernel_modes():
+    """The C checked copy (built by ``pip install``; CI must have it) and the Python fallback."""
+    if weight_shm.KERNEL is None and os.environ.get("CI"):
+        pytest.fail("trainer/workers/_copycheck.c was not built: `pip install -e .` builds it (needs a C compiler)")
+    return ["kernel", "python"] if weight_shm.KERNEL is not None else ["python"]
+
+
+@pytest.mark.parametrize("mode", _kernel_modes())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_copy_that_lands_wrong_is_caught_at_its_block_and_row(ckpt, dtype, monkeypatch):
+def test_a_copy_that_lands_wrong_is_caught_at_its_block_and_row(ckpt, dtype, mode, monkeypatch):
+    if mode == "python":
+        monkeypatch.setattr(weight_shm, "KERNEL", None)
+    kernel = weight_shm.KERNEL is not None
     ck, ranks, engs, writers, readers = _setup(ckpt, dtype)
     name = "model.layers.1.self_attn.o_proj.weight"  # a row-parallel weight: a column block per rank
-    real = weight_shm._copy
+    target = writers[1].tensor(name)  # one bit of row 5 of rank 1's column block lands flipped
+    half = target.shape[1] // 2
+    bad = target[5, half:].data_ptr()
+    real, real_memcpy = weight_shm._copy, weight_shm._memcpy
 
-    def lossy(dst, src):  # the copy into rank 1's column block of o_proj flips one bit of row 5
+    def lossy(dst, src):  # the torch copy (the Python path's column blocks and casts)
         real(dst, src)
-        if dst.data_ptr() == writers[1].tensor(name)[:, dst.shape[1]:].data_ptr():
+        if dst.data_ptr() == target[:, half:].data_ptr():
             dst[5:6, :1].view(torch.uint8)[0, 0] ^= 0x01
+
+    def lossy_memcpy(dst, src, n):  # the byte copy (the kernel copies every piece with it)
+        real_memcpy(dst, src, n)
+        if dst <= bad < dst + n:
+            ctypes.c_ubyte.from_address(bad).value ^= 0x01
     monkeypatch.setattr(weight_shm, "_copy", lossy)
-    with pytest.raises(WeightSyncError, match=rf"block {name}\[0:\d+,\d+:\d+\] .*first at row 5 of"):
+    monkeypatch.setattr(weight_shm, "_memcpy", lossy_memcpy)
+    with pytest.raises(WeightSyncError, match=rf"block {name}\[0:\d+,{half}:\d+\] .*first at row 5 of"):
         _sync(ranks, engs, writers)
     monkeypatch.setattr(weight_shm, "_copy", real)
     # a byte copy (same dtype, contiguous block: by address) that drops the last byte of gate_proj's rows
     gates = [w.tensor("model.layers.0.mlp.gate_proj.weight") for w in writers]  # each rank's own mapping
     gate = gates[0]
-    real_memcpy = weight_shm._memcpy
 
     def lossy_memcpy(dst, src, n):
         real_memcpy(dst, src, n)
@@ -130,7 +149,7 @@ def test_a_copy_that_lands_wrong_is_caught_at_its_block_and_row(ckpt, dtype, mon
             if dst < end <= dst + n:
                 ctypes.c_ubyte.from_address(end - 1).value ^= 0x80
     monkeypatch.setattr(weight_shm, "_memcpy", lossy_memcpy)
-    if dtype == "float32":
+    if dtype == "float32" or kernel:  # the kernel copies a cast chunk with the byte copy too
         with pytest.raises(WeightSyncError, match=rf"block model.layers.0.mlp.gate_proj.weight\[\d+:{gate.shape[0]},0:"
                                                   rf"{gate.shape[1]}\] .*first at row {gate.shape[0] - 1} of"):
             _sync(ranks, engs, writers)
@@ -150,6 +169,38 @@ def test_a_copy_that_lands_wrong_is_caught_at_its_block_and_row(ckpt, dtype, mon
     _sync(ranks, engs, writers)  # and a good sync repairs the engines
     want = checksum_named_tensors(((n, ck.get(n)) for n in ck.keys()), dtype=getattr(torch, dtype))
     assert [e.weights_checksum() for e in engs] == [want, want]
+
+
+def test_the_kernel_catches_a_difference_in_any_piece_and_names_it():
+    """The C checked copy on its own: every byte of a strided (column-block) copy arrives; a copy that
+    drops one byte anywhere is reported at that byte's piece, for pieces and rows of every alignment."""
+    if weight_shm.KERNEL is None:
+        pytest.skip("the C kernel is not built here (see test_a_copy_that_lands_wrong_...[kernel], which CI requires)")
+    import random
+
+    rng = random.Random(0)
+    real = weight_shm._memcpy
+    for rows, cols, es in ((1, 1, 4), (3, 1000, 4), (17, 777, 2), (64, 4096, 2)):
+        full = torch.zeros(rows, cols * 2 * es, dtype=torch.uint8)
+        dst = full[:, cols * es:]  # the right half: strided rows
+        src = torch.randint(0, 256, (rows, cols * es), dtype=torch.uint8)
+        assert weight_shm._kernel_copy(dst, src) == -1 and torch.equal(dst, src) and not full[:, :cols * es].any()
+        for _ in range(5):
+            r, c = rng.randrange(rows), rng.randrange(cols * es)
+            bad = dst[r, c:].data_ptr()
+
+            def lossy(d, s, n, bad=bad):
+                real(d, s, n)
+                if d <= bad < d + n:
+                    ctypes.c_ubyte.from_address(bad).value ^= 0xFF
+            weight_shm._memcpy = lossy
+            try:
+                at = weight_shm._kernel_copy(dst, src)
+            finally:
+                weight_shm._memcpy = real
+            width = cols * es
+            piece = weight_shm.KERNEL_PIECE
+            assert at == r * width + (c // piece) * piece, (rows, cols, es, r, c, at)
 
 
 def test_writers_that_disagree_with_the_engines_layout_fail_the_end_to_end_check(ckpt):
@@ -204,7 +255,8 @@ def test_plans_that_do_not_partition_the_engines_tensors_are_refused(ckpt):
 
 def test_piece_size_follows_the_l2_cache(tmp_path):
     """A checked copy's piece is a quarter of the core's L2 (source + destination piece: half of it),
-    read from sysfs; sizes in sysfs's spellings parse, and an unreadable size falls back."""
+    the kernel's an eighth of L1, read from sysfs; sizes in sysfs's spellings parse, and an unreadable
+    size falls back."""
     from trainer.workers import weight_shm as ws
 
     assert [ws._cache_size(t) for t in ("1024K\n", "2M", "65536", " 512k ")] == [1 << 20, 2 << 20, 65536, 512 << 10]
@@ -216,3 +268,6 @@ def test_piece_size_follows_the_l2_cache(tmp_path):
     f.write_text("?")
     assert ws._l2_bytes(path=str(f)) == 512 << 10 and ws._l2_bytes(path=str(tmp_path / "none")) == 512 << 10
     assert ws.PIECE == min(max(ws._l2_bytes() // 4, 64 << 10), 1 << 20)
+    f.write_text("48K\n")
+    assert ws._l1d_bytes(path=str(f)) == 48 << 10 and ws._l1d_bytes(path=str(tmp_path / "none")) == 32 << 10
+    assert ws.KERNEL_PIECE == min(max(ws._l1d_bytes() // 8, 2 << 10), 16 << 10)
