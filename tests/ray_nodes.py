@@ -81,8 +81,12 @@ class RayNodes:
 
     # ---- environment ---------------------------------------------------------------------------------
     def base_env(self) -> dict:
+        # the GCS declares a node dead after 3 failed health checks 1 s apart (Ray's defaults: 5 x 3 s), so a
+        # test that kills a node's raylet sees Ray's verdict in about 3 s; a check only fails on a refused
+        # connection or a 10 s timeout, so a loaded machine does not lose a live node
         env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token_path,
-                   RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+                   RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", RAY_health_check_period_ms="1000",
+                   RAY_health_check_failure_threshold="3")
         env.pop("RAY_ADDRESS", None)
         return env
 
