@@ -197,7 +197,12 @@ def main(argv=None) -> dict:
               "object store": "object store (previous path), verify off",
               "object store verified": "object store (previous path), verified",
               "gather only": "actor-side TP gather only (previous path's share)"}
-    mach = machine(f"ray {ray.__version__}, driver zero-copy tensors {'on' if zero_copy_driver else 'off'}")
+    from trainer.workers import weight_shm
+
+    copy = (f"C kernel, {weight_shm.KERNEL_PIECE >> 10} KiB pieces" if weight_shm.KERNEL is not None
+            else f"Python fallback (no C kernel built), {weight_shm.PIECE >> 10} KiB pieces")
+    mach = machine(f"ray {ray.__version__}, driver zero-copy tensors {'on' if zero_copy_driver else 'off'}, "
+                   f"checked copy: {copy}")
     print(f"machine: {mach} (shared machine: wall times are noisy; best of {repeats}, variants interleaved)")
     result = dict(machine=mach, quick=a.quick, params=n_params, repeats=repeats, buckets_mib=buckets, layouts={})
     hb = buckets[-1]
@@ -223,8 +228,8 @@ def main(argv=None) -> dict:
               f"engines sharing one {r['file_mib']:.1f} MiB weight file; random Qwen2, {n_params / 1e6:.1f}M params, "
               f"float32 = {nbytes / 1e6:.1f} MB per sync; cluster start {r['cluster_start_s']:.1f}s")
         print(table(["measure", "buckets", "extra MiB", "best ms", "median ms", "GB/s", "vs memcpy"], rows, "{:.3f}"))
-        print(f"verification adds {overhead * 100:.0f}% to the shared-memory sync (best of {repeats}; medians: "
-              f"{(summ['shm verified']['median'] / summ['shm']['median'] - 1) * 100:.0f}%)")
+        print(f"verification adds {overhead * 100:+.0f}% to the shared-memory sync (best of {repeats}; medians: "
+              f"{(summ['shm verified']['median'] / summ['shm']['median'] - 1) * 100:+.0f}%)")
         result["layouts"][name] = dict(
             tp=r["tp"], pp=r["pp"], bytes=nbytes, cluster_start_s=r["cluster_start_s"], times_s=summ, gbps=gbps,
             n_buckets=r["n_buckets"], verify_s=v, ratios={k: g / base for k, g in gbps.items()},
@@ -235,11 +240,11 @@ def main(argv=None) -> dict:
     result["headline"] = {"layout": layouts[0], "ratio": head["ratios"]["shm verified"],
                           "verify_overhead": head["verify_overhead"], "vs_object_store": head["vs_object_store"]}
     write_json(a.json, result)
-    others = "; ".join(f"{n}: {x['ratios']['shm verified']:.3f}x memcpy, verification +{x['verify_overhead'] * 100:.0f}%"
+    others = "; ".join(f"{n}: {x['ratios']['shm verified']:.3f}x memcpy, verification {x['verify_overhead'] * 100:+.0f}%"
                        for n, x in result["layouts"].items() if n != layouts[0])
     print(f"headline: {layouts[0]} actor -> engines, verified shared-memory sync: {head['gbps']['shm verified']:.2f} GB/s "
           f"= {head['ratios']['shm verified']:.3f}x memcpy ({head['gbps']['memcpy']:.2f} GB/s), verification "
-          f"+{head['verify_overhead'] * 100:.0f}%, {head['vs_object_store']:.2f}x faster than the object-store path"
+          f"{head['verify_overhead'] * 100:+.0f}%, {head['vs_object_store']:.2f}x faster than the object-store path"
           + (f" ({others})" if others else ""))
     return result
 
