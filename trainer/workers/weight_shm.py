@@ -27,8 +27,8 @@ engine holds can be read back where it is cheapest, in the writer's cache, and c
 collision probability). A digest on each side means a second pass over the model from memory on the
 engine side, which here costs more than the copy itself. Cost per byte: one strided copy by its owner
 (the ranks in parallel) and an in-cache ``memcmp``: measured, the checked copy costs what torch's
-unchecked copy does (0.93-0.97x, contiguous blocks and column blocks alike). Memory: nothing extra; the engines of a node
-share one copy of the weights instead of one each.
+unchecked copy does (0.93-0.97x, contiguous blocks and column blocks alike). Memory: nothing extra;
+the engines of a node share one copy of the weights instead of one each.
 
 The file is created with ``posix_fallocate`` (a full tmpfs is an ``ENOSPC`` at set-up, not a
 ``SIGBUS`` mid-copy), mapped by every process, then unlinked: the mappings stay, and no file outlives
