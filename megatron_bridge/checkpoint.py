@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -35,8 +36,9 @@ MARKER = "coxswain_ckpt.json"
 # the writer's result queue
 
 
-class _WriterQueue:
-    """Context manager installing an in-process result queue for dist_checkpointing's writer.
+@contextmanager
+def _writer_queue():
+    """An in-process result queue for dist_checkpointing's writer.
 
     megatron creates ``ctx.Manager().Queue()`` (a spawned server process) on first use, for the
     async path where the writer runs in another process. A synchronous save runs the writer in the
@@ -45,20 +47,15 @@ class _WriterQueue:
     ``queue.Queue`` is that contract with no process behind it: nothing to orphan if the rank is
     killed, and no interpreter to start per save (measured: each spawned Manager cost 1-3 CPU-seconds
     re-importing this package, two per save on a TP=2 actor)."""
+    import queue
 
-    def __enter__(self):
-        import queue
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-        self.fa = fa
-        self.prev = fa._results_queue
-        fa._results_queue = queue.Queue()
-        return self
-
-    def __exit__(self, *exc):
-        self.fa._results_queue = self.prev
-        return False
+    prev, fa._results_queue = fa._results_queue, queue.Queue()
+    try:
+        yield
+    finally:
+        fa._results_queue = prev
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,7 +105,7 @@ def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, ext
     try:
         state = _state(model, optimizer, scheduler, is_loading=False)
         state["extra"] = dict(extra or {})
-        with _WriterQueue():
+        with _writer_queue():
             dist_checkpointing.save(state, tmp)
         dist.barrier()
         if dist.get_rank() == 0:
