@@ -60,6 +60,14 @@ threads, Ray processes or allocator state. Imports are outside the startup figur
     python benchmarks/bench_e2e.py [--quick] [--json PATH] [--steps N] [--trl-threads 1,2] [--rounds R]
         [--order coxswain,trl] [--no-fast] [--coxswain-args KEY=VALUE ...]
 
+After the runs, a third child times the step's matrix products alone (``run_floor``: every weight GEMM of
+the update's forward and both backward products over each DP rank's tokens, and of the engines' prefill
+and decode steps, in bf16 on one thread, each at its exact shape, best of 3): the GEMM floor, in CPU
+seconds per step. It prints how much CPU time per step a 2x and a 3x lead over TRL's most CPU-efficient
+run would leave for everything else (attention, norms, casts, the log-probs over the vocabulary,
+sampling, the optimizer, the driver and Ray), and what each Coxswain run spends beyond the floor, split
+into its role workers and the rest of its process tree (driver, raylet, GCS, scorers).
+
 ``--rounds R`` repeats the whole set, alternating the frameworks, and each side's best round counts (the
 load of a shared machine moves between runs by 2x and more).
 
@@ -186,20 +194,24 @@ def run_coxswain(spec: dict) -> dict:
     orig = tracking.Tracker.log_metrics
     me = psutil.Process()
 
-    def tree_cpu() -> float:
-        """CPU seconds used so far by the driver and every live descendant (raylet, Ray workers, scorers)."""
-        total = 0.0
+    log_split: dict[int, dict[str, float]] = {}
+
+    def tree_cpu() -> tuple[float, dict[str, float]]:
+        """CPU seconds used so far by the driver and every live descendant (raylet, Ray workers, scorers),
+        in all and split into the role workers (the Ray actors that train and generate) and the rest."""
+        split = {"workers": 0.0, "driver + Ray + scorers": 0.0}
         for p in [me, *me.children(recursive=True)]:
             try:
                 t = p.cpu_times()
-                total += t.user + t.system
+                worker = p.name().startswith("ray::") and "Worker" in p.name()
+                split["workers" if worker else "driver + Ray + scorers"] += t.user + t.system
             except psutil.Error:
                 pass
-        return total
+        return sum(split.values()), split
 
     def stamped(self, metrics, step):  # when each step's metrics arrive (right after its step timer stops)
         log_times[int(step)] = time.perf_counter()
-        log_cpu[int(step)] = tree_cpu()
+        log_cpu[int(step)], log_split[int(step)] = tree_cpu()
         return orig(self, metrics, step)
 
     tracking.Tracker.log_metrics = stamped
@@ -237,6 +249,9 @@ def run_coxswain(spec: dict) -> dict:
         "threads": "1 per worker (2 actor ranks, 2 engines) + driver",
         # CPU seconds of the whole process tree between consecutive step logs (steps 2..N)
         "cpu_s": [log_cpu[k] - log_cpu[k - 1] for k in sorted(log_cpu) if k - 1 in log_cpu],
+        # the same, per part: mean over steps 2..N (from the step-1 to the last log)
+        "cpu_split_s": {part: (log_split[max(log_split)][part] - log_split[1][part]) / (max(log_split) - 1)
+                        for part in log_split[1]} if max(log_split) > 1 else {},
     }
 
 
@@ -333,6 +348,69 @@ def run_trl(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# GEMM floor (runs in its own process)
+# ----------------------------------------------------------------------------------------------
+def run_floor(spec: dict) -> dict:
+    """CPU seconds per step that the step's matrix products alone take on this core, in bf16 on one
+    thread, each timed at its exact shape with nothing else running: a bound no framework can beat with
+    these GEMM kernels, against which the rest of a step's cost (attention, norms, casts, sampling,
+    optimizer, the driver, Ray) is what is left to win.
+
+    Counted: every weight GEMM of the model (q/k/v, o, gate/up, down per layer; the tied LM head).
+    Training: forward, input-gradient and weight-gradient products over each DP rank's tokens (2 ranks).
+    Generation: the prompts' prefill and one decode step per new token over each engine's rows (2
+    engines), on oneDNN-prepacked weights as the native engine runs them. Not counted: attention's
+    small batched products (about 1% of the FLOPs) and everything that is not a matmul."""
+    import torch
+
+    torch.set_num_threads(1)
+    size, tokens = spec["size"], spec["tokens_per_step"]
+    h, ffn, V, L = size["hidden"], size["ffn"], size["vocab"], size["layers"]
+    D = h // size["heads"]
+    shapes = [(h + 2 * size["kv"] * D, h, L), (h, h, L), (2 * ffn, h, L), (h, ffn, L), (V, h, 1)]  # (out, in, count)
+
+    def timed(f, reps: int) -> float:
+        for _ in range(3):
+            f()
+        best = float("inf")
+        for _ in range(3):  # best of 3 batches of reps: the machine may be shared
+            t = time.perf_counter()
+            for _ in range(reps):
+                f()
+            best = min(best, (time.perf_counter() - t) / reps)
+        return best
+
+    def decode_s(M: int, shapes=shapes) -> float:
+        total = 0.0
+        for n, k, count in shapes:
+            w = torch.randn(n, k).bfloat16()
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            x = torch.randn(M, k).bfloat16()
+            total += count * timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), 100)
+        return total
+
+    def train_s(T: int) -> float:
+        total = 0.0
+        for n, k, count in shapes:
+            x, w, dy = torch.randn(T, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(T, n).bfloat16()
+            total += count * (timed(lambda: torch.mm(x, w.t()), 10) + timed(lambda: torch.mm(dy, w), 10)
+                              + timed(lambda: torch.mm(dy.t(), x), 10))
+        return total
+
+    rows = size["prompts"] * size["n"]
+    prompt_tokens = tokens - rows * size["new"]
+    # per engine: the prefill of its prompts (the LM head only at each row's last position), then
+    # new - 1 decode steps (the prefill's logits give the first token)
+    gen = 2 * (decode_s(max(1, prompt_tokens // 2), shapes[:-1]) + decode_s(rows // 2, shapes[-1:])
+               + (size["new"] - 1) * decode_s(rows // 2))
+    update = 2 * train_s(tokens // 2)
+    per_token = 2 * sum(n * k * c for n, k, c in shapes)
+    flops = per_token * (3 * tokens + rows * size["new"]) + (per_token - 2 * h * V) * prompt_tokens
+    return {"framework": "floor", "gen_cpu_s": gen, "update_cpu_s": update, "cpu_s": gen + update,
+            "gflops": flops / 1e9}
+
+
+# ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
 def steady(res: dict) -> dict:
@@ -382,7 +460,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a._child:
         spec = json.loads(a._spec)
-        res = (run_coxswain if a._child == "coxswain" else run_trl)(spec)
+        res = {"coxswain": run_coxswain, "trl": run_trl, "floor": run_floor}[a._child](spec)
         with open(spec["result_path"], "w") as f:
             json.dump(res, f)
         return res
@@ -455,7 +533,27 @@ def main(argv=None) -> dict:
         parts = [f"{k} {statistics.median(v[1:] or v):.3f}" for k, v in r["phases_s"].items()]
         print(f"  {r['name']}: " + ", ".join(parts) + f"; step {r['steady']['median_step_s']:.3f}")
     result = dict(machine=machine(f"trl {trl_version}"), quick=a.quick, size=size, steps=steps, assets=assets,
-                  runs=runs, coxswain_args=a.coxswain_args, headline=None)
+                  runs=runs, coxswain_args=a.coxswain_args, headline=None, floor=None)
+    if coxs:  # what the step's matmuls alone cost on this core, and what each run spends beyond them
+        tokens = int(coxs[0]["steady"]["tokens_per_step"])
+        floor = run_child("floor", dict(size=size, tokens_per_step=tokens, result_path=os.path.join(tmp, "floor.json")),
+                          os.path.join(tmp, "floor.log"))
+        result["floor"] = floor
+        trl_cpu = max(trls, key=lambda r: r["steady"]["tok_per_cpu_s"]) if trls else None
+        vs = (f" = {tokens / floor['cpu_s'] / trl_cpu['steady']['tok_per_cpu_s']:.2f}x {trl_cpu['name']}'s tokens "
+              f"per CPU-second" if trl_cpu else "")
+        print(f"\nGEMM floor: the step's matmuls alone ({floor['gflops']:.1f} GFLOP; bf16, one thread, each timed at its "
+              f"shape on this core): generation {floor['gen_cpu_s']:.3f} + update {floor['update_cpu_s']:.3f} = "
+              f"{floor['cpu_s']:.3f} CPU-s per step, i.e. at most {tokens / floor['cpu_s']:.0f} tokens per CPU-second{vs} "
+              f"if nothing else cost anything")
+        if trl_cpu:
+            for x in (2, 3):
+                budget = tokens / (x * trl_cpu["steady"]["tok_per_cpu_s"]) - floor["cpu_s"]
+                print(f"  {x}x {trl_cpu['name']} per CPU-second leaves {budget:.3f} CPU-s per step for everything but those matmuls")
+        for r in coxs:
+            split = ", ".join(f"{k} {v:.3f}" for k, v in r.get("cpu_split_s", {}).items())
+            print(f"  {r['name']}: {r['steady']['cpu_s_per_step'] - floor['cpu_s']:.3f} CPU-s per step beyond the floor "
+                  f"(the tree's CPU-s per step, mean over steps 2..N: {split})")
     if cox is None or not trls:  # an experiment with one framework only: no ratio to claim
         write_json(a.json, result)
         r = cox or best
