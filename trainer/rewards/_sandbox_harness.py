@@ -282,6 +282,42 @@ def _install_audit_hook(workdir, violations):
 # ----------------------------------------------------------------------------------------------
 # serving the referee
 # ----------------------------------------------------------------------------------------------
+def _object_op(op, obj, req, enc, from_handle) -> dict:
+    """One request on a handle the referee holds (a call, attribute, item, length, iteration or conversion):
+    the answer encoded as data; new objects in it become handles."""
+    if op == "call":
+        args = [wire.decode(a, from_handle) for a in req.get("args", [])]
+        kwargs = {k: wire.decode(a, from_handle) for k, a in req.get("kwargs", {}).items()}
+        v = obj(*args, **kwargs)
+        # the state of mutable arguments after the call: the referee mirrors in-place changes
+        after = [enc(a) if type(a) in (list, dict, set, bytearray) else None for a in args]
+        return {"v": enc(v), "after": after}
+    if op == "getattr":
+        return {"v": enc(getattr(obj, str(req["name"])))}
+    if op == "getitem":
+        return {"v": enc(obj[wire.decode(req["key"], from_handle)])}
+    if op == "len":
+        return {"v": int(len(obj))}
+    if op == "iter":
+        out = []
+        for i, v in enumerate(obj):
+            if i >= wire.MAX_ITEMS:
+                raise wire.WireError("iterator too long")
+            out.append(enc(v))
+        return {"v": {"l": out}}
+    if op == "bool":
+        return {"v": bool(obj)}
+    if op == "int":
+        return {"v": int(obj)}
+    if op == "float":
+        return {"v": float(obj)}
+    if op == "str":
+        return {"v": str(obj)}
+    if op == "repr":
+        return {"v": str(repr(obj))[:2000]}
+    raise wire.WireError(f"unknown request {op!r}")
+
+
 def _serve(req_fd, resp_fd, violations, Violation):
     handles, ids = {}, {}
     g = {"__name__": "__main__", "__builtins__": builtins}
@@ -335,38 +371,7 @@ def _serve(req_fd, resp_fd, violations, Violation):
             finally:
                 sys.stdin, sys.stdout = real_stdin, real_stdout
             return {"out": buf.getvalue()}
-        obj = from_handle(req["h"])
-        if op == "call":
-            args = [wire.decode(a, from_handle) for a in req.get("args", [])]
-            kwargs = {k: wire.decode(a, from_handle) for k, a in req.get("kwargs", {}).items()}
-            v = obj(*args, **kwargs)
-            # the state of mutable arguments after the call: the referee mirrors in-place changes
-            after = [enc(a) if type(a) in (list, dict, set, bytearray) else None for a in args]
-            return {"v": enc(v), "after": after}
-        if op == "getattr":
-            return {"v": enc(getattr(obj, str(req["name"])))}
-        if op == "getitem":
-            return {"v": enc(obj[wire.decode(req["key"], from_handle)])}
-        if op == "len":
-            return {"v": int(len(obj))}
-        if op == "iter":
-            out = []
-            for i, v in enumerate(obj):
-                if i >= wire.MAX_ITEMS:
-                    raise wire.WireError("iterator too long")
-                out.append(enc(v))
-            return {"v": {"l": out}}
-        if op == "bool":
-            return {"v": bool(obj)}
-        if op == "int":
-            return {"v": int(obj)}
-        if op == "float":
-            return {"v": float(obj)}
-        if op == "str":
-            return {"v": str(obj)}
-        if op == "repr":
-            return {"v": str(repr(obj))[:2000]}
-        raise wire.WireError(f"unknown request {op!r}")
+        return _object_op(op, from_handle(req["h"]), req, enc, from_handle)
 
     while True:
         try:

@@ -255,6 +255,127 @@ def _task_count(uid: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # one run
 # ----------------------------------------------------------------------------------------------
+def _jail(info: dict, lim: SandboxLimits, *, host_dir: str, cgroup_dir: str | None, req_r: int, resp_w: int,
+          drop: bool, disable_guard: bool) -> dict:
+    """The harness's jail settings (its JSON argument): root, binds, privilege drop, seccomp, limits."""
+    private_root = "mount_namespace" in info["layers"]
+    uid = NOBODY if drop else os.getuid()
+    # RLIMIT_NPROC counts every task of the uid on the host; the pids cgroup is the per-run limit
+    nproc = lim.nproc + (_task_count(uid) if not info["user_ns"] else 0)
+    if cgroup_dir:
+        nproc = max(nproc, 16 * lim.nproc)
+    return {
+        "req_fd": req_r, "resp_fd": resp_w,
+        "workdir": host_dir, "root": host_dir, "private_root": private_root,
+        "binds": info["binds"], "links": info["links"],
+        "drop_privileges": private_root, "seccomp": "seccomp" in info["layers"],
+        "cgroup_procs": os.path.join(cgroup_dir, "cgroup.procs") if cgroup_dir else None,
+        "limits": {"cpu_s": max(1, int(lim.cpu_s)), "mem_mb": lim.mem_mb, "nproc": nproc, "fsize_mb": lim.fsize_mb},
+        "disable_guard": bool(disable_guard),
+        # without the setpriv wrapper the harness sets its own parent-death signal
+        "parent_pid": None if "parent_death_signal" in info["layers"] else os.getpid(),
+    }
+
+
+def _harness_env(info: dict, host_dir: str, enforced: list[str]) -> dict:
+    """The candidate's whole environment (nothing inherited); closed proxies where no network namespace is
+    up (recorded in ``enforced``)."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": host_dir, "TMPDIR": host_dir, "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    }
+    if info["user_ns"]:
+        env["COXSWAIN_SBX_USERNS"] = "1"
+    if "net_namespace" not in info["layers"]:
+        for k in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            env[k] = _CLOSED_PROXY
+        enforced.append("proxy_env")
+    return env
+
+
+@dataclass
+class _Finished:
+    """What a finished run left: the referee's events, both processes' ends, the output tails."""
+    events: list[dict]
+    ref_code: int | None
+    cand_code: int | None
+    cpu: float
+    timed_out: bool
+    peak: int | None
+    out_tail: str
+    err_tail: str
+    ref_err: str
+
+
+def _verdict(run: _Finished, info: dict, lim: SandboxLimits, *, allow: bool, total: int, enforced: list[str],
+             wall: float) -> SandboxResult:
+    """One status from the events, in order of precedence: timeout, incomplete containment, a blocked
+    call, CPU limit, memory limit, set-up error, a crash, an early referee end, then pass / fail."""
+    events = run.events
+    hello = next((e for e in events if e["kind"] == "hello"), {})
+    for layer in hello.get("enforced", []):
+        if layer not in enforced:
+            enforced.append(layer)
+    if hello:  # the wrapper ran the harness: its namespaces and death signal are in place
+        enforced += [x for x in ("net_namespace", "pid_namespace", "parent_death_signal") if x in info["layers"]]
+    if "pids_cgroup" in enforced or "rlimit_nproc" in enforced:
+        enforced.append("process_limit")
+    missing = [layer for layer in REQUIRED if layer not in enforced]
+    violations = [e["msg"] for e in events if e["kind"] == "violation"]
+    test_events = {e["i"]: e for e in events if e["kind"] == "test" and isinstance(e.get("i"), int)}
+    passed = sum(1 for e in test_events.values() if e.get("ok"))
+    done = any(e["kind"] == "done" for e in events)
+    died = next((e for e in events if e["kind"] in ("candidate_died", "setup_failed")), None)
+    setup_err = next((e for e in events if e["kind"] == "compile_or_run_error"), None)
+    failures = [e for _, e in sorted(test_events.items()) if not e.get("ok")]
+
+    def result(status, reason):
+        p = passed if status == "passed" or status == "failed" else 0
+        return SandboxResult(status, p, total, reason, wall, run.cpu, enforced, violations, run.out_tail,
+                             run.err_tail, run.peak, missing)
+
+    if run.timed_out:
+        return result("timeout", f"wall-clock limit of {lim.wall_s:g} s exceeded")
+    if missing and not allow:
+        notes = "; ".join(hello.get("notes", [])) or (died or {}).get("msg", "") or run.err_tail[-300:]
+        return result("error", f"containment incomplete (missing: {', '.join(missing)}): not scored. {notes}"[:600])
+    if violations:
+        return result("blocked", violations[0])
+    # The kernel's SIGKILL at RLIMIT_CPU arrives with the CPU time at the limit; rusage accounting
+    # lags by up to a tick or two, hence the 0.8 factor.
+    if not done and run.cpu >= 0.8 * max(1, int(lim.cpu_s)):
+        return result("cpu_limit", f"CPU-time limit of {int(lim.cpu_s)} s exceeded")
+    mem = [e for e in ([setup_err] if setup_err else []) + failures if e.get("status") == "memory_limit"]
+    if mem:
+        return result("memory_limit", f"memory limit of {lim.mem_mb} MiB exceeded (MemoryError)")
+    if setup_err:
+        return result("error", f"{setup_err.get('status')}: {setup_err.get('msg', '')}"[:600])
+    if died is not None:
+        code = run.cand_code
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return result("crashed", f"{died.get('msg')} ({how}); stderr: {run.err_tail[-300:]}")
+    if not done:
+        return result("error", f"the referee ended early (exit {run.ref_code}): {run.ref_err[-300:]}")
+    if total and passed == total:
+        return result("passed", "")
+    if not total:
+        return result("error", "no tests were given")
+    first = failures[0] if failures else {"i": "?", "status": "missing", "msg": ""}
+    return result("failed", f"test {first['i']}: {first.get('status')}: {first.get('msg', '')}"[:600])
+
+
+def _start_harness(prefix: list[str], jail: dict, env: dict, host_dir: str, iodir: str,
+                   pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """The candidate's harness in a session of its own, behind the containment wrapper ``prefix``; its
+    stdout / stderr go to files in the parent-only ``iodir``."""
+    with open(os.path.join(iodir, "stdout"), "wb") as fout, open(os.path.join(iodir, "stderr"), "wb") as ferr:
+        return subprocess.Popen(
+            prefix + [sys.executable, "-I", "-B", _HARNESS, json.dumps(jail)],
+            stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr, cwd=host_dir, env=env,
+            pass_fds=pass_fds, start_new_session=True, close_fds=True,
+        )
+
+
 def run_code(
     code: str,
     mode: str = "assert",
@@ -297,44 +418,14 @@ def run_code(
     try:
         if info["cgroup"]:
             cgroup_dir = _make_cgroup(info["cgroup"], lim.nproc)
-        uid = NOBODY if drop else os.getuid()
-        # RLIMIT_NPROC counts every task of the uid on the host; the pids cgroup is the per-run limit
-        nproc = lim.nproc + (_task_count(uid) if not info["user_ns"] else 0)
-        if cgroup_dir:
-            nproc = max(nproc, 16 * lim.nproc)
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         fds += [req_r, req_w, resp_r, resp_w]
-        jail = {
-            "req_fd": req_r, "resp_fd": resp_w,
-            "workdir": host_dir, "root": host_dir, "private_root": private_root,
-            "binds": info["binds"], "links": info["links"],
-            "drop_privileges": private_root, "seccomp": "seccomp" in info["layers"],
-            "cgroup_procs": os.path.join(cgroup_dir, "cgroup.procs") if cgroup_dir else None,
-            "limits": {"cpu_s": max(1, int(lim.cpu_s)), "mem_mb": lim.mem_mb, "nproc": nproc, "fsize_mb": lim.fsize_mb},
-            "disable_guard": bool(disable_guard),
-            # without the setpriv wrapper the harness sets its own parent-death signal
-            "parent_pid": None if "parent_death_signal" in info["layers"] else os.getpid(),
-        }
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": host_dir, "TMPDIR": host_dir, "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        }
-        if info["user_ns"]:
-            env["COXSWAIN_SBX_USERNS"] = "1"
-        if "net_namespace" not in info["layers"]:
-            for k in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-                env[k] = _CLOSED_PROXY
-            enforced.append("proxy_env")
+        jail = _jail(info, lim, host_dir=host_dir, cgroup_dir=cgroup_dir, req_r=req_r, resp_w=resp_w,
+                     drop=drop, disable_guard=disable_guard)
+        env = _harness_env(info, host_dir, enforced)
         os.chmod(host_dir, 0o755 if private_root else 0o700)
-        fout = open(os.path.join(iodir, "stdout"), "wb")
-        ferr = open(os.path.join(iodir, "stderr"), "wb")
-        with fout, ferr:
-            procs.append(subprocess.Popen(
-                info["prefix"] + [sys.executable, "-I", "-B", _HARNESS, json.dumps(jail)],
-                stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr, cwd=host_dir, env=env,
-                pass_fds=(req_r, resp_w), start_new_session=True, close_fds=True,
-            ))
+        procs.append(_start_harness(info["prefix"], jail, env, host_dir, iodir, (req_r, resp_w)))
         _close(req_r, resp_w)
         res_path = os.path.join(iodir, "result.jsonl")
         res_fd = os.open(res_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -381,55 +472,8 @@ def run_code(
         shutil.rmtree(host_dir, ignore_errors=True)
         shutil.rmtree(iodir, ignore_errors=True)
 
-    hello = next((e for e in events if e["kind"] == "hello"), {})
-    for layer in hello.get("enforced", []):
-        if layer not in enforced:
-            enforced.append(layer)
-    if hello:  # the wrapper ran the harness: its namespaces and death signal are in place
-        enforced += [x for x in ("net_namespace", "pid_namespace", "parent_death_signal") if x in info["layers"]]
-    if "pids_cgroup" in enforced or "rlimit_nproc" in enforced:
-        enforced.append("process_limit")
-    missing = [layer for layer in REQUIRED if layer not in enforced]
-    violations = [e["msg"] for e in events if e["kind"] == "violation"]
-    test_events = {e["i"]: e for e in events if e["kind"] == "test" and isinstance(e.get("i"), int)}
-    passed = sum(1 for e in test_events.values() if e.get("ok"))
-    done = any(e["kind"] == "done" for e in events)
-    died = next((e for e in events if e["kind"] in ("candidate_died", "setup_failed")), None)
-    setup_err = next((e for e in events if e["kind"] == "compile_or_run_error"), None)
-    failures = [e for _, e in sorted(test_events.items()) if not e.get("ok")]
-    wall = time.monotonic() - t0
-
-    def result(status, reason):
-        p = passed if status == "passed" or status == "failed" else 0
-        return SandboxResult(status, p, total, reason, wall, cpu, enforced, violations, out_tail, err_tail, peak, missing)
-
-    if timed_out:
-        return result("timeout", f"wall-clock limit of {lim.wall_s:g} s exceeded")
-    if missing and not allow:
-        notes = "; ".join(hello.get("notes", [])) or (died or {}).get("msg", "") or err_tail[-300:]
-        return result("error", f"containment incomplete (missing: {', '.join(missing)}): not scored. {notes}"[:600])
-    if violations:
-        return result("blocked", violations[0])
-    # The kernel's SIGKILL at RLIMIT_CPU arrives with the CPU time at the limit; rusage accounting
-    # lags by up to a tick or two, hence the 0.8 factor.
-    if not done and cpu >= 0.8 * max(1, int(lim.cpu_s)):
-        return result("cpu_limit", f"CPU-time limit of {int(lim.cpu_s)} s exceeded")
-    mem = [e for e in ([setup_err] if setup_err else []) + failures if e.get("status") == "memory_limit"]
-    if mem:
-        return result("memory_limit", f"memory limit of {lim.mem_mb} MiB exceeded (MemoryError)")
-    if setup_err:
-        return result("error", f"{setup_err.get('status')}: {setup_err.get('msg', '')}"[:600])
-    if died is not None:
-        how = f"signal {-cand_code}" if cand_code is not None and cand_code < 0 else f"exit code {cand_code}"
-        return result("crashed", f"{died.get('msg')} ({how}); stderr: {err_tail[-300:]}")
-    if not done:
-        return result("error", f"the referee ended early (exit {ref_code}): {ref_err[-300:]}")
-    if total and passed == total:
-        return result("passed", "")
-    if not total:
-        return result("error", "no tests were given")
-    first = failures[0] if failures else {"i": "?", "status": "missing", "msg": ""}
-    return result("failed", f"test {first['i']}: {first.get('status')}: {first.get('msg', '')}"[:600])
+    run = _Finished(events, ref_code, cand_code, cpu, timed_out, peak, out_tail, err_tail, ref_err)
+    return _verdict(run, info, lim, allow=allow, total=total, enforced=enforced, wall=time.monotonic() - t0)
 
 
 def _close(*fds: int) -> None:
