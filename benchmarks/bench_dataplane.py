@@ -176,7 +176,7 @@ def previous_step(group, batch, mini_batch_size: int) -> int:
 
 def by_reference_step(actor, ref, transport, batch, settings) -> int:
     """The product's step: ``StepData`` + the role groups' typed calls, as ``trainer/main.py`` runs them."""
-    from trainer.phases import loss_fields
+    from trainer.step import loss_fields
     from trainer.plan import ForwardSettings
     from trainer.workers.dataplane import StepData
 

@@ -55,7 +55,7 @@ def data_plane_step(actor, ref, transport, batch, settings) -> int:
     """One step's driver work through the product's data plane, as ``trainer/main.py`` runs it (off-policy
     path: old and reference log-probs by reference, the old ones fetched for rollout IS, the loss fields
     scattered). Returns the bytes through the driver."""
-    from trainer.phases import loss_fields
+    from trainer.step import loss_fields
     from trainer.plan import ForwardSettings
     from trainer.workers.dataplane import StepData
 

@@ -30,7 +30,7 @@ from bench_strategies import batch, make_model  # noqa: E402
 def measure(model: str, dp: int, n: int, reps: int) -> dict:
     from _common import ROOT
     from trainer.config import load_config
-    from trainer.pipeline import run_concurrently
+    from trainer.step import run_concurrently
     from trainer.plan import Plan
     from trainer.workers.cluster import Cluster
     from trainer.workers.dataplane import StepData
@@ -48,7 +48,7 @@ def measure(model: str, dp: int, n: int, reps: int) -> dict:
         data = StepData(batch(n), cluster.transport)
         for g in (cluster.actor, cluster.ref, cluster.critic):
             data.shards(g.dp)
-        from trainer.pipeline import _ready
+        from trainer.step import _ready
 
         jobs = {"old_log_prob": lambda: cluster.actor.log_probs_with_entropy(data, plan.actor_log_prob),
                 "ref": lambda: cluster.ref.log_probs(data, plan.ref_log_prob),

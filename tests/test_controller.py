@@ -17,7 +17,7 @@ from tests.tiny import checkpoint_history, start_driver, tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
-from trainer.phases import val_core_acc
+from trainer.generation import val_core_acc
 from trainer.plan import should_eval
 
 ROOT = Path(__file__).resolve().parents[1]

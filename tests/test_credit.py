@@ -15,7 +15,7 @@ import torch
 
 from scripted_judge import ScriptedServer, correct_answer, expected_flags
 from trainer.algos.adca import compute_adca_grpo_advantage
-from trainer.phases import val_core_acc
+from trainer.generation import val_core_acc
 from trainer.batch import RolloutBatch
 from tests.tiny import tiny_config
 from trainer.credit import adca_advantages, steps_from_messages

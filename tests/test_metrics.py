@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from trainer.phases import batch_metrics, timing_metrics, val_core_acc, val_metric_names
+from trainer.generation import val_core_acc, val_metric_names
+from trainer.step import batch_metrics, timing_metrics
 from trainer.workers.metrics import (MAX, MEAN, MIN, SUM, Partials, entropy_from_summary, entropy_summary,
                                      reduce_partials)
 

@@ -15,7 +15,8 @@ from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
 from tests import pipeline_hooks as H
 from tests.tiny import tiny_config
 from trainer.config import ConfigError
-from trainer.pipeline import Hooks, PipelineError, fit_rows, run_concurrently
+from trainer.generation import PipelineError, fit_rows
+from trainer.step import Hooks, run_concurrently
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,7 +222,7 @@ def test_a_user_pipeline_without_the_reference_trains_as_the_default_without_kl(
 def test_without_the_reference_the_kl_loss_is_refused_not_dropped():
     from types import SimpleNamespace
 
-    from trainer.pipeline import Step
+    from trainer.step import Step
 
     plan = SimpleNamespace(actor_update=SimpleNamespace(policy=SimpleNamespace(use_kl_loss=True)))
     s = Step(SimpleNamespace(plan=plan), 3)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiny import tiny_config
-from trainer.phases import val_core_acc
+from trainer.generation import val_core_acc
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")

@@ -77,7 +77,7 @@ def _settings(cfg, **kw):
 
 
 def test_on_policy_update_equals_the_separate_old_log_prob_path(cluster, tmp_path):
-    from trainer.phases import apply_rollout_is
+    from trainer.step import apply_rollout_is
     from trainer.plan import RolloutIS
     from trainer.workers.dataplane import StepData
 

@@ -176,7 +176,7 @@ class AsyncBatchSource:
             while len(groups) < R:
                 while not self._queue and self._error is None:
                     if self._working == 0 and not self._pending and self._count >= self.st.quota:
-                        from trainer.pipeline import PipelineError
+                        from trainer.generation import PipelineError
 
                         raise PipelineError(
                             f"step {step}: the rollouter has started its quota of {self.st.quota} prompts for weight "
@@ -213,7 +213,7 @@ class AsyncBatchSource:
         if self.plan.filter_groups.get("enable"):
             gm["filter/kept_group_fraction"] = kept[0] / max(kept[1], 1)
         if self.gen.hooks:
-            from trainer.pipeline import fit_rows
+            from trainer.generation import fit_rows
 
             batch = fit_rows(self.gen.hooks.run("after_filter", batch, gm), self.gen.row_multiple, gm)
         m.update(gm)
@@ -443,7 +443,7 @@ class AsyncBatchSource:
                               o.finish_reason]
 
     def _generate_and_queue(self, work: list[_Prompt]) -> None:
-        from trainer.phases import generate_scored, score_outputs
+        from trainer.generation import generate_scored, score_outputs
         from trainer.rollout.engine import GenerationOutput
 
         p, g, m = self.plan, self.gen, {}

@@ -7,8 +7,8 @@ checkpoints save and resume restores) and calls typed role groups (``actor``, ``
 goes to the data-parallel ranks once, by object reference (``StepData``,
 :mod:`trainer.workers.dataplane`); the driver receives only what it computes on.
 
-One step, in order (each phase is one call of :class:`trainer.pipeline.Step`; the order is
-:func:`trainer.pipeline.default_pipeline`, which ``trainer.pipeline`` replaces and ``trainer.hooks``
+One step, in order (each phase is one call of :class:`trainer.step.Step`; the order is
+:func:`trainer.step.default_pipeline`, which ``trainer.pipeline`` replaces and ``trainer.hooks``
 extends at named points):
   1. rollout: ``n`` responses per prompt from the rollout, keeping the sampler's log-probs;
   2. reward: the reward manager scores them; DAPO overlong shaping;
@@ -36,8 +36,8 @@ from omegaconf import OmegaConf
 from trainer.batch_source import BatchSource
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, all_keys, load_config, public_container, save_resolved, to_yaml
-from trainer.phases import Generation, batch_metrics, timer, timing_metrics
-from trainer.pipeline import Hooks, PipelineError, Runtime, Step, load_pipeline, row_multiple
+from trainer.generation import Generation, PipelineError, timer
+from trainer.step import Hooks, Runtime, Step, batch_metrics, load_pipeline, row_multiple, timing_metrics
 from trainer.report import write_report
 from trainer.workers.dataplane import StepData
 
@@ -304,7 +304,7 @@ def train(cfg) -> dict:
             t_step = time.perf_counter()
             s = Step(rt, step, metrics=dict(first))
             first = {}
-            pipeline(s)  # the step's phases (trainer.pipeline; default: trainer.pipeline.default_pipeline)
+            pipeline(s)  # the step's phases (trainer.pipeline; default: trainer.step.default_pipeline)
             m, batch = s.metrics, s.batch
             if hasattr(rollout, "metrics"):  # the HTTP fleet's running counters: fleet/{retries,restarts,dropped,...}
                 m.update(rollout.metrics())
@@ -394,7 +394,7 @@ def cli(argv: list[str] | None = None) -> int:
 # reported as unexpected (a bug), still in one paragraph, with the traceback in the run directory.
 def _anticipated() -> tuple:
     from trainer.data.dataset import BadRowError
-    from trainer.phases import DynamicSamplingError
+    from trainer.generation import DynamicSamplingError
     from trainer.rewards.manager import RewardError
     from trainer.rewards.sandbox_fusion import SandboxServiceError
     from trainer.rollout.engine import WeightSyncError

@@ -14,7 +14,7 @@ PANELS = [("val-core acc", "held-out accuracy (val-core/*/acc)"), ("critic/score
 
 def _value(h: dict, key: str):
     if key == "val-core acc":
-        from trainer.phases import val_core_acc
+        from trainer.generation import val_core_acc
 
         return val_core_acc(h)
     return h.get(key)

@@ -1,6 +1,6 @@
 """The optimal token baseline end to end on the driver (issue #20): the config key
 ``actor_rollout_ref.actor.calculate_sum_pi_squared`` with verl's meaning, the Plan it resolves to, the
-driver's step (``trainer.phases.driver_math``) feeding the estimator as verl's ``compute_advantage``
+driver's step (``trainer.step.driver_math``) feeding the estimator as verl's ``compute_advantage``
 does, and verl's ``variance_proxy/*`` metrics.
 
 References are verl 0.9.1's own functions on the same inputs: ``core_algos.get_adv_estimator_fn(name)``
@@ -100,7 +100,7 @@ def test_bypass_mode_refuses_the_key():
 @pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
 @pytest.mark.parametrize("is_on", [True, False])
 def test_driver_math_feeds_the_estimator_as_verl_does(name, is_on):
-    from trainer.phases import driver_math
+    from trainer.step import driver_math
 
     mask, old, roll, spp, tls, gid = _inputs(seed=1 + is_on)
     ov = [f"algorithm.adv_estimator={name}", "actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
@@ -164,7 +164,7 @@ def test_variance_proxy_metrics_equal_verls(with_is, grad_norm):
 
 def test_batch_metrics_log_the_variance_proxy_when_the_batch_has_sum_pi_squared():
     from trainer.algos.advantages import variance_proxy_metrics
-    from trainer.phases import batch_metrics
+    from trainer.step import batch_metrics
 
     mask, old, roll, spp, tls, gid = _inputs(seed=7)
     b = _batch(mask, roll, tls, gid)

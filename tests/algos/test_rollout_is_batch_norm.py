@@ -1,7 +1,7 @@
 """``algorithm.rollout_correction.rollout_is_batch_normalize`` against verl 0.9.1's
 ``compute_rollout_correction_and_rejection_mask``: the weights (token and sequence level, truncated, then
 divided by their batch mean) and the rejection mask, through the driver's own step
-(``trainer.phases.driver_math``) built from the config. verl computes the weights and their mean on the
+(``trainer.step.driver_math``) built from the config. verl computes the weights and their mean on the
 mask BEFORE rejection; a version that normalised over the kept tokens only fails the comparison below
 (checked: with token_k1 rejection the means over the kept tokens are 1.059 / 1.167 where verl has 0.983 / 0.888, token / sequence level). Tolerance 1e-6 (float32)."""
 
@@ -28,7 +28,7 @@ def _plan(level, rs):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("rs", [None, "token_k1"])
 def test_batch_normalize_equals_verls(level, rs):
-    from trainer.phases import driver_math
+    from trainer.step import driver_math
 
     g = torch.Generator().manual_seed(0)
     B, T = 8, 7

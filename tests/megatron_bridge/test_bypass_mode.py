@@ -121,7 +121,7 @@ def test_bypass_mode(tmp_path):
 
 
 def test_driver_batch_normalized_is_weights():
-    from trainer.phases import apply_rollout_is
+    from trainer.step import apply_rollout_is
     from trainer.plan import RolloutIS
 
     b = _batch()

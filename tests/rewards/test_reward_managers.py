@@ -125,7 +125,7 @@ def test_verl_dapo_lines_shape_real_generations(scorers):
 
     from trainer.data.dataset import build_dataset
     from trainer.hf_io import stop_token_ids
-    from trainer.phases import generate_scored
+    from trainer.generation import generate_scored
     from trainer.plan import Plan
 
     lines = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",

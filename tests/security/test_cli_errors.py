@@ -58,7 +58,7 @@ def test_unexpected_errors_and_interrupts_are_one_paragraph_too(tmp_path, capsys
 
 def test_nan_loss_through_the_cli_has_no_stale_promise():
     """The NaN message itself no longer claims a checkpoint exists (the CLI decides from the disk)."""
-    from trainer.phases import check_update
+    from trainer.step import check_update
 
     try:
         check_update({"actor/loss": float("nan")}, 4)

@@ -1,22 +1,46 @@
-"""The driver-side pieces of one training step that the loop in ``trainer/main.py`` calls.
+"""Steps 1-3 of a training step and validation, on the driver: generation and scoring.
 
-Generation and scoring (``collect_batch``: rollout, reward, overlong shaping, DAPO dynamic sampling),
-the rollout-IS / rejection step, and validation. Each function does one phase over a
-:class:`~trainer.workers.rollouts.Rollout` and returns what the loop needs plus a metrics dict; none
-holds state between steps (the loop's ``LoopState`` holds it, so checkpoint/resume sees everything).
-Model passes are methods of the role groups (:mod:`trainer.workers.roles`).
+``collect_batch`` samples ``n`` responses per prompt (single-turn, or the multi-turn agent loop),
+scores them with the reward manager (or a learned reward model), applies DAPO's overlong shaping and
+dynamic sampling (groups with a constant metric are dropped and generation repeats); ``validate``
+scores the held-out set with verl's metric names. :class:`Generation` binds these to the plan, the
+rollout and the data for the batch sources (:mod:`trainer.batch_source`, :mod:`trainer.async_rollout`).
+The user's generation hooks run here (``after_rollout``, ``after_reward``, ``after_filter``); a
+batch they shrink is trimmed to the data-parallel ranks (:func:`fit_rows`). No function holds state
+between steps (the loop's ``LoopState`` does, so checkpoint/resume sees everything). The rest of the
+step (model passes, the driver's math, updates, weight sync) is :mod:`trainer.step`.
 """
-
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+
 import numpy as np
 import torch
 
 from trainer.algos.filtering import group_filter, overlong_reward_penalty, select_filter_metric
 from trainer.batch import RolloutBatch
+from trainer.rewards.reward_model import place_scores, rm_metrics
+from trainer.rollout.multi_turn import trajectories_to_batch
 from trainer.rollout.single_turn import outputs_to_batch
+
+
+class PipelineError(RuntimeError):
+    """A hook or a user pipeline broke the step's contract (named in the message)."""
+
+
+def fit_rows(batch, multiple: int, metrics: dict):
+    """Trim the trailing rows so the batch splits over the data-parallel ranks (``multiple``: the
+    least common multiple of the groups' DP sizes); the trimmed count goes to the metrics."""
+    B = batch.num_samples
+    keep = B - B % multiple
+    if keep == B:
+        return batch
+    if keep == 0:
+        raise PipelineError(f"after the hooks the batch has {B} samples, fewer than the {multiple} data-parallel "
+                            f"ranks it must split over: drop fewer samples or generate more (data.train_batch_size).")
+    metrics["pipeline/trimmed_samples"] = float(B - keep)
+    return batch[torch.arange(keep)]
 
 
 class DynamicSamplingError(RuntimeError):
@@ -46,7 +70,7 @@ def generate_scored(rollout, reward_mgr, tokenizer, items: list[dict], group_ids
     the scorer's returned dict are kept per sample as ``meta["reward_component/<key>"]`` (a sample
     whose scorer failed gets 0, as its score does). ``reward_model``: a callable ``batch -> [B]`` RM
     scores; its score is then the reward and the scorer gives ``acc`` only (verl's rule,
-    :mod:`trainer.rewards.reward_model`). ``hooks``: a :class:`trainer.pipeline.Hooks` whose
+    :mod:`trainer.rewards.reward_model`). ``hooks``: a :class:`trainer.step.Hooks` whose
     ``after_rollout`` hooks see the batch before the reward and ``after_reward`` ones after it."""
     if multi_turn is not None:
         batch, m = generate_agentic(rollout, tokenizer, items, group_ids, params, multi_turn=multi_turn,
@@ -82,8 +106,6 @@ def score_outputs(reward_mgr, tokenizer, items: list[dict], outs: list, group_id
     scores = torch.as_tensor(extras["scores"], dtype=torch.float32)
     batch.acc = torch.as_tensor(extras["acc"], dtype=torch.float32)
     if reward_model is not None:  # the RM's score is the reward; the rule-based scorer's acc stays
-        from trainer.rewards.reward_model import place_scores, rm_metrics
-
         with timer(m, "reward_model"):
             scores = reward_model(batch).float()
         tls = place_scores(scores, lengths, batch.response_width)
@@ -125,8 +147,6 @@ def generate_agentic(rollout, tokenizer, items: list[dict], group_ids: list[int]
     outcome score is the episode's return (the sum of the environment's rewards), placed on the last
     (sampled) token; ``acc`` is the environment's success flag. ``meta["messages"]`` keeps each
     conversation (what the ADCA judge reads)."""
-    from trainer.rollout.multi_turn import trajectories_to_batch
-
     m: dict[str, float] = {}
     tasks = [{"prompt": it["messages"], "data_source": it["data_source"], "extra_info": it.get("extra_info") or {},
               "reward_model": {"ground_truth": it["ground_truth"]}} for it in items]
@@ -203,36 +223,6 @@ def collect_batch(rollout, reward_mgr, tokenizer, dataset, sampler, params_for, 
     return batch, m, next_group_id
 
 
-def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, normalize: bool = False) -> dict[str, float]:
-    """The one driver site of rollout IS: the weights of the batch's old vs sampler log-probs
-    (``batch.rollout_is_weights``) and the ``mismatch/`` metrics. ``settings``: a
-    :class:`trainer.plan.RolloutIS` (or its keyword dict). ``weights=False``: metrics only (on the
-    on-policy path the actor's ranks computed the weights inside the update, where the old
-    log-probs first exist). ``normalize`` (verl's ``rollout_is_batch_normalize``): the weights are divided
-    by their mean over the batch: over valid tokens at token level, over sequences (one weight each)
-    at sequence / geometric level, so they average 1."""
-    from trainer.algos.rollout_is import compute_rollout_is_weights
-
-    kw = settings if isinstance(settings, dict) else settings.kwargs()
-    if not weights:
-        kw = {**kw, "rollout_is": False}
-    w, _, is_m = compute_rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, **kw)
-    if weights and normalize and w is not None:
-        m = batch.response_mask.to(w.dtype)  # [B, T]
-        if kw["rollout_is_level"] == "token":
-            mean = (w * m).sum() / m.sum().clamp_min(1)
-        else:  # one weight per sequence
-            rows = m.sum(-1) > 0  # [B]
-            seq_w = (w * m).sum(-1) / m.sum(-1).clamp_min(1)  # [B]
-            mean = seq_w[rows].mean() if bool(rows.any()) else w.new_ones(())
-        if float(mean) > 1e-8:
-            w = w / mean
-        is_m["rollout_is_batch_norm_factor"] = float(mean) if float(mean) > 1e-8 else 1.0
-    if weights:
-        batch.rollout_is_weights = w
-    return to_float_metrics(is_m)
-
-
 # ----------------------------------------------------------------------------------------------
 # eval
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +292,7 @@ class Generation:
     def __init__(self, plan, rollout, reward_mgr, tokenizer, train_ds, val_ds, reward_model=None, hooks=None,
                  row_multiple: int = 1):
         """``reward_model``: a callable ``batch -> [B]`` learned-RM scores (None: rule-based rewards).
-        ``hooks``: the user's generation hooks (:mod:`trainer.pipeline`); a batch they shrink is
+        ``hooks``: the user's generation hooks (:mod:`trainer.step`); a batch they shrink is
         trimmed to a multiple of ``row_multiple`` (the training groups' DP sizes)."""
         self.plan, self.rollout, self.reward_mgr, self.tok = plan, rollout, reward_mgr, tokenizer
         self.train_ds, self.val_ds, self.reward_model = train_ds, val_ds, reward_model
@@ -320,8 +310,6 @@ class Generation:
                 overlong=p.overlong, next_group_id=state.next_group_id, multi_turn=p.multi_turn,
                 reward_keys=getattr(p, "reward_keys", ()), reward_model=self.reward_model, hooks=self.hooks)
         if self.hooks:
-            from trainer.pipeline import fit_rows
-
             batch = fit_rows(self.hooks.run("after_filter", batch, gm), self.row_multiple, gm)
         m.update(gm)
         return batch
@@ -335,174 +323,3 @@ class Generation:
                             samples=samples, overlong=p.overlong, reward_model=self.reward_model)
 
 
-def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int, epoch: int = 0) -> dict[str, float]:
-    """Steps 6-7 on the driver, writing the batch's fields: rejection mask, rollout-IS weights and
-    mismatch metrics, KL in reward, critic values, advantages and returns. ``old``, ``ref``,
-    ``values``: the role groups' results (``Sharded``, or None), fetched here only where this math
-    reads them. ``adca``: ``(judge, tokenizer, adca_cfg)`` for ADCA-GRPO; ``epoch``: the data epoch of
-    the batch (ADCA's ``prm_epoch`` gate)."""
-    from trainer.algos.advantages import compute_advantage
-    from trainer.algos.kl import apply_kl_in_reward
-    from trainer.algos.rollout_is import compute_rejection_mask
-
-    m: dict[str, float] = {}
-    if old is not None and plan.driver_needs_old_log_probs():
-        got = old.fetch()
-        batch.old_log_probs = got["old_log_probs"]
-        if getattr(plan, "sum_pi_squared", False):  # actor.calculate_sum_pi_squared: the same pass returned it
-            batch.sum_pi_squared = got["sum_pi_squared"]
-    # IS weights (and their batch normalisation) on the mask BEFORE rejection, as verl's
-    # compute_rollout_correction_and_rejection_mask does: a rejected token still counts in the batch mean
-    # of the weights, and a sequence-level weight is the product over all of its sampled tokens
-    if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
-        m.update(apply_rollout_is(batch, plan.rollout_is, normalize=plan.is_batch_normalize))
-    for r in (plan.rejection if plan.bypass is None else None) or ():  # verl's comma list (bypass: in the loss) of rejection options: every one must keep a token
-        batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
-                                                           batch.response_mask, divergence=r.divergence, agg=r.agg,
-                                                           lower=r.lower, upper=r.upper)
-        if len(plan.rejection) > 1:  # one metric set per option
-            rs_m = {k.replace("rollout_rs_", f"rollout_rs_{r.agg}_{r.divergence}_", 1): v for k, v in rs_m.items()}
-        m.update(to_float_metrics(rs_m))
-    if plan.use_kl_in_reward:
-        batch.ref_log_probs = ref.fetch()["ref_log_probs"]
-        batch.token_level_rewards, kl_m = apply_kl_in_reward(
-            batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
-            kl_coef=kl_ctrl.value, kl_penalty=plan.kl_penalty)
-        kl_m = to_float_metrics(kl_m)
-        kl_ctrl.update(kl_m["actor/reward_kl_penalty"], n_steps=batch.num_samples)
-        m.update(kl_m)
-    else:
-        batch.token_level_rewards = batch.token_level_scores
-    if values is not None:
-        batch.values = values.fetch()["values"]
-    if adca is not None:  # ADCA-GRPO: the judge's step flags fused with the outcome
-        from trainer.credit import adca_advantages
-
-        judge, tok, adca_cfg = adca
-        batch.advantages, batch.returns, adv_m = adca_advantages(batch, tok, judge, adca_cfg, global_step=step, epoch=epoch)
-        m.update(to_float_metrics(adv_m))  # adca/*
-    else:
-        batch.advantages, batch.returns, adv_m = compute_advantage(
-            plan.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
-            index=batch.group_ids, values=batch.values, gamma=plan.gamma, lam=plan.lam,
-            norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo, **getattr(plan, "adv_kwargs", {}),
-            **({"reward_components": {k: torch.tensor(batch.get_meta(f"reward_component/{k}"), dtype=torch.float64)
-                                      for k in plan.reward_keys}} if getattr(plan, "reward_keys", ()) else {}),
-            **_otb_inputs(plan, batch))
-        # its critic/advantages|returns/* are the batch's; batch_metrics logs them for every estimator
-    return m
-
-
-def _otb_inputs(plan, batch: RolloutBatch) -> dict:
-    """The optimal token baseline's inputs, as verl's ``compute_advantage`` passes them: the start-of-step
-    log-probs, ``sum pi^2`` (the config requires ``actor.calculate_sum_pi_squared``) and the rollout-IS
-    weights when they are applied (None otherwise)."""
-    if plan.adv_estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        return {}
-    return {"old_log_probs": batch.old_log_probs, "sum_pi_squared": batch.sum_pi_squared,
-            "rollout_is_weights": batch.rollout_is_weights}
-
-
-def loss_fields(batch: RolloutBatch, plan) -> dict[str, torch.Tensor]:
-    """The driver-computed per-token fields the actor's loss reads (sent once per shard)."""
-    out = {"advantages": batch.advantages, "rollout_is_weights": batch.rollout_is_weights}
-    if plan.rejection is not None and plan.bypass is None:  # the rejection-masked loss mask replaces the shard's own
-        out["response_mask"] = batch.response_mask
-    if plan.bypass is not None:  # bypass mode: the old log-probs are the sampler's
-        out["old_log_probs"] = batch.rollout_log_probs
-    return out
-
-
-def check_update(m: dict, step: int) -> None:
-    import math
-
-    bad = [k for k in ("actor/loss", "actor/grad_norm") if k in m and not math.isfinite(m[k])]
-    if bad or m.get("actor/skipped", 0.0) > 0:
-        raise FloatingPointError(
-            f"step {step}: the actor's {', '.join(bad) or 'gradient'} is NaN/inf, so the update was not "
-            f"applied. Check the rewards and advantages (critic/score/*, critic/advantages/* above), lower "
-            f"actor_rollout_ref.actor.optim.lr, or keep grad clipping on.")
-
-
-def batch_metrics(batch: RolloutBatch, plan, *, entropy: dict | None = None, kl_coef: float | None = None,
-                  grad_norm: float | None = None) -> dict:
-    """verl's ``compute_data_metrics`` over the step's batch (``critic/score|rewards|advantages|
-    returns|values/*``, ``critic/vf_explained_var``, ``response_length/*``, ``prompt_length/*``,
-    ``response_length_non_aborted/*``, ``response/aborted_ratio``) plus ``reward/acc`` (Coxswain's),
-    ``perf/total_num_tokens``, ``actor/entropy`` (verl's: the start-of-step policy's entropy on the
-    rollout, aggregated by ``loss_agg_mode``, from the ranks' summed summaries) and ``kl_ctrl/coef``.
-    The clip ratios count responses (prompts) at the configured cap ``max_response_length``
-    (``max_prompt_length``). ``kl_coef`` None: the rollout-only subset (no training fields).
-    With ``sum_pi_squared`` on the batch (``actor.calculate_sum_pi_squared``): verl's
-    ``variance_proxy/*`` (:func:`trainer.algos.advantages.variance_proxy_metrics`; ``grad_norm``, the
-    step's ``actor/grad_norm``, adds the two proxies that need it)."""
-    from trainer.workers.metrics import entropy_from_summary
-
-    f64 = torch.float64
-    resp_len, prompt_len = batch.response_length.to(f64), batch.prompt_length.to(f64)
-    live = resp_len > 0
-    if not bool(live.any()):
-        live = torch.ones_like(live)
-    score = batch.token_level_scores.to(f64).sum(-1)[live]
-    rewards = batch.token_level_rewards if batch.token_level_rewards is not None else batch.token_level_scores
-    reward = rewards.to(f64).sum(-1)[live]
-    m = {"critic/score/mean": float(score.mean()), "critic/score/max": float(score.max()),
-         "critic/score/min": float(score.min()),
-         "critic/rewards/mean": float(reward.mean()), "critic/rewards/max": float(reward.max()),
-         "critic/rewards/min": float(reward.min()), "reward/acc": float(batch.acc.mean())}
-    rm = batch.response_mask.bool()
-    for name, x in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
-        if x is not None and bool(rm.any()):
-            v = x.to(f64)[rm]
-            m.update({f"critic/{name}/mean": float(v.mean()), f"critic/{name}/max": float(v.max()),
-                      f"critic/{name}/min": float(v.min())})
-    if batch.values is not None and batch.returns is not None and int(rm.sum()) > 1:
-        ret, val = batch.returns.to(f64)[rm], batch.values.to(f64)[rm]
-        m["critic/vf_explained_var"] = float(1.0 - torch.var(ret - val) / (torch.var(ret) + 1e-5))
-    for name, x, cap in (("response_length", resp_len, plan.response_width),
-                         ("prompt_length", prompt_len, plan.max_prompt_length)):
-        m.update({f"{name}/mean": float(x.mean()), f"{name}/max": float(x.max()), f"{name}/min": float(x.min()),
-                  f"{name}/clip_ratio": float((x == cap).to(f64).mean())})
-    na = resp_len[live]
-    m.update({"response_length_non_aborted/mean": float(na.mean()), "response_length_non_aborted/max": float(na.max()),
-              "response_length_non_aborted/min": float(na.min()),
-              "response_length_non_aborted/clip_ratio": float((na == plan.response_width).to(f64).mean()),
-              "response/aborted_ratio": float((resp_len == 0).to(f64).mean()),
-              "perf/total_num_tokens": float(batch.attention_mask.sum())})
-    if kl_coef is None:
-        return m
-    m["kl_ctrl/coef"] = float(kl_coef)
-    if getattr(batch, "sum_pi_squared", None) is not None and batch.advantages is not None:
-        from trainer.algos.advantages import variance_proxy_metrics
-
-        m.update(variance_proxy_metrics(old_log_probs=batch.old_log_probs, sum_pi_squared=batch.sum_pi_squared,
-                                        advantages=batch.advantages, response_mask=batch.response_mask,
-                                        rollout_is_weights=batch.rollout_is_weights, grad_norm=grad_norm))
-    if entropy and entropy.get("count"):
-        pol = plan.actor_update.policy
-        m["actor/entropy"] = entropy_from_summary(entropy, pol.agg_mode, pol.norm_constant)
-    return m
-
-
-# the phases whose time verl also reports per token: generation per response token, the model passes
-# and the driver's advantage math per token of the whole batch (prompt + response)
-_PER_TOKEN = {"gen": "response", **{k: "all" for k in ("ref", "values", "adv", "update_critic", "update_actor")}}
-
-
-def timing_metrics(m: dict, batch: RolloutBatch, n_gpus: int) -> dict[str, float]:
-    """verl's ``compute_timing_metrics`` and ``compute_throughout_metrics`` from the step's
-    ``timing_s/*`` (``timing_s/step`` included): ``timing_per_token_ms/*``, ``perf/total_num_tokens``,
-    ``perf/time_per_step`` and ``perf/throughput`` (tokens per second per GPU; on CPU per rank slot,
-    ``trainer.nnodes * trainer.n_gpus_per_node``)."""
-    resp = float(batch.response_length.sum())
-    total = float(batch.attention_mask.sum())
-    out = {}
-    for name, kind in _PER_TOKEN.items():
-        t = m.get(f"timing_s/{name}")
-        n = resp if kind == "response" else total
-        if t is not None and n > 0:
-            out[f"timing_per_token_ms/{name}"] = t * 1000.0 / n
-    step = m["timing_s/step"]
-    out.update({"perf/total_num_tokens": total, "perf/time_per_step": step,
-                "perf/throughput": total / (step * max(n_gpus, 1)) if step > 0 else 0.0})
-    return out
