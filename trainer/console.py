@@ -81,7 +81,7 @@ class ConsoleLog:
 
     # -------------------------------------------------------------- line
     def line(self, m: Mapping[str, float], step: int) -> str:
-        from trainer.phases import val_core_acc
+        from trainer.generation import val_core_acc
 
         parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
         val = val_core_acc(m)
