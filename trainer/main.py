@@ -4,8 +4,8 @@
 (:mod:`trainer.plan`); the loop reads ``plan.*`` and ``state.*`` (a ``LoopState``, the one thing
 checkpoints save and resume restores) and calls typed role groups (``actor``, ``ref``, ``critic``:
 :mod:`trainer.workers.roles`) and one ``Rollout`` (:mod:`trainer.workers.rollouts`). The step's batch
-goes to the data-parallel ranks once, by object reference (``StepData``,
-:mod:`trainer.workers.dataplane`); the driver receives only what it computes on.
+goes to the data-parallel ranks once, by object reference (``StepData``, :mod:`trainer.step_data`;
+the transport: :mod:`trainer.workers.dataplane`); the driver receives only what it computes on.
 
 One step, in order (each phase is one call of :class:`trainer.step.Step`; the order is
 :func:`trainer.step.default_pipeline`, which ``trainer.pipeline`` replaces and ``trainer.hooks``
@@ -39,7 +39,7 @@ from trainer.config import ConfigError, all_keys, load_config, public_container,
 from trainer.generation import Generation, PipelineError, timer
 from trainer.step import Hooks, Runtime, Step, batch_metrics, load_pipeline, row_multiple, timing_metrics
 from trainer.report import write_report
-from trainer.workers.dataplane import StepData
+from trainer.step_data import StepData
 
 
 def env_tasks(cfg):

@@ -66,7 +66,7 @@ from trainer.config.plugins import load_callable
 from trainer.credit import adca_advantages
 from trainer.debug import dump_batch, replay_batch
 from trainer.generation import PipelineError, fit_rows, timer, to_float_metrics
-from trainer.workers.dataplane import StepData
+from trainer.step_data import StepData
 from trainer.workers.metrics import entropy_from_summary
 
 HOOK_POINTS = ("after_rollout", "after_reward", "after_filter", "before_advantages", "after_update", "after_eval")
