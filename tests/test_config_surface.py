@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.tiny import TINY_YAML, tiny_config
-from trainer.config import CoxswainConfig, ConfigError, _flatten, _LEAVES, load_config
+from trainer.config import CoxswainConfig, ConfigError, flatten_keys, LEAVES, load_config
 from trainer.verl_compat import VERL_MEGATRON, refused_keys, same_value
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +39,9 @@ def test_every_schema_leaf_is_read_by_the_code_or_refused():
     attribute, a string key or its dotted path) or is in the refusal table. A leaf name shared by several
     sections must be read in a file that also names its section."""
     src, refused = _sources(), refused_keys()
-    leaves = [k.rsplit(".", 1)[-1] for k in _LEAVES]
+    leaves = [k.rsplit(".", 1)[-1] for k in LEAVES]
     unread = []
-    for key in sorted(_LEAVES):
+    for key in sorted(LEAVES):
         if key in refused:
             continue
         parts = key.split(".")
@@ -61,7 +61,7 @@ def test_every_schema_leaf_is_read_by_the_code_or_refused():
 
 def test_refusal_table_names_real_keys():
     for key in refused_keys():
-        assert key in _LEAVES, key
+        assert key in LEAVES, key
 
 
 # Coxswain's deliberate departures from verl's defaults (each listed in the README with its reason)
@@ -76,7 +76,7 @@ DELIBERATE = {
 
 
 def test_defaults_are_verls():
-    ours = _flatten(OmegaConf.structured(CoxswainConfig))
+    ours = flatten_keys(OmegaConf.structured(CoxswainConfig))
     shared = sorted(set(ours) & set(VERL_MEGATRON))
     assert len(shared) > 170
     differ = {k for k in shared if not same_value(ours[k], VERL_MEGATRON[k])}

@@ -21,10 +21,20 @@ The bar is drawn on a terminal only; with output to a file or pipe there are onl
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import io
 import math
+import os
+import shutil
 import sys
 import time
+import tokenize
 from typing import Mapping
+
+from tqdm import tqdm
+
+from trainer.config import schema
 
 LEGEND = ("columns: score = critic/score/mean, acc = reward/acc (training batch), val = held-out accuracy "
           "(val-core/*/acc), pg_loss = actor/pg_loss, entropy = actor/entropy, mm_kl = |mismatch/mismatch_kl| "
@@ -122,12 +132,8 @@ class ConsoleLog:
     def _bar(self, step: int) -> None:
         if not self.use_bar or not self.total:
             return
-        from tqdm import tqdm
-
         if self.pbar is None:
             # tqdm's own rate and ETA would count the compile step; ours is in the postfix
-            import shutil
-
             cols = shutil.get_terminal_size((100, 24)).columns or 100  # a pty may report 0 columns
             self.pbar = tqdm(total=self.total, initial=0, file=self.stream, ncols=min(cols, 120), leave=True,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
@@ -148,14 +154,8 @@ class ConsoleLog:
 def field_comments(source_path: str | None = None) -> dict[tuple[str, str], str]:
     """``{(dataclass name, field name): inline comment}`` of a module's dataclass fields (the ``# ...``
     on the field's line, or the last one of a multi-line field), read with ast + tokenize."""
-    import ast
-    import io
-    import tokenize
-
     if source_path is None:
-        import trainer.config.schema as mod
-
-        source_path = mod.__file__
+        source_path = schema.__file__
     src = open(source_path, encoding="utf-8").read()
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
@@ -174,10 +174,8 @@ def field_comments(source_path: str | None = None) -> dict[tuple[str, str], str]
 
 def help_keys_lines(root=None) -> list[str]:
     """Every config key with its default and description, grouped by section."""
-    import dataclasses
-
     if root is None:
-        from trainer.config import CoxswainConfig as root
+        root = schema.CoxswainConfig
     notes = field_comments()
     lines: list[str] = []
 
@@ -204,8 +202,6 @@ def help_keys_lines(root=None) -> list[str]:
 
 def print_lines(lines) -> int:
     """Print ``lines``; a closed pipe (``| head``) ends quietly instead of with a BrokenPipe traceback."""
-    import os
-
     try:
         for line in lines:
             sys.stdout.write(line + "\n")

@@ -16,10 +16,16 @@ so what is saved is exactly what is restored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from trainer.algos.losses import LossAgg
+from trainer.async_rollout import AsyncSettings
+from trainer.checkpoint import capture_rng, restore_rng
+from trainer.config import OverlongBufferConfig, need_critic, need_ref
+from trainer.verl_compat import parse_rejection
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,14 @@ class Plan:
     adv_kwargs: dict = field(default_factory=dict)
     reward_keys: tuple = ()
     rm_scores: Optional[ForwardSettings] = None  # the learned reward model's forward (reward_model.*); None = no RM
+    # what the step and the loop read instead of the raw config (trainer.step, trainer.main)
+    adca: Optional[dict] = None  # attribution_driven_credit_assignment as plain values when ADCA-GRPO runs, else None
+    rollout_only: bool = False  # trainer.debug.rollout_only: generate and score, no training
+    train_only: bool = False  # trainer.debug.train_only: replay dumped batches instead of generating
+    dump_batch_path: Optional[str] = None  # trainer.debug.dump_batch_path
+    parallel_phases: bool = True  # trainer.parallel_phases (null: on CPU only)
+    rank_slots: int = 1  # trainer.nnodes * trainer.n_gpus_per_node (perf/throughput's divisor)
+    log_val_generations: int = 0  # trainer.log_val_generations
 
     @classmethod
     def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
@@ -243,8 +257,6 @@ class Plan:
         if is_ is None and r.calculate_log_probs:  # the sampler's log-probs asked for with IS off: mismatch metrics only
             is_ = RolloutIS(rollout_is_level="token", rollout_is_mode="truncate", rollout_is_threshold=2.0,
                             rollout_is_threshold_lower=None, rollout_is_veto_threshold=None, rollout_is=False)
-        from omegaconf import OmegaConf
-
         return cls(
             total_steps=int(total_steps), train_batch_size=cfg.data.train_batch_size,
             gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size, n=r.n,
@@ -261,7 +273,12 @@ class Plan:
             val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
             one_step_off=cfg.async_training.mode == "one_step_off", fully_async=async_settings(cfg), adv_kwargs=adv_kwargs(al),
             reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else (),
-            rm_scores=rm_forward(cfg))
+            rm_scores=rm_forward(cfg), adca=adca_settings(cfg), rollout_only=bool(cfg.trainer.debug.rollout_only),
+            train_only=bool(cfg.trainer.debug.train_only), dump_batch_path=cfg.trainer.debug.dump_batch_path,
+            parallel_phases=bool(cfg.trainer.device == "cpu" if cfg.trainer.parallel_phases is None
+                                 else cfg.trainer.parallel_phases),
+            rank_slots=int(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node),
+            log_val_generations=int(cfg.trainer.log_val_generations))
 
     # ------------------------------------------------------------------ rules
     def on_policy(self, num_samples: int, step: int) -> bool:
@@ -319,8 +336,6 @@ def rollout_correction(al) -> tuple[Optional[RolloutIS], Optional[tuple]]:
     (``algorithm.rollout_is_threshold`` ...) or verl's newer ``algorithm.rollout_correction`` tree
     (truncated IS at ``rollout_is`` level; ``rollout_rs`` options in the rejection's own units; with
     ``rollout_is`` null the weights are not applied but the mismatch metrics are still computed)."""
-    from trainer.verl_compat import parse_rejection
-
     rc = al.rollout_correction
     if rc.rollout_is is not None or rc.rollout_rs is not None:
         is_ = RolloutIS(rollout_is_level=rc.rollout_is or "token", rollout_is_mode="truncate",
@@ -374,14 +389,6 @@ def rm_forward(cfg) -> Optional[ForwardSettings]:
                            packed=bool(rm.megatron.use_remove_padding), budget_key="reward_model.forward_max_token_len_per_gpu")
 
 
-def need_ref(cfg) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-def need_critic(cfg) -> bool:
-    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
-
-
 @dataclass
 class LoopState:
     """What the loop carries between steps; one ``state_dict`` for save and resume."""
@@ -394,16 +401,12 @@ class LoopState:
     history: list = field(default_factory=list)
 
     def state_dict(self, worker_rng: dict | None = None) -> dict:
-        from trainer.checkpoint import capture_rng
-
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "rng": capture_rng(), "worker_rng": worker_rng or {}, "next_group_id": self.next_group_id,
                 "last_eval": self.last_eval, "mlflow_run_id": self.run_id, "history": self.history}
 
     def load_state_dict(self, st: dict) -> dict:
         """Restore; returns the workers' RNG states for the role groups."""
-        from trainer.checkpoint import restore_rng
-
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         restore_rng(st["rng"])
@@ -412,12 +415,20 @@ class LoopState:
         return st.get("worker_rng", {})
 
 
+def adca_settings(cfg) -> Optional[dict]:
+    """ADCA-GRPO's settings as plain values when it runs, else None. It runs when asked for either way:
+    the seed recipes set ``attribution_driven_credit_assignment.enable`` (next to ``adv_estimator=grpo``);
+    ``algorithm.adv_estimator=adca_grpo`` says the same."""
+    ac = cfg.attribution_driven_credit_assignment
+    if not (ac.enable or cfg.algorithm.adv_estimator == "adca_grpo"):
+        return None
+    return OmegaConf.to_container(ac, resolve=True)
+
+
 def async_settings(cfg):
     """``async_training.mode=fully_async``: its resolved settings (None in the other modes)."""
     if cfg.async_training.mode != "fully_async":
         return None
-    from trainer.async_rollout import AsyncSettings
-
     return AsyncSettings.from_config(cfg)
 
 
@@ -427,17 +438,11 @@ def overlong_shaping(cfg) -> dict:
     ``reward_kwargs.max_resp_len`` (verl's main trainer and its DAPO scripts), or the DAPO recipe's
     ``reward_model.overlong_buffer`` (max length = the response budget). Returns ``{enable, len,
     penalty_factor, log, max_resp_len}``; ``max_resp_len`` None means the sampling budget."""
-    from omegaconf import OmegaConf
-
     rm = cfg.reward_model
     kw = OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}
     ob = kw.get("overlong_buffer_cfg") if rm.reward_manager == "dapo" else None
     out = OmegaConf.to_container(rm.overlong_buffer, resolve=True)
     out["max_resp_len"] = None
     if ob is not None and (ob.get("enable") or not out["enable"]):
-        from dataclasses import asdict
-
-        from trainer.config import OverlongBufferConfig
-
         out = {**asdict(OverlongBufferConfig()), **ob, "max_resp_len": kw.get("max_resp_len")}
     return out

@@ -31,6 +31,7 @@ environment variable whose NAME looks like a secret is masked too.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -39,15 +40,10 @@ import sys
 import time
 from typing import Any, Mapping
 
-# A config leaf holding a secret itself (``api_key_env`` only names a variable, so it stays visible).
-_SECRET_KEY = re.compile(r"(api_?key|secret|password|passwd|credential|auth_token|access_token|hf_token)$", re.I)
-# Environment variables whose values are secrets wherever they appear.
-_SECRET_ENV = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL)", re.I)
+import numpy as np
 
-
-def _secret_values() -> set[str]:
-    return {v for k, v in os.environ.items() if _SECRET_ENV.search(k) and len(v) >= 6}
-
+from trainer.config.secrets import SECRET_KEY, secret_values
+from trainer.console import ConsoleLog
 
 def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
     out = {}
@@ -62,11 +58,11 @@ def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
 
 def redact(params: Mapping[str, Any]) -> dict[str, str]:
     """Flattened params with secrets masked (by key name, and by value equal to a secret env var)."""
-    secrets = _secret_values()
+    secrets = secret_values()
     out = {}
     for k, v in params.items():
         sv = str(v)
-        if _SECRET_KEY.search(k.rsplit(".", 1)[-1]):
+        if SECRET_KEY.search(k.rsplit(".", 1)[-1]):
             sv = "***"
         for s in secrets:
             sv = sv.replace(s, "***")
@@ -95,8 +91,6 @@ def git_info(path: str | None = None) -> dict[str, str]:
 
 def pick_val_generations(samples, n: int) -> list[tuple[str, str, float]]:
     """verl's choice of the ``n`` logged samples: sorted by input, shuffled with seed 42, the first n."""
-    import numpy as np
-
     samples = sorted(samples, key=lambda x: x[0])
     order = np.random.RandomState(42).permutation(len(samples))
     return [samples[i] for i in order[:n]]
@@ -121,17 +115,15 @@ class Tracker:
         if "wandb" in self.loggers:
             self.wandb = _start_wandb(project, experiment, flat, log_dir)
         if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: the trackers extra (tensorboard)
 
             self.tb_dir = os.environ.get("TENSORBOARD_DIR") or os.path.join(log_dir, "tensorboard")
             os.makedirs(self.tb_dir, exist_ok=True)
             self.tb = SummaryWriter(log_dir=self.tb_dir)
         if "mlflow" in self.loggers:
-            import logging
-
             logging.getLogger("mlflow").setLevel(logging.WARNING)
             logging.getLogger("alembic").setLevel(logging.WARNING)
-            from mlflow.tracking import MlflowClient
+            from mlflow.tracking import MlflowClient  # heavy (seconds to import): only with trainer.logger mlflow
 
             uri = default_tracking_uri(mlruns_root)
             if uri.startswith("sqlite:///"):
@@ -164,7 +156,7 @@ class Tracker:
                     self.log_params(flatten(config))
 
     def _run_exists(self, run_id: str) -> bool:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # heavy: mlflow is imported only when it logs
 
         try:
             self.client.get_run(run_id)
@@ -180,7 +172,7 @@ class Tracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         if self.client is None:
             return
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # heavy: mlflow is imported only when it logs
 
         items = [Param(k, v) for k, v in redact(params).items()]
         for i in range(0, len(items), 100):  # MLflow's batch limit for params
@@ -189,7 +181,7 @@ class Tracker:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         if self.client is not None and (self.logged_through is None or step > self.logged_through):
-            from mlflow.entities import Metric
+            from mlflow.entities import Metric  # heavy: mlflow is imported only when it logs
 
             ts = int(time.time() * 1000)
             # verl's MLflow key rule: "@" (mean@N) becomes "_at_", other invalid characters "_"
@@ -211,7 +203,7 @@ class Tracker:
         if not picked:
             return picked
         if self.wandb is not None:  # one table, a row per validation (verl's columns)
-            import wandb
+            import wandb  # optional: the trackers extra
 
             cols = ["step"] + [f"{c}_{i + 1}" for i in range(len(picked)) for c in ("input", "output", "score")]
             self._val_rows.append([step] + [v for smp in picked for v in smp])
@@ -232,8 +224,6 @@ class Tracker:
     def _console(self, m: Mapping[str, float], step: int) -> None:
         # the step line and progress bar (trainer.console); created at the first line
         if getattr(self, "_console_log", None) is None:
-            from trainer.console import ConsoleLog
-
             self._console_log = ConsoleLog(self.total_steps, t0=self.t0)
         self._console_log.log(m, step)
 
@@ -260,7 +250,7 @@ class Tracker:
 def _start_wandb(project: str, experiment: str, config: Mapping[str, str], log_dir: str):
     """A wandb run; offline (no network, no prompt) unless WANDB_API_KEY or WANDB_MODE says otherwise."""
     try:
-        import wandb
+        import wandb  # optional: the trackers extra
     except ImportError as e:
         raise ImportError("trainer.logger has 'wandb' but wandb is not installed: pip install 'coxswain[trackers]', "
                           "or drop 'wandb' from trainer.logger") from e

@@ -26,6 +26,9 @@ import subprocess
 import sys
 from typing import Any, Callable, Optional
 
+import yaml
+from omegaconf import OmegaConf
+
 from trainer import verl_keys
 
 VERL_MEGATRON: dict[str, Any] = verl_keys.MEGATRON
@@ -215,8 +218,6 @@ def refused_keys() -> dict[str, str]:
 
 def refusals(cfg) -> list[str]:
     """The refusal table applied to a merged config: one message per key holding an unbuilt request."""
-    from omegaconf import OmegaConf
-
     errs = []
     for pat, bad, why in REFUSED:
         for key in ([f"{r}.{pat[2:]}" for r in _MEGATRON_ROLES] if pat.startswith("*.") else [pat]):
@@ -339,8 +340,6 @@ def parse_rejection(spec: str, threshold, lower) -> list[dict]:
 
 def regenerate(repo: str, out_path: str = "trainer/verl_keys.py") -> tuple[int, int]:
     """Rewrite ``trainer/verl_keys.py`` from a verl git checkout's generated trainer configs."""
-    import yaml
-
     def load(path):
         return yaml.safe_load(subprocess.check_output(["git", "-C", repo, "show", f"HEAD:{path}"]))
 

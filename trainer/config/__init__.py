@@ -17,12 +17,12 @@ from trainer.config.schema import (
     KLControlConfig, MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig,
     PolicyLossConfig, RefConfig, RefMegatronConfig, RewardModelConfig, RewardModelMegatronConfig,
     RewardModelModelConfig, RolloutConfig, RolloutCorrectionConfig, RouterReplayConfig, SandboxConfig,
-    SandboxFusionConfig, TrainerConfig, ValKwargs, _LEAVES, _flatten, all_keys, closest_key,
+    SandboxFusionConfig, TrainerConfig, ValKwargs, LEAVES, flatten_keys, all_keys, closest_key,
 )
 from trainer.config.checks import (
     DAPO_KWARGS, LOGGERS, MOE_BALANCING, MOE_KEYS, OTHER_ENGINES, OVERLONG_FIELDS, RECOMPUTE_KEYS,
-    deepspeed_errors, deepspeed_roles, moe_settings, recompute_settings, validate, validation_errors,
-    world_size,
+    deepspeed_errors, deepspeed_roles, error_report, moe_settings, need_critic, need_ref, recompute_settings,
+    validate, validation_errors, world_size,
 )
 from trainer.config.load import (
     KEY_ALIASES, LAST_LOAD_NOTES, LEGACY_KEYS, VERL_BASES, load_config, parse_overrides, public_container,
@@ -67,8 +67,8 @@ __all__ = [
     "SandboxFusionConfig",
     "TrainerConfig",
     "ValKwargs",
-    "_LEAVES",
-    "_flatten",
+    "LEAVES",
+    "flatten_keys",
     "all_keys",
     "closest_key",
     "DAPO_KWARGS",
@@ -80,7 +80,10 @@ __all__ = [
     "RECOMPUTE_KEYS",
     "deepspeed_errors",
     "deepspeed_roles",
+    "error_report",
     "moe_settings",
+    "need_critic",
+    "need_ref",
     "recompute_settings",
     "validate",
     "validation_errors",

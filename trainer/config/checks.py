@@ -9,9 +9,11 @@ import difflib
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.verl_compat import refusals
-
+from trainer.checkpoint import contents_errors
+from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.rollout.registry import Capabilities, engine_class
+from trainer.verl_compat import parse_rejection, refusals
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
 DAPO_KWARGS = ("max_resp_len", "overlong_buffer_cfg")
@@ -191,6 +193,16 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+def need_ref(cfg) -> bool:
+    """The reference model runs: a KL loss or a KL penalty in the reward reads its log-probs."""
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def need_critic(cfg) -> bool:
+    """The critic runs: ``critic.enable``, or when unset exactly with the GAE estimator (verl's rule)."""
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
 def _async_errors(cfg: DictConfig) -> list[str]:
     """one_step_off and fully_async overlap generation with training: the engines need their own
     resources. fully_async's keys (verl's fully-async recipe) apply to that mode only."""
@@ -226,9 +238,11 @@ def _async_errors(cfg: DictConfig) -> list[str]:
         if r.multi_turn.enable:
             errs.append("async_training.partial_rollout=true resumes single-turn responses only; with "
                         "rollout.multi_turn.enable=true set async_training.partial_rollout=false.")
-        if r.name == "sglang":
-            errs.append("async_training.partial_rollout=true resumes aborted requests on the native engine only (built "
-                        "and tested on CPU); with rollout.name=sglang set async_training.partial_rollout=false.")
+        caps = engine_capabilities(r.name)
+        if caps is not None and not caps.partial_rollout:
+            errs.append("async_training.partial_rollout=true resumes aborted requests on engines that keep the tokens "
+                        "sampled so far (capabilities.partial_rollout: of the built-ins, on the native engine only); "
+                        f"with rollout.name={r.name} set async_training.partial_rollout=false.")
     if cfg.trainer.debug.rollout_only:
         errs.append("async_training.mode=fully_async with trainer.debug.rollout_only=true: without updates there are "
                     "no weight pushes, and the rollouter stops at its per-version quota; remove one of the two.")
@@ -240,8 +254,6 @@ def _async_errors(cfg: DictConfig) -> list[str]:
 
 def _pipeline_errors(cfg: DictConfig) -> list[str]:
     """trainer.hooks / trainer.pipeline name importable functions (imported now, so a typo fails at load)."""
-    from trainer.pipeline import load_callable
-
     t, errs = cfg.trainer, []
     specs = [(f"trainer.hooks.{p}", s) for p, lst in t.hooks.items() for s in (lst or [])]
     specs += [("trainer.pipeline", t.pipeline)] if t.pipeline else []
@@ -265,9 +277,11 @@ def _routing_replay_errors(cfg: DictConfig) -> list[str]:
     if r.enable_rollout_routing_replay and not replaying:
         errs.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true records every token's experts but no "
                     "role replays them: add actor_rollout_ref.actor.router_replay.mode=R3, or remove the line.")
-    if replaying and r.name == "sglang":
-        errs.append("R3 routing replay with actor_rollout_ref.rollout.name=sglang is not built yet (the SGLang adapter "
-                    "does not return routed experts); it runs with the native engine.")
+    caps = engine_capabilities(r.name)
+    if replaying and caps is not None and not caps.routing_replay:
+        adapter = engine_class(r.name).__name__.removesuffix("Engine")
+        errs.append(f"R3 routing replay with actor_rollout_ref.rollout.name={r.name} is not built yet (the {adapter} "
+                    "adapter does not return routed experts: capabilities.routing_replay); it runs with the native engine.")
     if replaying and r.mode != "sync":
         errs.append(f"R3 routing replay with actor_rollout_ref.rollout.mode={r.mode} (the HTTP fleet) is not built yet: "
                     f"the servers do not return routed experts; use rollout.mode=sync.")
@@ -277,19 +291,25 @@ def _routing_replay_errors(cfg: DictConfig) -> list[str]:
     return errs
 
 
+def engine_capabilities(name: str) -> Capabilities | None:
+    """What rollout engine ``name`` can do; None when the name is refused (by its own message)."""
+    try:
+        return engine_class(name).capabilities
+    except ValueError:
+        return None
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise one ``ConfigError`` listing every cross-field problem of ``cfg``."""
     errs = validation_errors(cfg)
     if errs:
-        raise ConfigError(_report(errs))
+        raise ConfigError(error_report(errs))
 
 
 def validation_errors(cfg: DictConfig) -> list[str]:
     """Cross-field checks and the refusal table. Every message names all the keys involved and what to
     change. Nothing here looks at this machine's hardware (a GPU recipe resolves on a CPU login node);
     ``trainer.main.check_supported`` does that at run time."""
-    from trainer.plan import need_critic, need_ref
-
     errs: list[str] = list(refusals(cfg))
     r0 = cfg.actor_rollout_ref.rollout
     if r0._get_node("name")._is_missing():
@@ -299,6 +319,11 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     elif r0.name in OTHER_ENGINES:
         errs.append(f"actor_rollout_ref.rollout.name={r0.name}: Coxswain's engines are sglang (GPU) and native (CPU or "
                     f"GPU); use actor_rollout_ref.rollout.name=sglang.")
+    elif ":" in str(r0.name):  # a user's engine: it must import and be an engine class (the fault and the fix)
+        try:
+            engine_class(r0.name)
+        except ValueError as e:
+            errs.append(str(e))
     for key, (allowed, pluggable) in CHOICES.items():
         val = OmegaConf.select(cfg, key)
         if key == "actor_rollout_ref.rollout.name" and val in OTHER_ENGINES:
@@ -492,8 +517,6 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     # installed is checked at run time (trainer.main.check_supported), so --print-config resolves anywhere.
     errs.extend(_rollout_correction_errors(al))
     errs.extend(_algorithm_variant_errors(cfg))
-    from trainer.checkpoint import contents_errors  # verl's save_contents / load_contents, honoured or refused
-
     ck = cfg.actor_rollout_ref.actor.checkpoint
     errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
     if r.weight_sync == "distributed_group":
@@ -587,8 +610,6 @@ def _algorithm_variant_errors(cfg) -> list[str]:
 
 def _rollout_correction_errors(al) -> list[str]:
     """``algorithm.rollout_correction``: valid values, and not mixed with the flat rollout-IS keys."""
-    from trainer.verl_compat import parse_rejection
-
     rc, errs = al.rollout_correction, []
     if rc.loss_type not in ("ppo_clip", "reinforce"):
         errs.append(f"algorithm.rollout_correction.loss_type='{rc.loss_type}' is not ppo_clip | reinforce.")
@@ -619,7 +640,7 @@ def _rollout_correction_errors(al) -> list[str]:
             errs.append(str(e))
     return errs
 
-def _report(errors: list[str]) -> str:
+def error_report(errors: list[str]) -> str:
     n = len(errors)
     return (f"{n} problem{'s' if n > 1 else ''} in the configuration:\n" +
             "\n".join(f"  {i}. {e}" for i, e in enumerate(errors, 1)))

@@ -10,17 +10,22 @@ their replacements.
 from __future__ import annotations
 
 import os
+import tempfile
 import typing
 from typing import List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from trainer.verl_compat import verl_only
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from trainer.config.checks import _report, validation_errors
-from trainer.config.schema import (_LEAVES, ConfigError, CoxswainConfig, _field_type, _flatten, _is_schema_key,
-                                   _type_name, closest_key)
+from trainer.config.checks import error_report, validation_errors
+from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_key, field_type, flatten_keys,
+                                   is_schema_key, type_name)
+from trainer.config.secrets import SECRET_KEY, secret_values
+from trainer.verl_compat import verl_only
 
 # ----------------------------------------------------------------------------------------------
 # key discovery, legacy keys, choices
@@ -81,7 +86,7 @@ class _Load:
             return
         if key.split(".", 1)[0] == "hydra" or key.rsplit(".", 1)[-1] == "_target_":
             return  # hydra's own settings (run dirs, job logging) and verl's dataclass hints: nothing to train
-        if not _is_schema_key(key):
+        if not is_schema_key(key):
             kind, why = verl_only(key, value)
             if kind == "ok" or (kind == "refused" and delete):
                 return
@@ -99,14 +104,14 @@ class _Load:
             value = OmegaConf.select(self.default, key, default=None)
             if isinstance(value, (DictConfig, ListConfig)):
                 value = OmegaConf.to_container(value, resolve=False)
-        elif key in _LEAVES and isinstance(value, str) and not value.startswith("${"):
-            base = _field_type(_LEAVES[key])
+        elif key in LEAVES and isinstance(value, str) and not value.startswith("${"):
+            base = field_type(LEAVES[key])
             if typing.get_origin(base) in (list, List):  # verl's trainer.logger=console: a one-item list
                 value = [v.strip() for v in value.split(",") if v.strip()]
         try:
             OmegaConf.update(self.cfg, key, value, merge=isinstance(value, dict))
         except ValidationError:
-            expected = _type_name(_LEAVES[key]) if key in _LEAVES else "a value of the schema's type"
+            expected = type_name(LEAVES[key]) if key in LEAVES else "a value of the schema's type"
             self.error(origin, f"key '{key}' got {value!r} ({type(value).__name__}), but expects {expected}.")
             return
         except OmegaConfBaseException as e:
@@ -115,7 +120,7 @@ class _Load:
         self.set_by[key] = (origin, spelled)
 
     def layer(self, node, origin: str, *, from_base: bool = False) -> None:
-        for key, value in _flatten(node).items():
+        for key, value in flatten_keys(node).items():
             self.set(key, value, origin, from_base=from_base)
 
 
@@ -156,8 +161,6 @@ VERL_BASES = {"ppo_megatron_trainer": "megatron", "ppo_trainer": "fsdp"}
 def _base_dir() -> str:
     """A config dir holding ``ppo_megatron_trainer.yaml`` written from this schema (verl's defaults), so
     a user's hydra config with ``defaults: [ppo_megatron_trainer, _self_]`` composes with no verl checkout."""
-    import tempfile
-
     d = tempfile.mkdtemp(prefix="coxswain_base_")
     with open(os.path.join(d, "ppo_megatron_trainer.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(CoxswainConfig)))
@@ -180,9 +183,6 @@ def _compose(ld: _Load, path: Optional[str], name: str) -> None:
         ld.error(origin, f"no config '{stem}.yaml' in --config-path={path!r}; give the directory that holds it "
                          f"(verl's own names ppo_megatron_trainer / ppo_trainer need no directory).")
         return
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=cdir, version_base=None):
@@ -198,8 +198,6 @@ def _compose(ld: _Load, path: Optional[str], name: str) -> None:
 def _overrides(ld: _Load, items: list[str]) -> None:
     """Command-line overrides in hydra's grammar (``key=v``, ``+key=v``, ``++key=v``, ``~key``, lists,
     quoted strings, interpolations), each parsed on its own so that one bad item hides no other."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     for item in items:
         try:
@@ -236,7 +234,7 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
     ld = _Load()
     _overrides(ld, overrides)
     if ld.errors:
-        raise ConfigError(_report(ld.errors))
+        raise ConfigError(error_report(ld.errors))
     return ld.cfg
 
 
@@ -279,7 +277,7 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
             except OmegaConfBaseException as e:
                 ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
     if ld.errors:
-        raise ConfigError(_report(ld.errors))
+        raise ConfigError(error_report(ld.errors))
     return ld.cfg
 
 
@@ -290,11 +288,9 @@ def public_container(cfg: DictConfig) -> dict:
     environment keeps its interpolation (``${oc.env:NAME}``), not the value (a reloaded config resolves it
     again); a key named like a secret (``api_key``, ``token``, ...) shows ``***``; and a value from the
     environment, or of a secret-looking environment variable, is masked wherever else it appears."""
-    from trainer.tracking import _SECRET_KEY, _secret_values
-
     raw = OmegaConf.to_container(cfg, resolve=False)
     res = OmegaConf.to_container(cfg, resolve=True)
-    hidden = set(_secret_values())
+    hidden = set(secret_values())
 
     def collect(r, v):  # the resolved values that came from the environment
         if isinstance(v, dict) and isinstance(r, dict):
@@ -313,7 +309,7 @@ def public_container(cfg: DictConfig) -> dict:
             return [walk(r[i] if isinstance(r, list) and i < len(r) else None, x, key) for i, x in enumerate(v)]
         if isinstance(r, str) and "oc.env" in r:
             return r
-        if _SECRET_KEY.search(str(key)) and v not in (None, ""):
+        if SECRET_KEY.search(str(key)) and v not in (None, ""):
             return "***"
         if isinstance(v, str):
             for h in hidden:

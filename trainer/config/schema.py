@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from trainer.rollout.registry import ENGINES
+from trainer.verl_compat import VERL_MEGATRON
 
 
 class ConfigError(ValueError):
@@ -548,7 +550,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "actor_rollout_ref.ref.strategy": (("megatron", "deepspeed"), False),
     "critic.strategy": (("megatron", "deepspeed"), False),
     "reward_model.strategy": (("megatron", "deepspeed"), False),
-    "actor_rollout_ref.rollout.name": (("native", "sglang"), False),
+    "actor_rollout_ref.rollout.name": (tuple(ENGINES), True),  # or a user's engine class, pkg.module:Class
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
     "async_training.mode": (("sync", "one_step_off", "fully_async"), False),
     "actor_rollout_ref.ref.router_replay.mode": (("disabled", "R2", "R3"), False),
@@ -572,7 +574,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 
 
-def _field_type(tp):
+def field_type(tp):
     """Strip Optional[...] from an annotation."""
     if typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -586,7 +588,7 @@ def _schema_keys(cls=CoxswainConfig, prefix="") -> tuple[dict[str, Any], set[str
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = prefix + f.name
-        tp = _field_type(hints[f.name])
+        tp = field_type(hints[f.name])
         if dataclasses.is_dataclass(tp):
             sub_leaves, sub_open = _schema_keys(tp, key + ".")
             leaves.update(sub_leaves)
@@ -598,12 +600,12 @@ def _schema_keys(cls=CoxswainConfig, prefix="") -> tuple[dict[str, Any], set[str
     return leaves, open_prefixes
 
 
-_LEAVES, _OPEN = _schema_keys()
-_SECTIONS = {k.rsplit(".", i)[0] for k in _LEAVES for i in range(1, k.count(".") + 1)}
+LEAVES, _OPEN = _schema_keys()
+_SECTIONS = {k.rsplit(".", i)[0] for k in LEAVES for i in range(1, k.count(".") + 1)}
 
 
-def _type_name(tp) -> str:
-    base = _field_type(tp)
+def type_name(tp) -> str:
+    base = field_type(tp)
     name = getattr(base, "__name__", None) or str(base).replace("typing.", "")
     return f"{name} or null" if base is not tp else name
 
@@ -612,39 +614,37 @@ def closest_key(key: str) -> Optional[str]:
     """A valid key that ``key`` is plausibly a misspelling of, or None: the same leaf name under another
     section (a moved key), a close spelling of the whole key, or a close spelling of the leaf among its
     siblings. Suggestions below these similarity bars are worse than none."""
-    from trainer.verl_compat import VERL_MEGATRON
-
     leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in (*_LEAVES, *VERL_MEGATRON) if k.rsplit(".", 1)[-1] == leaf]
-    tail = [k for k in _LEAVES if k.endswith("." + key)]
+    same_leaf = [k for k in (*LEAVES, *VERL_MEGATRON) if k.rsplit(".", 1)[-1] == leaf]
+    tail = [k for k in LEAVES if k.endswith("." + key)]
     if len(tail) == 1:  # the key given without (part of) its section
         return tail[0]
     if same_leaf:
         m = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.6)
         if m:
             return m[0]
-    m = difflib.get_close_matches(key, list(_LEAVES) + sorted(_SECTIONS), n=1, cutoff=0.9)
+    m = difflib.get_close_matches(key, list(LEAVES) + sorted(_SECTIONS), n=1, cutoff=0.9)
     if m:
         return m[0]
     parent = key.rsplit(".", 1)[0] if "." in key else ""
-    siblings = {k.rsplit(".", 1)[-1]: k for k in _LEAVES if k.rsplit(".", 1)[0] == parent}
+    siblings = {k.rsplit(".", 1)[-1]: k for k in LEAVES if k.rsplit(".", 1)[0] == parent}
     siblings.update({k.rsplit(".", 1)[-1]: k for k in _SECTIONS if k.rsplit(".", 1)[0] == parent and "." in k})
     m = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
     return siblings[m[0]] if m else None
 
 
-def _is_schema_key(key: str) -> bool:
-    return key in _LEAVES or key in _SECTIONS or any(key.startswith(p + ".") for p in _OPEN)
+def is_schema_key(key: str) -> bool:
+    return key in LEAVES or key in _SECTIONS or any(key.startswith(p + ".") for p in _OPEN)
 
 
-def _flatten(node, prefix="") -> dict[str, Any]:
+def flatten_keys(node, prefix="") -> dict[str, Any]:
     """A nested mapping -> ``{dotted key: value}``; free-form dict fields and empty mappings stay whole."""
     out = {}
     items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else node.items()
     for k, v in items:
         key = f"{prefix}{k}"
-        if isinstance(v, (dict, DictConfig)) and len(v) and key not in _OPEN and key not in _LEAVES:
-            out.update(_flatten(v, key + "."))
+        if isinstance(v, (dict, DictConfig)) and len(v) and key not in _OPEN and key not in LEAVES:
+            out.update(flatten_keys(v, key + "."))
         else:
             out[key] = OmegaConf.to_container(v, resolve=False) if isinstance(v, (DictConfig, ListConfig)) else v
     return out
@@ -652,4 +652,4 @@ def _flatten(node, prefix="") -> dict[str, Any]:
 
 
 def all_keys() -> list[str]:
-    return sorted(_LEAVES)
+    return sorted(LEAVES)
