@@ -39,6 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from megatron_bridge.context_parallel import attention as cp_attention
 
 
 class TorchSDPAttention(MegatronModule):
@@ -62,7 +63,6 @@ class TorchSDPAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             plan = getattr(packed_seq_params, "_coxswain_cp", None)
             if plan is not None:  # context parallelism: gather keys / values over the CP group
-                from megatron_bridge.context_parallel import attention as cp_attention
 
                 return cp_attention(query, key, value, plan, self.scale)
             return self._thd(query, key, value, packed_seq_params)
@@ -172,7 +172,7 @@ def grouped_qkv_split(mixed_qkv, num_groups: int, heads_per_group: int, head_dim
     return query.reshape(s, b, num_groups * heads_per_group, head_dim), key.squeeze(3), value.squeeze(3)
 
 
-def _grouped_self_attention():
+def grouped_self_attention():
     from megatron.core.transformer.attention import SelfAttention
 
     class GroupedSelfAttention(SelfAttention):

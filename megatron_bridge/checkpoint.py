@@ -27,7 +27,9 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from megatron_bridge import cpu_shims
 from megatron_bridge.fsutil import replace_dir
+from megatron_bridge.model import chunks, unwrap
 
 MARKER = "coxswain_ckpt.json"
 
@@ -66,7 +68,6 @@ def _state(model, optimizer, scheduler, *, is_loading: bool) -> dict:
     """The sharded state. Under virtual pipeline stages the chunks' states sit side by side
     (``model0``, ``model1``, ...); every tensor's key is its global name, so the layout (TP, PP, VPP)
     at load time need not be the one at save time."""
-    from megatron_bridge.model import chunks, unwrap
 
     cs = [unwrap(c) for c in chunks(model)]
     model_sd = cs[0].sharded_state_dict() if len(cs) == 1 else {f"model{i}": c.sharded_state_dict() for i, c in enumerate(cs)}
@@ -88,7 +89,6 @@ def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, ext
     """Collective: save model (+ optimizer, + scheduler, + small ``extra`` dict) to ``ckpt_dir``."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge import cpu_shims
 
     cpu_shims.install()
     ckpt_dir = os.path.abspath(ckpt_dir)
@@ -128,8 +128,6 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     """Collective: load into ``model`` (+ optimizer, + scheduler) at the current layout; returns ``extra``."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge import cpu_shims
-    from megatron_bridge.model import chunks, unwrap
 
     cpu_shims.install()
     if not is_complete(ckpt_dir):

@@ -35,6 +35,7 @@ import torch
 
 from megatron_bridge.hf_config import HFModelConfig, padded_vocab_size, pipeline_layout
 from trainer.hf_io import SafetensorsDir as HFCheckpoint  # the shared safetensors reader, by its bridge name
+from megatron_bridge.model import chunks, unwrap
 
 # ---------------------------------------------------------------------------------------------------
 # names
@@ -312,7 +313,6 @@ def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]]
 
 def iter_local_params(model) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(local name, canonical name, parameter) for every parameter of one model chunk."""
-    from megatron_bridge.model import unwrap
 
     m = unwrap(model)
     for name, p in m.named_parameters():
@@ -325,7 +325,6 @@ def load_hf_weights(model, source) -> None:
 
     ``source``: a HF directory, an :class:`HFCheckpoint`, or a ``{hf_name: tensor}`` dict.
     """
-    from megatron_bridge.model import chunks
 
     if isinstance(source, (str, os.PathLike)):
         source = HFCheckpoint(str(source))
@@ -337,7 +336,6 @@ def load_hf_weights(model, source) -> None:
 def _load_chunk(model, source) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.model import unwrap
 
     m = unwrap(model)
     get = source.get if isinstance(source, HFCheckpoint) else source.__getitem__

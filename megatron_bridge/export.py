@@ -31,6 +31,8 @@ from megatron_bridge.fsutil import replace_dir
 from megatron_bridge.convert import (canonical_names, canonical_to_hf, expert_index, is_expert, local_name, tp_kind,
                                     tp_merge)
 from megatron_bridge.hf_config import HFModelConfig
+from megatron_bridge import cpu_shims
+from megatron_bridge.model import chunks, unwrap
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -69,7 +71,7 @@ def canonical_shape(name: str, hf: HFModelConfig, padded_vocab: int) -> tuple[in
     raise KeyError(name)
 
 
-def _stage_plan(m) -> list[tuple[int, int, str]]:
+def stage_plan(m) -> list[tuple[int, int, str]]:
     """(owning PP stage, its chunk, canonical name) for every parameter of the whole model, in HF
     order. Virtual stage ``v`` (of ``pp * vpp``, in model order) is chunk ``v // pp`` of rank ``v % pp``."""
     from megatron.core import parallel_state as ps
@@ -109,8 +111,6 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every HF tensor, one megatron parameter at a time (collective)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge import cpu_shims
-    from megatron_bridge.model import chunks, unwrap
 
     cpu_shims.install()
     ms = [unwrap(c) for c in chunks(model)]
@@ -126,7 +126,7 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     if hf.is_moe:
         ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
         ep_group = ps.get_expert_model_parallel_group()
-    for stage, chunk, name in _stage_plan(m):
+    for stage, chunk, name in stage_plan(m):
         if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
             continue  # the tied copy on the last stage is the embedding; HF stores it once
         if m.is_critic and name.startswith("output_layer."):
@@ -193,7 +193,6 @@ def export_hf(model, out_dir: str, *, source_dir: str | None = None, max_shard_b
     """Write a HF directory (rank 0; every model-parallel rank must call). Returns the path on rank 0."""
     from safetensors.torch import save_file
 
-    from megatron_bridge.model import chunks, unwrap
 
     m = unwrap(chunks(model)[0])
     writer = dist.get_rank() == 0

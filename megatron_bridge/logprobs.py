@@ -53,6 +53,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from megatron_bridge import cpu_shims, routing_replay
+from megatron_bridge.context_parallel import build_plan, gather_outputs, local_tokens
+from megatron_bridge.convert import load_hf_weights
+from megatron_bridge.hf_config import read_hf_config
+from megatron_bridge.launch import set_parallel, spawn
+from megatron_bridge.model import build_model, chunks, unwrap
+
 # ---------------------------------------------------------------------------------------------------
 # vocab-parallel math (pure torch + torch.distributed; no megatron)
 
@@ -248,7 +255,6 @@ class ModelInputs:
 
 
 def model_device(model) -> torch.device:
-    from megatron_bridge.model import chunks, unwrap
 
     return next(unwrap(chunks(model)[0]).parameters()).device
 
@@ -267,7 +273,6 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
     (``hf_config.transformer_config_kwargs``). The schedule needs at least ``pp`` micro-batches."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.model import chunks, unwrap
 
     cs = chunks(model)
     cfg = cs[0].config
@@ -282,7 +287,6 @@ def schedule_args(model, inputs: list, prepared: list[ModelInputs], *, seq_lengt
         raise ValueError(f"the interleaved pipeline (vpp={len(cs)}) needs at least pp={pp} micro-batches, got "
                          f"{n}: use smaller micro-batches (or more rows)")
     if cp > 1:  # every rank's share padded to the largest share (a dummy sequence): one shape, seq_length / cp each
-        from megatron_bridge.context_parallel import local_tokens
 
         local = max(local_tokens(i, cp, tp if cfg.sequence_parallel else 1) for i in prepared)
         for i in prepared:
@@ -471,7 +475,6 @@ def _replay(model, inp: ModelInputs, rows: torch.Tensor) -> None:
     """Routing replay: the routers of ``model`` replay ``inp.routing`` for the tokens at ``rows`` (each
     model input position's row of the table, -1 for the bridge's padding); without a table they route
     freely (a model with replay installed must be told either way)."""
-    from megatron_bridge import routing_replay
 
     routing_replay.set_targets(model, inp.routing, rows)
 
@@ -523,7 +526,6 @@ def _run_context_parallel(model, m, inp: ModelInputs, cp: int):
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_bridge.context_parallel import build_plan
 
     if not getattr(m, "supports_thd", False) or getattr(m, "uses_te", False):
         raise ValueError("context parallelism runs on the bridge's attention (build_model(attention='sdpa'))")
@@ -550,7 +552,6 @@ def run_model(model, inp: ModelInputs):
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.model import unwrap
 
     m = unwrap(model)
     cp = ps.get_context_parallel_world_size()
@@ -584,12 +585,10 @@ def head_outputs(model, output: torch.Tensor, inp: ModelInputs, *, temperature: 
     (``with_sum_pi_squared``: also ``sum_pi_squared``, aligned like the entropy)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.model import unwrap
 
     m = unwrap(model)
     plan = inp.cp
     if plan is not None:  # context parallelism: this rank's tokens; gathered into the caller's layout below
-        from megatron_bridge.context_parallel import gather_outputs
 
         whole = lambda x: gather_outputs(x, plan)  # noqa: E731
         labels = plan.labels[None]  # [1, Tl]
@@ -641,8 +640,6 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_bridge import cpu_shims
-    from megatron_bridge.model import chunks, unwrap
 
     cpu_shims.install()  # this thread may not be the one that built the model (threaded Ray actors)
     cs = chunks(model)
@@ -689,10 +686,6 @@ def compute_logprobs(model, micro_batches: list[dict], *, temperature: float = 1
 def _cli_rank(model_dir: str, tp: int, pp: int, records: list[dict], temperature: float,
               max_tokens: int, pp_layers, sp: bool = False, vpp: int = 1, cp: int = 1, ep: int = 1,
               etp: int | None = None):
-    from megatron_bridge.convert import load_hf_weights
-    from megatron_bridge.hf_config import read_hf_config
-    from megatron_bridge.launch import set_parallel
-    from megatron_bridge.model import build_model
 
     set_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
     hf = read_hf_config(model_dir)
@@ -736,7 +729,6 @@ def main(argv: list[str] | None = None) -> int:
         if not r.get("prompt_ids") or "response_ids" not in r:
             raise SystemExit(f"line {i + 1}: needs non-empty 'prompt_ids' and 'response_ids'")
     pp_layers = [int(x) for x in a.pp_layers.split(",")] if a.pp_layers else None
-    from megatron_bridge.launch import spawn
 
     if a.sp and a.tp < 2:
         raise SystemExit("--sp splits the sequence over tensor-parallel ranks: give --tp 2 or more")

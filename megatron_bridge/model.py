@@ -41,6 +41,7 @@ from megatron_bridge.hf_config import (
     virtual_layout,
 )
 from trainer.hf_io import rope_inv_freq
+from megatron_bridge import cpu_shims
 
 try:  # megatron-core is an install requirement; this module is the bridge's only entry to it
     from megatron.core import parallel_state as ps
@@ -303,7 +304,6 @@ def build_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megatron_bridge import cpu_shims
 
     cpu_shims.install()  # idempotent, per thread; a no-op with CUDA
     if hf.is_moe:
@@ -321,10 +321,10 @@ def build_model(
         if attention == "sdpa":
             from megatron_bridge.attention import TorchSDPAttention
 
-            from megatron_bridge.attention import _grouped_self_attention
+            from megatron_bridge.attention import grouped_self_attention
 
             spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
-            spec.submodules.self_attention.module = _grouped_self_attention()
+            spec.submodules.self_attention.module = grouped_self_attention()
         elif attention != "megatron":
             raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'megatron'")
         if config.sequence_parallel:

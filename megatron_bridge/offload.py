@@ -24,6 +24,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from megatron_bridge.model import chunks
+from megatron_bridge.train import optimizers
+
 
 class StorageOffload:
     """The storages of ``tensors()`` (deduplicated) moved to host memory and back, in place.
@@ -100,7 +103,6 @@ def _bytes(st: torch.UntypedStorage) -> torch.Tensor:
 
 def model_params(model) -> Callable[[], list[torch.Tensor]]:
     """Every parameter of every chunk (DDP-wrapped or not)."""
-    from megatron_bridge.model import chunks
 
     return lambda: [p for c in chunks(model) for p in c.parameters()]
 
@@ -120,12 +122,11 @@ def optimizer_state(optimizer, model) -> Callable[[], list[torch.Tensor]]:
     """The optimizer's state tensors (Adam moments) and its own parameter copies (the fp32 master
     weights of mixed precision); the model's parameters themselves (fp32 training, where the optimizer
     steps them directly) are left to the parameter offload."""
-    from megatron_bridge.train import _optimizers
 
     def tensors():
         own = {p.untyped_storage().data_ptr() for p in model_params(model)()}
         out = []
-        for o in _optimizers(optimizer):
+        for o in optimizers(optimizer):
             inner = getattr(o, "optimizer", o)
             for g in inner.param_groups:
                 for p in g["params"]:
@@ -140,14 +141,13 @@ def own_storages(model, optimizer=None) -> int:
     """Give every parameter and optimizer state tensor whose memory torch cannot resize (a checkpoint
     load can leave tensors over a memory-mapped file) a copy of its own, so it can be offloaded; the
     tensor objects stay (the optimizer keeps its references). Returns how many were copied."""
-    from megatron_bridge.train import _optimizers
 
     n = 0
     for p in model_params(model)():
         if p.untyped_storage().nbytes() and not p.untyped_storage().resizable():
             p.data = p.data.clone()
             n += 1
-    for o in _optimizers(optimizer) if optimizer is not None else ():
+    for o in optimizers(optimizer) if optimizer is not None else ():
         inner = getattr(o, "optimizer", o)
         for st in inner.state.values():
             for k, v in list(st.items()):

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from megatron_bridge.convert import canonical_to_hf, is_expert, expert_index, local_name, tp_merge
+from megatron_bridge.export import stage_plan
+from megatron_bridge.model import chunks, unwrap
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,6 @@ def local_blocks(model) -> list[Block]:
     (:func:`spread`)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.export import _stage_plan
-    from megatron_bridge.model import chunks, unwrap
 
     ms = [unwrap(c) for c in chunks(model)]
     m = ms[0]
@@ -168,7 +168,7 @@ def local_blocks(model) -> list[Block]:
     my_stage = ps.get_pipeline_model_parallel_rank()
     params = [dict(c.named_parameters()) for c in ms]
     dense, experts = [], []
-    for stage, chunk, name in _stage_plan(m):
+    for stage, chunk, name in stage_plan(m):
         if stage != my_stage:
             continue
         if name == "output_layer.weight" and hf.tie_word_embeddings and not m.is_critic:
@@ -193,7 +193,6 @@ def local_blocks(model) -> list[Block]:
 
 def local_param(model, ref: str) -> torch.Tensor:
     """The parameter a :class:`Block` of :func:`local_blocks` names (``"<chunk>:<name>"``)."""
-    from megatron_bridge.model import chunks, unwrap
 
     chunk, name = ref.split(":", 1)
     return dict(unwrap(chunks(model)[int(chunk)]).named_parameters())[name]

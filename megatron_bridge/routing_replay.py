@@ -35,6 +35,8 @@ from collections import deque
 
 import torch
 
+from megatron_bridge.model import chunks, unwrap
+
 
 class TokenReplay:
     """One router's replay (megatron's ``RouterReplay.get_replay_topk`` contract)."""
@@ -72,7 +74,6 @@ class TokenReplay:
 
 def routers(chunk) -> list[tuple[int, torch.nn.Module]]:
     """``(global layer index, router)`` of every MoE layer of a (possibly wrapped) model chunk."""
-    from megatron_bridge.model import unwrap
 
     m = unwrap(chunk)
     return [(layer.layer_number - 1, layer.mlp.router) for layer in m.decoder.layers if hasattr(layer.mlp, "router")]
@@ -80,7 +81,6 @@ def routers(chunk) -> list[tuple[int, torch.nn.Module]]:
 
 def install(model) -> int:
     """Give every router of every chunk of ``model`` a :class:`TokenReplay`; returns how many."""
-    from megatron_bridge.model import chunks
 
     n = 0
     for c in chunks(model):
@@ -95,7 +95,6 @@ def installed(chunk) -> bool:
 
 
 def clear(model) -> None:
-    from megatron_bridge.model import chunks
 
     for c in chunks(model):
         for _, r in routers(c):
@@ -111,7 +110,6 @@ def set_targets(chunk, table: torch.Tensor | None, rows: torch.Tensor) -> None:
     model is given, its row in ``table`` or -1 (padding the bridge added)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.model import unwrap
 
     rs = routers(chunk)
     if not rs:

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge.logprobs import batch_to, head_outputs, model_device, model_inputs, run_model, schedule_args
+from megatron_bridge.model import chunks
+from megatron_bridge import cpu_shims
 
 LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict]"]
 
@@ -84,9 +86,7 @@ def make_trainer(model, optim: OptimConfig) -> Trainer:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_bridge import cpu_shims
 
-    from megatron_bridge.model import chunks
 
     cpu_shims.install()
     cs = chunks(model)
@@ -117,7 +117,7 @@ def _use_fused_adam(optimizer) -> None:
     to torch's fused multi-tensor kernel: the same update rule in one kernel per step instead of
     ~10 ops per parameter (timing: ``benchmarks/bench_e2e.py``, History). Other optimizers (TE / apex
     FusedAdam, SGD) stay."""
-    for o in _optimizers(optimizer):
+    for o in optimizers(optimizer):
         inner = getattr(o, "optimizer", None)
         if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
             continue
@@ -142,7 +142,7 @@ def make_scheduler(opt, optim: OptimConfig):
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
 
 
-def _optimizers(optimizer) -> list:
+def optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -151,7 +151,7 @@ def clip_grad_norm(optimizer, max_norm: float) -> float:
     """Global L2 grad norm over all model-parallel shards; scale grads down to ``max_norm``. Each
     optimizer of a chain (dense parameters; mixture-of-experts expert parameters) sums its squares
     over its own grad-stats group (its shards are disjoint there), and the totals add up."""
-    opts = [o for o in _optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
+    opts = [o for o in optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
     total = 0.0
     params = []
     for o in opts:
@@ -205,7 +205,6 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
     ``entropy_grad=False``: the ``entropy`` output is computed without autograd (a metric only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_bridge import cpu_shims
 
     cpu_shims.install()  # this thread may not be the one that built the model (threaded Ray actors)
     n = len(micro_batches)
@@ -238,9 +237,7 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, tempe
 def train_step(trainer: Trainer, micro_batches: list[dict], loss_fn: LossFn, *, temperature: float = 1.0,
                with_entropy: bool = False, entropy_grad: bool = True) -> dict:
     """One optimizer step over ``micro_batches``; returns ``loss``, metric means, ``grad_norm``, ``lr``."""
-    from megatron_bridge import cpu_shims
 
-    from megatron_bridge.model import chunks
 
     cpu_shims.install()
     ddp, opt = trainer.model, trainer.optimizer
