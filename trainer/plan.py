@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from trainer.algos.correction import parse_is_threshold
 from trainer.algos.losses import LossAgg
 from trainer.async_rollout import AsyncSettings
 from trainer.checkpoint import capture_rng, restore_rng
@@ -338,8 +339,9 @@ def rollout_correction(al) -> tuple[Optional[RolloutIS], Optional[tuple]]:
     ``rollout_is`` null the weights are not applied but the mismatch metrics are still computed)."""
     rc = al.rollout_correction
     if rc.rollout_is is not None or rc.rollout_rs is not None:
-        is_ = RolloutIS(rollout_is_level=rc.rollout_is or "token", rollout_is_mode="truncate",
-                        rollout_is_threshold=float(rc.rollout_is_threshold), rollout_is_threshold_lower=None,
+        upper, lower = parse_is_threshold(rc.rollout_is_threshold)  # "lo_hi": IcePop, the weights outside zeroed
+        is_ = RolloutIS(rollout_is_level=rc.rollout_is or "token", rollout_is_mode="truncate" if lower is None else "clip",
+                        rollout_is_threshold=upper, rollout_is_threshold_lower=lower,
                         rollout_is_veto_threshold=rc.rollout_token_veto_threshold, rollout_is=rc.rollout_is is not None)
         rej = None
         if rc.rollout_rs is not None:

@@ -60,7 +60,7 @@ import torch
 
 from trainer.algos.advantages import compute_advantage, variance_proxy_metrics
 from trainer.algos.kl import apply_kl_in_reward
-from trainer.algos.rollout_is import compute_rejection_mask, compute_rollout_is_weights
+from trainer.algos.correction import compose_correction
 from trainer.batch import RolloutBatch
 from trainer.config.plugins import load_callable
 from trainer.credit import adca_advantages
@@ -416,32 +416,23 @@ def load_pipeline(spec: Optional[str]) -> Callable[[Step], None]:
 # ----------------------------------------------------------------------------------------------
 # the driver's math and the step's metrics
 # ----------------------------------------------------------------------------------------------
-def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, normalize: bool = False) -> dict[str, float]:
-    """The one driver site of rollout IS: the weights of the batch's old vs sampler log-probs
-    (``batch.rollout_is_weights``) and the ``mismatch/`` metrics. ``settings``: a
-    :class:`trainer.plan.RolloutIS` (or its keyword dict). ``weights=False``: metrics only (on the
-    on-policy path the actor's ranks computed the weights inside the update, where the old
-    log-probs first exist). ``normalize`` (verl's ``rollout_is_batch_normalize``): the weights are divided
-    by their mean over the batch: over valid tokens at token level, over sequences (one weight each)
-    at sequence / geometric level, so they average 1."""
-    kw = settings if isinstance(settings, dict) else settings.kwargs()
-    if not weights:
-        kw = {**kw, "rollout_is": False}
-    w, _, is_m = compute_rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, **kw)
-    if weights and normalize and w is not None:
-        m = batch.response_mask.to(w.dtype)  # [B, T]
-        if kw["rollout_is_level"] == "token":
-            mean = (w * m).sum() / m.sum().clamp_min(1)
-        else:  # one weight per sequence
-            rows = m.sum(-1) > 0  # [B]
-            seq_w = (w * m).sum(-1) / m.sum(-1).clamp_min(1)  # [B]
-            mean = seq_w[rows].mean() if bool(rows.any()) else w.new_ones(())
-        if float(mean) > 1e-8:
-            w = w / mean
-        is_m["rollout_is_batch_norm_factor"] = float(mean) if float(mean) > 1e-8 else 1.0
-    if weights:
-        batch.rollout_is_weights = w
-    return to_float_metrics(is_m)
+def apply_rollout_is(batch: RolloutBatch, settings, *, weights: bool = True, normalize: bool = False,
+                     rejection=None) -> dict[str, float]:
+    """The one driver site of rollout correction (:func:`trainer.algos.correction.compose_correction`):
+    the weights of the batch's old vs sampler log-probs (``batch.rollout_is_weights``), the rejection
+    mask (``batch.response_mask``: every option of ``rejection`` on the mask as sampled, ANDed) and the
+    ``mismatch/`` metrics. ``settings``: a :class:`trainer.plan.RolloutIS` (or its keyword dict), None
+    for rejection only. ``weights=False``: metrics only (on the on-policy path the actor's ranks
+    computed the weights inside the update, where the old log-probs first exist). ``normalize``
+    (verl's ``rollout_is_batch_normalize``): the weights are divided by their mean over the batch: over
+    valid tokens at token level, over sequences (one weight each) at sequence / geometric level, so
+    they average 1."""
+    c = compose_correction(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rollout_is=settings,
+                           rejection=rejection, apply_weights=weights, batch_normalize=normalize)
+    if weights and settings is not None:
+        batch.rollout_is_weights = c.weights
+    batch.response_mask = c.loss_mask
+    return to_float_metrics(c.metrics)
 
 
 def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, step: int, epoch: int = 0) -> dict[str, float]:
@@ -456,22 +447,18 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
         batch.old_log_probs = got["old_log_probs"]
         if getattr(plan, "sum_pi_squared", False):  # actor.calculate_sum_pi_squared: the same pass returned it
             batch.sum_pi_squared = got["sum_pi_squared"]
-    # IS weights (and their batch normalisation) on the mask BEFORE rejection, as verl's
-    # compute_rollout_correction_and_rejection_mask does: a rejected token still counts in the batch mean
-    # of the weights, and a sequence-level weight is the product over all of its sampled tokens
-    if plan.rollout_is is not None and old is not None:  # on-policy: the update's ranks weight, see the loop
-        m.update(apply_rollout_is(batch, plan.rollout_is, normalize=plan.is_batch_normalize))
-    for r in (plan.rejection if plan.bypass is None else None) or ():  # verl's comma list (bypass: in the loss) of rejection options: every one must keep a token
-        batch.response_mask, rs_m = compute_rejection_mask(batch.old_log_probs, batch.rollout_log_probs,
-                                                           batch.response_mask, divergence=r.divergence, agg=r.agg,
-                                                           lower=r.lower, upper=r.upper)
-        if len(plan.rejection) > 1:  # one metric set per option
-            rs_m = {k.replace("rollout_rs_", f"rollout_rs_{r.agg}_{r.divergence}_", 1): v for k, v in rs_m.items()}
-        m.update(to_float_metrics(rs_m))
+    # IS weights, their batch normalisation and every rejection option on the mask as sampled, the options
+    # ANDed (verl's compute_rollout_correction_and_rejection_mask); rejection masks the loss only: the
+    # rewards and the estimator read the batch as sampled (``sampled``), see trainer/algos/correction.py
+    sampled = batch.response_mask
+    rejection = plan.rejection if plan.bypass is None else None  # bypass mode: in the loss
+    if (plan.rollout_is is not None and old is not None) or rejection:  # on-policy: the update's ranks weight
+        m.update(apply_rollout_is(batch, plan.rollout_is if old is not None else None,
+                                  normalize=plan.is_batch_normalize, rejection=rejection))
     if plan.use_kl_in_reward:
         batch.ref_log_probs = ref.fetch()["ref_log_probs"]
         batch.token_level_rewards, kl_m = apply_kl_in_reward(
-            batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+            batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, sampled,
             kl_coef=kl_ctrl.value, kl_penalty=plan.kl_penalty)
         kl_m = to_float_metrics(kl_m)
         kl_ctrl.update(kl_m["actor/reward_kl_penalty"], n_steps=batch.num_samples)
@@ -486,13 +473,15 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
         m.update(to_float_metrics(adv_m))  # adca/*
     else:
         batch.advantages, batch.returns, adv_m = compute_advantage(
-            plan.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+            plan.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=sampled,
             index=batch.group_ids, values=batch.values, gamma=plan.gamma, lam=plan.lam,
             norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo, **getattr(plan, "adv_kwargs", {}),
             **({"reward_components": {k: torch.tensor(batch.get_meta(f"reward_component/{k}"), dtype=torch.float64)
                                       for k in plan.reward_keys}} if getattr(plan, "reward_keys", ()) else {}),
             **_otb_inputs(plan, batch))
         # its critic/advantages|returns/* are the batch's; batch_metrics logs them for every estimator
+        if batch.response_mask is not sampled:  # rejected tokens carry no advantage (the loss skips them anyway)
+            batch.advantages = torch.where(batch.response_mask.bool(), batch.advantages, 0)
     return m
 
 

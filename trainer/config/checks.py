@@ -9,6 +9,7 @@ import difflib
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.algos.correction import parse_is_threshold
 from trainer.checkpoint import contents_errors
 from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
@@ -629,8 +630,10 @@ def _rollout_correction_errors(al) -> list[str]:
                     "keys both configure rollout IS; use one spelling.")
     if rc.rollout_is is not None and rc.rollout_is not in ("token", "sequence"):
         errs.append(f"algorithm.rollout_correction.rollout_is='{rc.rollout_is}' is not token | sequence (or null).")
-    if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
-        errs.append(f"algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
+    try:  # a number (truncation) or verl's "lo_hi" (IcePop); read for the metrics even with rollout_is null
+        parse_is_threshold(rc.rollout_is_threshold)
+    except (TypeError, ValueError) as e:
+        errs.append(f"algorithm.rollout_correction.{e}.")
     if rc.rollout_rs is not None:
         try:
             parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None

@@ -377,7 +377,7 @@ class RolloutCorrectionConfig:
     """verl's newer spelling of rollout IS / rejection (``algorithm.rollout_correction``); used when
     ``rollout_is`` or ``rollout_rs`` is set, translated to the same weights and masks as the flat keys."""
     rollout_is: Optional[str] = None  # token | sequence: truncated IS weights at this level; None = no weights (metrics only)
-    rollout_is_threshold: float = 2.0  # upper truncation bound of the IS weights
+    rollout_is_threshold: Any = 2.0  # upper truncation bound of the IS weights, or "lo_hi" (verl's IcePop): weights outside [lo, hi] zeroed
     rollout_is_batch_normalize: bool = False  # normalise the IS weights to mean 1 over the batch
     rollout_rs: Optional[str] = None  # rejection: token | sequence | geometric, or comma list of {token,seq_sum,seq_mean,seq_max}_{k1,k2,k3}
     rollout_rs_threshold: Any = None  # rejection bound(s): k1 ratio bounds as "lo_hi" or an upper ratio (lower 1/upper); k2/k3 upper bound
