@@ -21,7 +21,7 @@ DAPO_KWARGS = ("max_resp_len", "overlong_buffer_cfg")
 OVERLONG_FIELDS = ("enable", "len", "penalty_factor", "log")
 
 
-def _reward_errors(cfg) -> list[str]:
+def _reward_manager_errors(cfg) -> list[str]:
     """reward_model.reward_kwargs / custom_reward_function.reward_kwargs against the chosen manager,
     with verl's meaning: what verl would reject with a TypeError or an assertion is named here."""
     rm, crf, errs = cfg.reward_model, cfg.custom_reward_function, []
@@ -307,17 +307,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(error_report(errs))
 
 
-def validation_errors(cfg: DictConfig) -> list[str]:
-    """Cross-field checks and the refusal table. Every message names all the keys involved and what to
-    change. Nothing here looks at this machine's hardware (a GPU recipe resolves on a CPU login node);
-    ``trainer.main.check_supported`` does that at run time."""
+def choice_errors(cfg: DictConfig) -> list[str]:
+    """The refusal table (verl features not built) and every enumerated key against its choices."""
     errs: list[str] = list(refusals(cfg))
     r0 = cfg.actor_rollout_ref.rollout
-    if r0._get_node("name")._is_missing():
-        errs.append("actor_rollout_ref.rollout.name is required (as in verl): native (torch engine, CPU or GPU) or "
-                    "sglang (GPU).")
-        OmegaConf.update(cfg, "actor_rollout_ref.rollout.name", "native")  # so the checks below can run
-    elif r0.name in OTHER_ENGINES:
+    if r0.name in OTHER_ENGINES:
         errs.append(f"actor_rollout_ref.rollout.name={r0.name}: Coxswain's engines are sglang (GPU) and native (CPU or "
                     f"GPU); use actor_rollout_ref.rollout.name=sglang.")
     elif ":" in str(r0.name):  # a user's engine: it must import and be an engine class (the fault and the fix)
@@ -335,84 +329,129 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         extra = " or 'pkg.module:function'" if pluggable else ""
         errs.append(f"{key}='{val}' is not one of {list(allowed)}{extra}."
                     + (f" Did you mean '{guess[0]}'?" if guess else ""))
+    return errs
 
+
+def size_errors(cfg: DictConfig) -> list[str]:
+    """The counts every other check divides by: each must be >= 1."""
     d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    ws = world_size(cfg)
-    sizes_bad = False
-    for name, val in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.rollout.n", r.n),
-                      ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-                      ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs),
-                      ("data.max_response_length", d.max_response_length),
-                      ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)):
-        if val < 1:
-            errs.append(f"{name}={val} must be >= 1.")
-            sizes_bad = True
-    if sizes_bad:  # the divisibility checks below would divide by these
-        return errs
+    return [f"{name}={val} must be >= 1." for name, val in (
+        ("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.rollout.n", r.n),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs), ("data.max_response_length", d.max_response_length),
+        ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)) if val < 1]
 
+
+def validation_errors(cfg: DictConfig) -> list[str]:
+    """Cross-field checks and the refusal table, section by section (:data:`SECTION_CHECKS`). Every message
+    names all the keys involved and what to change. Pure: the config is read, never changed (the loader's
+    :func:`trainer.config.load.resolve` runs first). Nothing here looks at this machine's hardware (a GPU
+    recipe resolves on a CPU login node); :mod:`trainer.config.preflight` does that at run time."""
+    errs = choice_errors(cfg)
+    sizes = size_errors(cfg)
+    if sizes:  # the section checks would divide by these
+        return errs + sizes
+    for check in SECTION_CHECKS:
+        errs += check(cfg)
+    return errs
+
+
+def data_errors(cfg: DictConfig) -> list[str]:
+    """``data.*``: the batch sizes in prompts."""
+    d, a, errs = cfg.data, cfg.actor_rollout_ref.actor, []
     if d.train_batch_size % a.ppo_mini_batch_size:
         errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
                     f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; "
                     f"make train_batch_size a multiple of ppo_mini_batch_size.")
     if d.gen_batch_size is not None and d.gen_batch_size < 1:
         errs.append(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null for data.train_batch_size).")
+    return errs
 
-    rm = cfg.reward_model
-    for role, mcfg in (("actor_rollout_ref.actor", a.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
-                       ("critic", cfg.critic.megatron),
-                       *([("reward_model", rm.megatron)] if rm.enable and rm.strategy == "megatron" else [])):
-        bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
-        if bad:
-            errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
-                        f"settings {list(RECOMPUTE_KEYS)}, the MoE losses {list(MOE_KEYS)} (and attention_backend, "
-                        f"which has no effect) are.")
-        lb = dict(mcfg.override_transformer_config).get("moe_router_load_balancing_type")
-        if lb is not None and lb not in MOE_BALANCING:
-            errs.append(f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type={lb!r}: "
-                        f"choose one of {list(MOE_BALANCING)}.")
-        ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
-        if ep < 1 or (etp is not None and etp < 1):
-            errs.append(f"{role}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1.")
-        elif ws % ((etp or mcfg.tensor_model_parallel_size) * ep * mcfg.pipeline_model_parallel_size):
-            errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
-                        f"{etp or mcfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
-                        f"{mcfg.pipeline_model_parallel_size} does not divide the world size {ws}.")
-        tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-        if min(tp, pp, cp) < 1:
-            errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
-            continue
-        if ws % (tp * pp * cp):
-            errs.append(f"{role}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
-                        + (f" x context_parallel_size={cp}" if cp > 1 else "")
-                        + f" = {tp * pp * cp} does not divide the world size trainer.nnodes={cfg.trainer.nnodes} x "
-                        f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} = {ws}.")
-            continue
-        if role == "actor_rollout_ref.actor":
-            dp = ws // (tp * pp * cp)
-            mini = a.ppo_mini_batch_size * r.n
-            if mini % dp:
-                errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x "
-                            f"actor_rollout_ref.rollout.n={r.n} = {mini} responses do not split over the data-parallel "
-                            f"size {dp} (world {ws} / (TP {tp} x PP {pp} x CP {cp})).")
-            elif (a.ppo_micro_batch_size_per_gpu and not a.use_dynamic_bsz and mini // dp > a.ppo_micro_batch_size_per_gpu
-                  and (mini // dp) % a.ppo_micro_batch_size_per_gpu):
-                errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
-                            f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
-                            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
-        vpp = mcfg.virtual_pipeline_model_parallel_size
-        if vpp is not None and vpp < 1:
-            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} must be >= 1 (or null).")
-        elif vpp is not None and vpp > 1 and pp < 2:
-            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} interleaves pipeline stages: it needs "
-                        f"{role}.megatron.pipeline_model_parallel_size >= 2 (got {pp}).")
-        elif vpp is not None and vpp > 1 and mcfg.pipeline_layer_split is not None:
-            errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} needs an even split: remove "
-                        f"{role}.megatron.pipeline_layer_split.")
-        split = mcfg.pipeline_layer_split
-        if split is not None and len(split) != pp:
-            errs.append(f"{role}.megatron.pipeline_layer_split has {len(split)} entries but "
-                        f"{role}.megatron.pipeline_model_parallel_size={pp}.")
 
+def megatron_roles(cfg: DictConfig) -> list[tuple]:
+    """``(role prefix, its megatron section)`` of every role that runs megatron-core's layout checks."""
+    arr, rm = cfg.actor_rollout_ref, cfg.reward_model
+    return [("actor_rollout_ref.actor", arr.actor.megatron), ("actor_rollout_ref.ref", arr.ref.megatron),
+            ("critic", cfg.critic.megatron), *([("reward_model", rm.megatron)] if rm.enable and rm.strategy == "megatron" else [])]
+
+
+def megatron_errors(cfg: DictConfig) -> list[str]:
+    """``*.megatron``: each role's transformer-config overrides and its parallel layout over the world."""
+    errs = []
+    for role, mcfg in megatron_roles(cfg):
+        errs += _override_errors(role, mcfg)
+        errs += _layout_errors(cfg, role, mcfg)
+    return errs
+
+
+def _override_errors(role: str, mcfg) -> list[str]:
+    """``<role>.megatron.override_transformer_config``: only the recompute and MoE-loss keys are read."""
+    errs = []
+    bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
+    if bad:
+        errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
+                    f"settings {list(RECOMPUTE_KEYS)}, the MoE losses {list(MOE_KEYS)} (and attention_backend, "
+                    f"which has no effect) are.")
+    lb = dict(mcfg.override_transformer_config).get("moe_router_load_balancing_type")
+    if lb is not None and lb not in MOE_BALANCING:
+        errs.append(f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type={lb!r}: "
+                    f"choose one of {list(MOE_BALANCING)}.")
+    return errs
+
+
+def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
+    """``<role>.megatron``: TP x PP x CP (and EP) divide the world; the actor's mini-batch splits over DP; VPP
+    and an uneven layer split fit the pipeline."""
+    errs, ws = [], world_size(cfg)
+    ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
+    if ep < 1 or (etp is not None and etp < 1):
+        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1.")
+    elif ws % ((etp or mcfg.tensor_model_parallel_size) * ep * mcfg.pipeline_model_parallel_size):
+        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
+                    f"{etp or mcfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
+                    f"{mcfg.pipeline_model_parallel_size} does not divide the world size {ws}.")
+    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+    if min(tp, pp, cp) < 1:
+        errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
+        return errs
+    if ws % (tp * pp * cp):
+        errs.append(f"{role}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
+                    + (f" x context_parallel_size={cp}" if cp > 1 else "")
+                    + f" = {tp * pp * cp} does not divide the world size trainer.nnodes={cfg.trainer.nnodes} x "
+                    f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} = {ws}.")
+        return errs
+    if role == "actor_rollout_ref.actor":
+        a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        dp = ws // (tp * pp * cp)
+        mini = a.ppo_mini_batch_size * r.n
+        if mini % dp:
+            errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x "
+                        f"actor_rollout_ref.rollout.n={r.n} = {mini} responses do not split over the data-parallel "
+                        f"size {dp} (world {ws} / (TP {tp} x PP {pp} x CP {cp})).")
+        elif (a.ppo_micro_batch_size_per_gpu and not a.use_dynamic_bsz and mini // dp > a.ppo_micro_batch_size_per_gpu
+              and (mini // dp) % a.ppo_micro_batch_size_per_gpu):
+            errs.append(f"the per-rank mini-batch of {mini // dp} responses (actor_rollout_ref.actor.ppo_mini_batch_size="
+                        f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
+                        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
+    vpp = mcfg.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp < 1:
+        errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} must be >= 1 (or null).")
+    elif vpp is not None and vpp > 1 and pp < 2:
+        errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} interleaves pipeline stages: it needs "
+                    f"{role}.megatron.pipeline_model_parallel_size >= 2 (got {pp}).")
+    elif vpp is not None and vpp > 1 and mcfg.pipeline_layer_split is not None:
+        errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} needs an even split: remove "
+                    f"{role}.megatron.pipeline_layer_split.")
+    split = mcfg.pipeline_layer_split
+    if split is not None and len(split) != pp:
+        errs.append(f"{role}.megatron.pipeline_layer_split has {len(split)} entries but "
+                    f"{role}.megatron.pipeline_model_parallel_size={pp}.")
+    return errs
+
+
+def micro_batch_errors(cfg: DictConfig) -> list[str]:
+    """Every running role's micro-batch: a count or a token budget (verl requires one of the two)."""
+    a, r, errs = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, []
     for key, size, dyn, dyn_key in (
             ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
              "actor_rollout_ref.actor.use_dynamic_bsz"),
@@ -428,25 +467,81 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                         f"budget ({dyn_key}=true), as verl requires.")
         elif size is not None and size < 1:
             errs.append(f"{key}={size} must be >= 1.")
-    if r.prompt_length < d.max_prompt_length:
-        errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
-                    f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
-    errs += _routing_replay_errors(cfg)
-    errs += _async_errors(cfg)
-    errs += _pipeline_errors(cfg)
-    t = cfg.trainer
-    if t.total_training_steps is not None and t.total_training_steps < 1:
-        errs.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: "
-                    f"trainer.total_epochs passes over the training data).")
-    if t.total_epochs < 1:
-        errs.append(f"trainer.total_epochs={t.total_epochs} must be >= 1.")
-    if r.max_num_seqs < 1:
-        errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
+    return errs
+
+
+def actor_errors(cfg: DictConfig) -> list[str]:
+    """``actor_rollout_ref.actor`` (and its model): packing, PPO clipping, checkpoint contents."""
+    a, errs = cfg.actor_rollout_ref.actor, []
     model = cfg.actor_rollout_ref.model
     if model.use_remove_padding and not a.megatron.use_remove_padding:
         errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="
                     "false: the megatron roles pack by megatron.use_remove_padding; remove one of the two lines.")
+    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+    if low < 0 or high < 0:
+        errs.append(f"actor_rollout_ref.actor.clip_ratio_low={low} / clip_ratio_high={high} must be >= 0.")
+    if a.clip_ratio_c <= 1.0:
+        errs.append(f"actor_rollout_ref.actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound of the ratio).")
+    ck = cfg.actor_rollout_ref.actor.checkpoint
+    errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
+    return errs
 
+
+def rollout_errors(cfg: DictConfig) -> list[str]:
+    """``actor_rollout_ref.rollout``: the engines' prompt room and slots, sampling, the weight-sync path."""
+    d, r, errs = cfg.data, cfg.actor_rollout_ref.rollout, []
+    if r.prompt_length < d.max_prompt_length:
+        errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
+                    f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
+    if r.max_num_seqs < 1:
+        errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
+    if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
+        errs.append(f"actor_rollout_ref.rollout.top_k={r.top_k} must be >= -1, top_p={r.top_p} in (0, 1], "
+                    f"temperature={r.temperature} >= 0.")
+    # rollout.name=sglang with trainer.device=cpu runs SGLang's CPU path (trainer/rollout/sglang_cpu); whether it is
+    # installed is checked at run time (trainer.main.check_supported), so --print-config resolves anywhere.
+    if r.weight_sync == "distributed_group":
+        if r.mode != "sync":
+            errs.append(f"actor_rollout_ref.rollout.weight_sync=distributed_group with rollout.mode={r.mode}: the group "
+                        f"joins the actor with Ray engine workers (mode=sync, native or SGLang); the HTTP fleet's "
+                        f"servers sync through their own endpoints. Use weight_sync=auto.")
+        elif cfg.trainer.placement != "split" and cfg.actor_rollout_ref.hybrid_engine:
+            errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with the hybrid engine (colocated, "
+                        "actor_rollout_ref.hybrid_engine=true): its engines live in the actor's processes, where the sync "
+                        "is a copy in shared memory. Set trainer.placement=split (or hybrid_engine=false) for engine "
+                        "workers of their own, or weight_sync=auto.")
+        elif cfg.trainer.debug.in_process:
+            errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with trainer.debug.in_process=true: the "
+                        "group joins separate processes; use weight_sync=auto to debug in process.")
+    if r.mode != "sync" and cfg.trainer.debug.in_process:
+        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
+                    f"separate processes by design; use rollout.mode=sync to debug in process.")
+    return errs
+
+
+def reward_errors(cfg: DictConfig) -> list[str]:
+    """``reward_model.*`` / ``custom_reward_function.*``: the code sandbox, overlong shaping, the manager's
+    keywords and the learned reward model."""
+    d, errs = cfg.data, []
+    sf = cfg.reward_model.sandbox_fusion
+    if sf.url is not None and not str(sf.url).startswith(("http://", "https://")):
+        errs.append(f"reward_model.sandbox_fusion.url={sf.url!r} must be an http(s) URL of the service's run_code endpoint.")
+    if sf.max_concurrent < 1 or sf.memory_limit_mb < 1:
+        errs.append(f"reward_model.sandbox_fusion.max_concurrent={sf.max_concurrent} and .memory_limit_mb="
+                    f"{sf.memory_limit_mb} must be >= 1.")
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable and not (0 < ob.len <= d.max_response_length):
+        errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
+    errs.extend(_reward_manager_errors(cfg))
+    errs.extend(_reward_model_errors(cfg))
+    return errs
+
+
+def algorithm_errors(cfg: DictConfig) -> list[str]:
+    """``algorithm.*``: rollout IS / rejection (flat keys and ``rollout_correction``), DAPO's group filter,
+    the group estimators, and the estimators' and losses' own hyper-parameters."""
+    r, errs = cfg.actor_rollout_ref.rollout, []
     al = cfg.algorithm
     up, lo = al.rollout_is_threshold, al.rollout_is_threshold_lower
     if up is not None and up <= 0:
@@ -474,14 +569,6 @@ def validation_errors(cfg: DictConfig) -> list[str]:
         elif al.rollout_rs_threshold_lower is not None and al.rollout_rs_threshold_lower > al.rollout_rs_threshold:
             errs.append(f"algorithm.rollout_rs_threshold_lower={al.rollout_rs_threshold_lower} is greater than "
                         f"algorithm.rollout_rs_threshold={al.rollout_rs_threshold}.")
-
-    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
-    if low < 0 or high < 0:
-        errs.append(f"actor_rollout_ref.actor.clip_ratio_low={low} / clip_ratio_high={high} must be >= 0.")
-    if a.clip_ratio_c <= 1.0:
-        errs.append(f"actor_rollout_ref.actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound of the ratio).")
-
     if cfg.algorithm.filter_groups.enable:
         if al.adv_estimator == "gae":
             errs.append("algorithm.filter_groups.enable=true needs a group estimator; algorithm.adv_estimator=gae has no groups.")
@@ -491,57 +578,37 @@ def validation_errors(cfg: DictConfig) -> list[str]:
                             "grpo_vectorized", "rloo_vectorized", "opo", "gpg", "gdpo", "cpgd") and r.n < 2:
         errs.append(f"algorithm.adv_estimator={al.adv_estimator} compares responses within a group: "
                     f"set actor_rollout_ref.rollout.n >= 2 (got {r.n}).")
+    errs.extend(_rollout_correction_errors(al))
+    errs.extend(_algorithm_variant_errors(cfg))
+    return errs
 
-    errs.extend(deepspeed_errors(cfg))
-    sf = cfg.reward_model.sandbox_fusion
-    if sf.url is not None and not str(sf.url).startswith(("http://", "https://")):
-        errs.append(f"reward_model.sandbox_fusion.url={sf.url!r} must be an http(s) URL of the service's run_code endpoint.")
-    if sf.max_concurrent < 1 or sf.memory_limit_mb < 1:
-        errs.append(f"reward_model.sandbox_fusion.max_concurrent={sf.max_concurrent} and .memory_limit_mb="
-                    f"{sf.memory_limit_mb} must be >= 1.")
-    ob = cfg.reward_model.overlong_buffer
-    if ob.enable and not (0 < ob.len <= d.max_response_length):
-        errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
-    errs.extend(_reward_errors(cfg))
-    errs.extend(_reward_model_errors(cfg))
 
+def trainer_errors(cfg: DictConfig) -> list[str]:
+    """``trainer.*``: the horizon, loggers, resume, debug modes, user hooks and pipeline."""
+    errs = []
+    t = cfg.trainer
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        errs.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: "
+                    f"trainer.total_epochs passes over the training data).")
+    if t.total_epochs < 1:
+        errs.append(f"trainer.total_epochs={t.total_epochs} must be >= 1.")
     bad_loggers = [x for x in cfg.trainer.logger if x not in LOGGERS]
     if bad_loggers:
         errs.append(f"trainer.logger has {bad_loggers}; supported loggers are {list(LOGGERS)} "
                     f"(MLFLOW_TRACKING_URI selects an MLflow server; wandb runs offline without WANDB_API_KEY).")
-    if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
-        errs.append(f"actor_rollout_ref.rollout.top_k={r.top_k} must be >= -1, top_p={r.top_p} in (0, 1], "
-                    f"temperature={r.temperature} >= 0.")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         errs.append("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
-    # rollout.name=sglang with trainer.device=cpu runs SGLang's CPU path (trainer/rollout/sglang_cpu); whether it is
-    # installed is checked at run time (trainer.main.check_supported), so --print-config resolves anywhere.
-    errs.extend(_rollout_correction_errors(al))
-    errs.extend(_algorithm_variant_errors(cfg))
-    ck = cfg.actor_rollout_ref.actor.checkpoint
-    errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
-    if r.weight_sync == "distributed_group":
-        if r.mode != "sync":
-            errs.append(f"actor_rollout_ref.rollout.weight_sync=distributed_group with rollout.mode={r.mode}: the group "
-                        f"joins the actor with Ray engine workers (mode=sync, native or SGLang); the HTTP fleet's "
-                        f"servers sync through their own endpoints. Use weight_sync=auto.")
-        elif cfg.trainer.placement != "split" and cfg.actor_rollout_ref.hybrid_engine:
-            errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with the hybrid engine (colocated, "
-                        "actor_rollout_ref.hybrid_engine=true): its engines live in the actor's processes, where the sync "
-                        "is a copy in shared memory. Set trainer.placement=split (or hybrid_engine=false) for engine "
-                        "workers of their own, or weight_sync=auto.")
-        elif cfg.trainer.debug.in_process:
-            errs.append("actor_rollout_ref.rollout.weight_sync=distributed_group with trainer.debug.in_process=true: the "
-                        "group joins separate processes; use weight_sync=auto to debug in process.")
-    if r.mode != "sync" and cfg.trainer.debug.in_process:
-        errs.append(f"actor_rollout_ref.rollout.mode={r.mode} with trainer.debug.in_process=true: the fleet's servers are "
-                    f"separate processes by design; use rollout.mode=sync to debug in process.")
     if cfg.trainer.debug.rollout_only and cfg.trainer.debug.train_only:
         errs.append("trainer.debug.rollout_only and trainer.debug.train_only cannot both be true.")
     if cfg.trainer.debug.train_only and not cfg.trainer.debug.dump_batch_path:
         errs.append("trainer.debug.train_only=true needs trainer.debug.dump_batch_path (a batch dumped by an earlier run).")
+    errs += _pipeline_errors(cfg)
     return errs
 
+
+# The section checks in the schema's order; each reads its section (and the keys it must agree with).
+SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
+                  _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines

@@ -239,6 +239,16 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
 
 
 
+def resolve(ld: _Load) -> None:
+    """The loader's one normalisation, before the checks (which only read): verl's required
+    ``actor_rollout_ref.rollout.name`` left unset is reported here and stands in as ``native`` so that every
+    other check still runs and reports in the same load (the load fails on the report)."""
+    if OmegaConf.is_missing(ld.cfg.actor_rollout_ref.rollout, "name"):
+        ld.errors.append("actor_rollout_ref.rollout.name is required (as in verl): native (torch engine, CPU or GPU) "
+                         "or sglang (GPU).")
+        OmegaConf.update(ld.cfg, "actor_rollout_ref.rollout.name", "native")
+
+
 LAST_LOAD_NOTES: list[str] = []  # the verl keys the last load accepted with no effect (cli prints them)
 
 
@@ -268,6 +278,7 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
     LAST_LOAD_NOTES[:] = ld.notes
     if validate_config:
         try:
+            resolve(ld)
             ld.errors.extend(validation_errors(ld.cfg))
         except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing mandatory value
             ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
