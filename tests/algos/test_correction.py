@@ -205,3 +205,26 @@ def test_rejection_mask_dtype_kept():
     for r in rej:
         want = want * compute_rejection_mask(old, roll, mask, **r)[0]
     assert torch.equal(c_f.loss_mask, want)
+
+
+def test_inside_the_loss_no_metrics_same_weights():
+    old, roll, mask = _ragged(torch.float32, 1)
+    rej = parse_rejection("token_k1,seq_mean_k3", "0.7_1.4,0.02", None)
+    full = compose_correction(old, roll, mask, rollout_is=_is("sequence"), rejection=rej, bypass="reinforce")
+    lean = compose_correction(old, roll, mask, rollout_is=_is("sequence"), rejection=rej, bypass="reinforce",
+                              with_metrics=False)
+    assert lean.metrics == {} and full.metrics
+    assert torch.equal(lean.weights, full.weights) and torch.equal(lean.loss_mask, full.loss_mask)
+    pc = compose_correction(old, roll, mask, rollout_is=_is("sequence"), rejection=rej, bypass="ppo_clip",
+                            with_metrics=False)
+    assert pc.weights is None and torch.equal(pc.loss_mask, full.loss_mask)
+
+
+def test_bad_is_threshold_is_refused_by_the_config():
+    from trainer.config import load_config
+    from trainer.config.schema import ConfigError
+
+    ov = ["actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_is_threshold=null",
+          "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold='2.0_0.5'"]
+    with pytest.raises(ConfigError, match="rollout_is_threshold"):
+        load_config(["--config", "recipes/cpu/tiny_grpo.yaml", *ov])

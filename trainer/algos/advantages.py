@@ -79,7 +79,8 @@ group, ``n_g`` the group size, ``mean_g`` / ``std_g`` the group mean and unbiase
 * ``gpg`` -- GPG (Chu et al. 2025, arXiv:2504.02546): ``A_i = alpha (R_i - mean_g) / f_norm`` with the
   paper's "accurate gradient estimation" factor ``alpha = B / (B - M)``, ``M`` the number of samples
   whose group (of >= 2) has all-equal rewards (their advantage is 0 and they only dilute the batch
-  mean). ``f_norm = 1`` (verl's default; no config key). A group of one gets ``mean = 0`` and counts as
+  mean), tested by equality (``utils.group_constant``: a computed std of ``[0.7, 0.7, 0.7]`` is 1.4e-16).
+  ``f_norm = 1`` (verl's default; no config key). A group of one gets ``mean = 0`` and counts as
   valid. Deviation from verl: verl takes ``alpha = B / count_nonzero(R)`` (samples with a non-zero
   REWARD), which equals the paper's only when every sample of a mixed group has a non-zero reward and
   every constant group has reward 0; we follow the paper.
@@ -105,7 +106,8 @@ group, ``n_g`` the group size, ``mean_g`` / ``std_g`` the group mean and unbiase
 * ``cpgd`` -- CPGD's advantage (Liu et al. 2025, arXiv:2505.12504; siiRL's ``cpgd`` estimator with
   ``algorithm.weight_factor_in_cpgd``): ``STD_weight`` is GRPO's ``(R - mean_g) / (std_g + epsilon)``;
   ``naive`` is ``R - mean_g``; ``clip_filter_like_weight`` is ``(R - mean_g) min(B / G_nz, 3)`` with
-  ``G_nz`` the number of GROUPS whose std is non-zero (a group of one counts, with std 1) -- siiRL's
+  ``G_nz`` the number of GROUPS whose rewards are not all equal (siiRL's "non-zero std", tested by
+  equality; a group of one counts, with std 1) -- siiRL's
   formula, which divides a number of samples by a number of groups; kept as siiRL computes it.
   Groups of one get ``mean = 0``.
 
@@ -132,7 +134,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trainer.algos.utils import compile_wanted, dense_group_ids, group_stats, load_fn, masked_whiten, run_compiled
+from trainer.algos.utils import (compile_wanted, dense_group_ids, group_constant, group_stats, load_fn, masked_whiten,
+                                 run_compiled)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,14 +468,15 @@ def compute_gpg_outcome_advantage(
         raise ValueError(f"gpg: f_norm must be > 0, got {f_norm}")
     scores = _sequence_scores(token_level_rewards, response_mask)  # [B] float64
     gid = _as_index(index, scores.device)  # [B]
-    mean, std, cnt = group_stats(scores, gid)  # [B] each
+    mean, _, cnt = group_stats(scores, gid)  # [B] each
     single = cnt < 2  # [B]
     mean = torch.where(single, torch.zeros_like(mean), mean)
-    # a sample is "invalid" (zero advantage, only dilutes the mean) when its group of >= 2 is constant
-    invalid = (~single) & (std == 0)  # [B]
+    # a sample is "invalid" (zero advantage, only dilutes the mean) when its group of >= 2 is constant:
+    # tested by equality, since a computed std of equal values need not be 0
+    invalid = (~single) & group_constant(scores, gid)  # [B]
     b = scores.shape[0]
     alpha = b / max(b - int(invalid.sum()), 1)  # the paper's B / (B - M)
-    adv = alpha * (scores - mean) / f_norm  # [B]
+    adv = torch.where(invalid, 0.0, alpha * (scores - mean) / f_norm)  # [B] a constant group's R - mean is 0 exactly
     out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]
     return out, out
 
@@ -683,7 +687,8 @@ def compute_cpgd_outcome_advantage(
     else:
         first = torch.full((g,), scores.shape[0], dtype=torch.long, device=scores.device).scatter_reduce_(
             0, gid, torch.arange(scores.shape[0], device=scores.device), "amin")  # [G] one sample per group
-        g_nz = int((std[first] != 0).sum())  # groups with a non-zero std (siiRL's count)
+        varied = single | ~group_constant(scores, gid)  # [B] siiRL's "non-zero std": a group of one counts
+        g_nz = int(varied[first].sum())  # groups with a non-zero std (siiRL's count), tested by equality
         # no such group: every centred value is 0 already (siiRL would divide by zero here)
         adv = centred * min(scores.shape[0] / g_nz, 3.0) if g_nz else torch.zeros_like(centred)
     out = _broadcast(adv, response_mask, token_level_rewards.dtype)  # [B, T]

@@ -145,6 +145,7 @@ def compose_correction(
     bypass: Optional[str] = None,
     apply_weights: bool = True,
     batch_normalize: bool = False,
+    with_metrics: bool = True,
 ) -> Correction:
     """The loss mask, IS weights and metrics of one batch (see the module doc).
 
@@ -156,16 +157,17 @@ def compose_correction(
     a mapping); None or empty = no rejection. ``bypass``: None, ``"ppo_clip"`` (weights computed for
     their metrics, not returned) or ``"reinforce"``. ``apply_weights=False``: metrics only.
     ``batch_normalize``: the weights divided by their batch mean, taken on ``response_mask``.
-    A mask with no valid token returns it unchanged with no weights and no metrics."""
+    ``with_metrics=False`` (inside a loss, where nobody reads them): IS is computed only where its
+    weights are returned, and no metrics come back. A mask with no valid token returns it unchanged with no weights and no metrics."""
     if bypass is not None and bypass not in BYPASS_LOSSES:
         raise ValueError(f"bypass loss '{bypass}' is not one of {list(BYPASS_LOSSES)}")
     if not bool(response_mask.bool().any()):
         return Correction(response_mask, None, {})
     metrics: dict[str, float] = {}
     weights = None
-    if rollout_is is not None:
-        kw = _is_kwargs(rollout_is)
-        want = apply_weights and bypass != "ppo_clip" and kw.get("rollout_is", True)
+    kw = {} if rollout_is is None else _is_kwargs(rollout_is)
+    want = rollout_is is not None and apply_weights and bypass != "ppo_clip" and kw.get("rollout_is", True)
+    if rollout_is is not None and (want or with_metrics):
         weights, _, is_m = compute_rollout_is_weights(log_prob, rollout_log_prob, response_mask,
                                                       **{**kw, "rollout_is": bool(want)})
         metrics.update(is_m)
@@ -176,4 +178,4 @@ def compose_correction(
     if rejection:
         loss_mask, rs_m = _reject(log_prob, rollout_log_prob, response_mask, [_option(r) for r in rejection])
         metrics.update(rs_m)
-    return Correction(loss_mask, weights, metrics)
+    return Correction(loss_mask, weights, metrics if with_metrics else {})

@@ -70,8 +70,9 @@ Losses (``POLICY_LOSSES``; ``get_policy_loss_fn(name)`` also takes ``"pkg.module
     ``min(r − 1, 2) ∇logp`` (the k3 gradient with the ratio capped at 3, siiRL's). Deviations from
     siiRL, whose gradients are the same: siiRL's policy term is ``−A · clip(logp)`` (value off by the
     constant ``A · old``; we log the paper's ``−A · clip(Δ)``), its drift value is
-    ``min(r − 1, 2) · logp`` (we log the KL estimate), and siiRL adds the drift whenever
-    ``adv_estimator=cpgd`` whatever the loss, where here it belongs to ``loss_mode=cpgd``.
+    ``min(r − 1, 2) · logp`` (we log the KL estimate), siiRL adds the drift whenever
+    ``adv_estimator=cpgd`` whatever the loss, where here it belongs to ``loss_mode=cpgd``, and siiRL's
+    loss takes no rollout-IS weights, where here they multiply the policy term (not the drift).
 
 ``bypass_mode`` (verl's loss name for ``algorithm.rollout_correction.bypass_mode=true``, which verl
 sets itself) is not a function here: the config maps it onto that mode, whose IS / rejection run in

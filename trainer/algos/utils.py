@@ -14,6 +14,7 @@ Conventions used across ``trainer.algos``:
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import warnings
 from typing import Callable, Optional
@@ -74,6 +75,16 @@ def group_stats(values: torch.Tensor, index: torch.Tensor, unbiased: bool = True
     std_g = torch.sqrt(s2 / denom)
     std_g = torch.where(cnt > 1, std_g, torch.zeros_like(std_g))
     return mean_g[gid].to(values.dtype), std_g[gid].to(values.dtype), cnt[gid].to(values.dtype)
+
+
+def group_constant(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-sample flag ``[B]``: every value of the sample's group equals every other, compared exactly
+    (group max == group min). A floating-point std misses it: ``[0.7, 0.7, 0.7]`` in float64 has a
+    computed std of 1.4e-16, not 0."""
+    gid, g = dense_group_ids(index)
+    hi = torch.full((g,), -math.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, gid, values, "amax")
+    lo = torch.full((g,), math.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, gid, values, "amin")
+    return (hi == lo)[gid]
 
 
 def load_fn(spec: str | Callable, table: dict[str, Callable], kind: str) -> Callable:
