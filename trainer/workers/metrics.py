@@ -24,6 +24,11 @@ from typing import Mapping, Sequence
 
 import torch
 
+try:
+    import psutil  # optional: the node's CPU memory metric is left out without it
+except ImportError:  # pragma: no cover
+    psutil = None
+
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 
 # metrics of the policy losses that are means over sequences (rows with a valid token), not tokens
@@ -84,6 +89,27 @@ class Partials:
 
     def to_dict(self) -> dict[str, tuple]:
         return {k: tuple(v) for k, v in self.parts.items()}
+
+
+def memory_partials(acc: Partials, prefix: str = "perf/") -> None:
+    """verl's memory metrics of an update: the device's peak allocated / reserved memory (CUDA only)
+    and the node's used CPU memory (``psutil.virtual_memory().used``)."""
+    if torch.cuda.is_available():
+        acc.add(prefix + "max_memory_allocated_gb", MAX, torch.cuda.max_memory_allocated() / 1024**3)
+        acc.add(prefix + "max_memory_reserved_gb", MAX, torch.cuda.max_memory_reserved() / 1024**3)
+    if psutil is not None:
+        acc.add(prefix + "cpu_memory_used_gb", MEAN, psutil.virtual_memory().used / 1024**3)
+
+
+def step_partials(acc: Partials, prefix: str, m: Mapping) -> None:
+    """The optimizer step's own metrics (the same on every rank): ``grad_norm``, ``lr``, ``skipped``,
+    the total ``loss`` (this rank's micro-batch sum, a share x dp_size) and the memory metrics."""
+    for k in ("grad_norm", "lr", "skipped"):
+        if k in m:
+            acc.add(prefix + k, MEAN, m[k])
+    if "loss" in m:
+        acc.add(prefix + "loss", SUM, m["loss"])
+    memory_partials(acc)
 
 
 def reduce_partials(per_rank: Sequence[Sequence[Mapping]], dp_size: int) -> tuple[dict[str, float], list[dict[str, float]]]:

@@ -1,0 +1,140 @@
+"""Training strategies: what builds and trains the model on one rank, behind one small interface.
+
+The train worker (:class:`trainer.workers.train_worker.TrainWorker`) is strategy-neutral: it unpacks
+batches, plans micro-batches, assembles the losses, gathers metrics and orchestrates checkpoints. It
+holds one :class:`Strategy`, which does the rest:
+
+* build the model on this rank (its constructor: the distributed set-up, the weights, the optimizer);
+* ``compute(mbs, ...)``: forward-only per-token outputs of each micro-batch (log-probs, entropy,
+  ``sum pi^2``, or a critic's values); ``train_step(mbs, loss_fn, ...)``: forward and backward over the
+  micro-batches with the worker's loss, then one optimizer step;
+* how a micro-batch is laid out: ``packs`` (one THD row of the real tokens, ``pack`` / ``unpack``) or
+  padded rows, and ``min_micro_batches`` (an interleaved pipeline needs one per stage);
+* the weights the transports read (:mod:`trainer.sync`): ``hf_buckets(bucket_bytes)``, ``hf_params()``
+  (HF-named full tensors, collective over the model group) and ``reshard_blocks()`` (this rank's own
+  blocks of the HF tensors, or None where the strategy cannot say);
+* ``save`` / ``load`` / ``export_hf``; ``load_state`` / ``offload_state`` / ``offload_status`` (what is
+  kept in host memory between calls); ``rng_state`` / ``set_rng_state``; ``mesh``, the rank's
+  coordinates (``dp_rank``, ``dp_size``, ``tp_*``, ``pp_*``, ``vpp_size``, ``cp_*``, ``ep_*``).
+
+The registry is a plain dict from a strategy's name (``*.strategy`` in the config) to
+``"pkg.module:Class"``; ``"pkg.module:Class"`` itself names a user's own. A new strategy is one module
+with a :class:`Strategy` subclass plus one line in :data:`STRATEGIES` (and a ``TrainWorker`` subclass
+naming it where the cluster should start it by name).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from trainer.checkpoint import capture_rng, restore_rng
+
+# Loaded lazily by name (importlib), never imported here: importing megatron-core or DeepSpeed costs a
+# process seconds, and the driver, which only names the strategy of each role, must not pay it. Only a
+# worker process that runs a strategy imports its module.
+STRATEGIES: dict[str, str] = {
+    "megatron": "trainer.strategies.megatron:MegatronStrategy",
+    "deepspeed": "trainer.strategies.deepspeed:DeepSpeedStrategy",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_strategy(name: str) -> type[Strategy]:
+    """The strategy class registered as ``name``, or the class ``"pkg.module:Class"`` names."""
+    target = STRATEGIES.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"unknown training strategy {name!r}: use one of {sorted(STRATEGIES)} or 'pkg.module:Class'")
+    module, cls = target.split(":", 1)
+    return getattr(importlib.import_module(module), cls)
+
+
+class Strategy(abc.ABC):
+    """One rank's model under a training library. Subclasses set ``mesh`` and ``model`` in their
+    constructor (keyword arguments: ``role``, ``rank``, ``world_size``, ``master_addr``,
+    ``master_port``, ``model_path`` and their own options)."""
+
+    mesh: dict
+    model: Any
+    routing_replay: bool = False  # R3: micro-batches carry the rollout's routed experts
+    packs: bool = False  # micro-batches may be packed THD rows (``pack`` / ``unpack``); else padded rows
+
+    # ------------------------------------------------------------------ model and micro-batches
+    def module(self):
+        """The trained module (or megatron's list of model chunks), as the weight readers take it."""
+        return self.model
+
+    @property
+    def min_micro_batches(self) -> int:
+        return 1
+
+    def pack(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        """A micro-batch of padded rows as one packed row (with ``pack_index`` back to the grid)."""
+        raise NotImplementedError(f"{type(self).__name__} runs padded rows")
+
+    def unpack(self, values: torch.Tensor, pack_index: torch.Tensor, shape: tuple) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} runs padded rows")
+
+    @abc.abstractmethod
+    def compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,
+                with_sum_pi_squared: bool = False) -> list[dict]:
+        """Forward-only per-token outputs of each micro-batch on its own layout (no grad)."""
+
+    @abc.abstractmethod
+    def train_step(self, mbs: list[dict], loss_fn: Callable, **kw) -> dict:
+        """One optimizer step over the micro-batches; ``loss_fn(outs, mb) -> (loss, metrics)``.
+        Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
+
+    # ------------------------------------------------------------------ weights (read by trainer.sync)
+    @abc.abstractmethod
+    def hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` one at a time; collective over the model group."""
+
+    def hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named weight buckets of about ``bucket_bytes``, collective (every rank sees full tensors)."""
+        bucket, size = [], 0
+        for name, t in self.hf_params():
+            bucket.append((name, t.contiguous()))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def reshard_blocks(self) -> list | None:
+        """This rank's blocks of the HF tensors (``megatron_bridge.reshard``); None: not supported."""
+        return None
+
+    # ------------------------------------------------------------------ checkpoints
+    @abc.abstractmethod
+    def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
+        ...
+
+    @abc.abstractmethod
+    def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
+        ...
+
+    @abc.abstractmethod
+    def export_hf(self, out_dir: str, source_dir: str | None = None) -> str | None:
+        ...
+
+    # ------------------------------------------------------------------ offload, RNG
+    def load_state(self, parts) -> None:
+        """Bring ``parts`` ("params", "grads", "optimizer") of what is offloaded into device memory."""
+
+    def offload_state(self) -> None:
+        """Move whatever the strategy offloads back to host memory."""
+
+    def offload_status(self) -> dict:
+        return {"offloaded": {}, "bytes": {}, "resident": {}}
+
+    def rng_state(self) -> dict:
+        return capture_rng()
+
+    def set_rng_state(self, state: dict) -> None:
+        restore_rng(state)

@@ -1,0 +1,302 @@
+"""The DeepSpeed ZeRO strategy: actor, reference or critic on a Hugging Face model (``*.strategy=deepspeed``).
+
+Any ``AutoModelForCausalLM`` trains with no conversion code: the model is the HF model, sharded by ZeRO
+over the group's data-parallel ranks (stage 1: optimizer states; 2: + gradients; 3: + parameters;
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+arXiv:1910.02054). The group is pure data parallel (``dp_size`` = world size).
+
+* ``compute`` / ``train_step``: the HF forward on padded rows (``attention_mask`` and position ids
+  restarting at each row's first real token), with the same per-token definitions as the megatron
+  path (``megatron_bridge.logprobs``): ``x = logits / T`` (temperature first), ``logp(y) = x_y -
+  logsumexp(x)``, ``H = logsumexp(x) - sum softmax(x) x``, ``sum pi^2 = sum exp(2 (x - logsumexp(x)))``
+  (with ``actor.calculate_sum_pi_squared``) over the full vocabulary, each aligned with
+  the token it scores (the first token and pads get 0). A critic is
+  ``AutoModelForTokenClassification`` with one label (HF name ``score``, as the megatron critic
+  exports it), initialised as the megatron critic's head when the checkpoint has none.
+* One optimizer step per mini-batch: every micro-batch's loss is already normalised by the WHOLE
+  mini-batch (``LossAgg``: global token / sequence counts, times the DP size that DeepSpeed's gradient
+  averaging divides by), so gradients accumulate unscaled (the accumulation boundary is set by hand,
+  since dynamic micro-batching gives each mini-batch its own count), then DeepSpeed reduces, clips
+  (``gradient_clipping``) and steps. The optimizer is torch's AdamW with megatron's grouping (no
+  weight decay on biases and 1-D parameters) and megatron's own LR schedule object
+  (``OptimizerParamScheduler``: warmup, constant / cosine / linear), so both strategies follow the
+  same schedule and the parity test can compare them step for step.
+* Weights: ``hf_params`` yields the HF-named parameters; under ZeRO-3 each one is gathered
+  (``GatheredParameters``, collective) and copied, so the extra memory of a sync is one bucket. ZeRO
+  partitions flat buffers, not HF blocks, so there are no ``reshard_blocks``: syncs gather.
+* Checkpoints: DeepSpeed's own format (``engine.save_checkpoint``, every rank its partition) plus the
+  LR schedule as client state, inside the driver's atomic checkpoint directory; HF export gathers and
+  writes safetensors with the source's config and tokenizer files.
+
+Device: CPU (gloo; ``DS_ACCELERATOR=cpu``) or CUDA (nccl). Offload of parameters / optimizer states
+to CPU (ZeRO-Offload) is passed to DeepSpeed on CUDA and refused on CPU, where nothing would move.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
+from megatron_bridge.fsutil import replace_dir
+from megatron_bridge.train import OptimConfig, make_scheduler
+from trainer.rewards.reward_model import check_score_head
+from trainer.strategies import DTYPES, Strategy
+
+
+def ds_config(*, zero_stage: int, dtype: str, clip_grad: float, offload_params: bool = False,
+              offload_optimizer: bool = False) -> dict:
+    """The DeepSpeed config of a role (micro-batching and accumulation are driven by the worker)."""
+    zero: dict = {"stage": int(zero_stage)}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "gradient_clipping": float(clip_grad or 0.0),
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _import_deepspeed(use_cuda: bool):
+    """DeepSpeed, imported here and not at the top: it picks its accelerator from ``DS_ACCELERATOR`` at
+    import time, so the variable must be set first (and it is a heavy import)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_cuda else "cpu")
+    import deepspeed  # heavy optional dependency, configured by the environment above
+    import deepspeed.ops
+
+    if not use_cuda:
+        # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce kernel (C++, tens of
+        # seconds, a compiler needed) at start-up; training reduces through gloo and never uses it
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+class DeepSpeedStrategy(Strategy):
+    def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                 model_path: str, zero_stage: int = 2, params_dtype: str = "float32", optim: dict | None = None,
+                 seed: int = 1, gradient_checkpointing: bool = False, offload_params: bool = False,
+                 offload_optimizer: bool = False):
+        use_cuda = torch.cuda.is_available()
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        self._ds = deepspeed = _import_deepspeed(use_cuda)
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False,
+                                       verbose=False)
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed_config.zero_stage={zero_stage}: use 0, 1, 2 or 3")
+        torch.manual_seed(seed)
+        self.role, self.rank = role, rank
+        self.mesh = {"dp_rank": rank, "dp_size": world_size, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+                     "vpp_size": 1, "cp_rank": 0, "cp_size": 1, "ep_rank": 0, "ep_size": 1}
+        self.zero_stage = int(zero_stage)
+        self.is_critic = role in ("critic", "reward")  # a reward model reads its score through the value path
+        self.model = self._load_model(model_path, DTYPES[params_dtype])
+        if gradient_checkpointing and optim is not None:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cfg = ds_config(zero_stage=zero_stage, dtype=params_dtype, clip_grad=(optim or {}).get("clip_grad", 0.0),
+                        offload_params=offload_params, offload_optimizer=offload_optimizer)
+        if optim is None:  # reference: forward only (ZeRO-3 still partitions the parameters)
+            self.ds_engine = deepspeed.initialize(model=self.model, config=cfg)[0] if self.zero_stage == 3 else None
+            self.scheduler = None
+            return
+        self.optim = OptimConfig(**optim)
+        if self.optim.optimizer != "adam":
+            raise ValueError(f"strategy=deepspeed: optim.optimizer={self.optim.optimizer!r}; DeepSpeed trains with AdamW here")
+        decay, no_decay = [], []
+        for n, p in self.model.named_parameters():
+            (no_decay if p.ndim < 2 or n.endswith(".bias") else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.optim.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.optim.lr,
+                                betas=(self.optim.adam_beta1, self.optim.adam_beta2), eps=self.optim.adam_eps)
+        self.ds_engine, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=opt, config=cfg)
+        # megatron's schedule object drives the learning rate of every group (the same numbers as the megatron path)
+        self.scheduler = make_scheduler(self.ds_optimizer, self.optim)
+
+    # ------------------------------------------------------------------ model
+    def _load_model(self, path: str, dtype: torch.dtype):
+        if not self.is_critic:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        cfg = AutoConfig.from_pretrained(path, num_labels=1)
+        cfg.classifier_dropout = 0.0  # the megatron critic has no dropout before its head
+        if self.role == "reward":  # its trained head or nothing (trainer.rewards.reward_model)
+            check_score_head(path, cfg.hidden_size)
+        model, info = AutoModelForTokenClassification.from_pretrained(path, config=cfg, dtype=dtype,
+                                                                      output_loading_info=True)
+        if self.role == "reward":
+            # a *ForSequenceClassification head has no bias; the token-classification head has one: 0
+            if model.score.bias is not None and "score.bias" in info.get("missing_keys", []):
+                with torch.no_grad():
+                    model.score.bias.zero_()
+        elif any(k.startswith("score.") for k in info.get("missing_keys", [])):
+            # no trained head in the checkpoint: the megatron critic's init (megatron_bridge.model.ValueHead)
+            h = model.config.hidden_size
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                model.score.weight.copy_((torch.randn(1, h, generator=g, dtype=torch.float32) / (h + 1)).to(dtype))
+                if model.score.bias is not None:
+                    model.score.bias.zero_()
+        return model
+
+    def module(self):
+        return self.ds_engine.module if self.ds_engine is not None else self.model
+
+    def _device(self) -> torch.device:
+        return self.ds_engine.device if self.ds_engine is not None else next(self.model.parameters()).device
+
+    def _outputs(self, mb: dict, *, temperature: float, with_entropy: bool, entropy_grad: bool = True,
+                 with_sum_pi_squared: bool = False) -> dict:
+        dev = self._device()
+        ids, am = mb["input_ids"].to(dev), mb["attention_mask"].long().to(dev)
+        pos = (am.cumsum(-1) - 1).clamp_min(0)
+        valid = am.bool().clone()
+        first = am.argmax(-1)  # each row's first real token: nothing scores it
+        valid[torch.arange(ids.shape[0]), first] = False
+        # through the engine, not its module: its forward also advances ZeRO-3's micro-step counter, without
+        # which every micro-batch's gradient would overwrite the previous one instead of adding to it
+        model = self.ds_engine if self.ds_engine is not None else self.model
+        out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False)
+        logits = out.logits.float()
+
+        def align(next_vals):  # values at position t are about token t+1
+            res = torch.zeros(ids.shape, dtype=next_vals.dtype, device=next_vals.device)
+            res[:, 1:] = next_vals[:, :-1]
+            return torch.where(valid, res, torch.zeros_like(res))
+
+        if self.is_critic:
+            return {"values": align(logits[..., 0])}
+        x = logits / temperature
+        lse = torch.logsumexp(x, dim=-1)  # [b, S]
+        nxt = torch.zeros_like(ids)
+        nxt[:, :-1] = ids[:, 1:]
+        res = {"logprobs": align(x.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) - lse)}
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+            res["entropy"] = align(ent)
+        if with_sum_pi_squared:  # sum_v exp(2 (x_v - lse)): every exponent <= 0, an advantage input (no grad)
+            with torch.no_grad():
+                res["sum_pi_squared"] = align(torch.exp(2.0 * (x - lse.unsqueeze(-1))).sum(-1))
+        return res
+
+    def compute(self, mbs, *, temperature, with_entropy, with_sum_pi_squared=False):
+        m = self.module()
+        was = m.training
+        m.eval()
+        try:
+            with torch.no_grad():
+                return [{k: v.float().cpu() for k, v in self._outputs(
+                    mb, temperature=temperature, with_entropy=with_entropy,
+                    with_sum_pi_squared=with_sum_pi_squared).items()} for mb in mbs]
+        finally:
+            m.train(was)
+
+    def train_step(self, mbs, loss_fn, *, temperature: float = 1.0, with_entropy: bool = False,
+                   entropy_grad: bool = True) -> dict:
+        eng = self.ds_engine
+        eng.train()
+        total = 0.0
+        for i, mb in enumerate(mbs):
+            eng.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            outs = self._outputs(mb, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+            dev = self._device()  # the loss reads the micro-batch's fields beside the outputs, on their device
+            loss, _ = loss_fn(outs, {k: v.to(dev) if torch.is_tensor(v) else v for k, v in mb.items()})
+            eng.backward(loss)
+            total += float(loss.detach())
+        lr = float(self.ds_optimizer.param_groups[0]["lr"])
+        eng.step()
+        gn = eng.get_global_grad_norm()
+        gn = float(gn) if gn is not None else float("nan")
+        skipped = 0.0
+        if not (gn == gn and gn != float("inf")):  # a non-finite norm: DeepSpeed skipped the step (or must)
+            skipped = 1.0
+        self.scheduler.step(increment=1)
+        return {"loss": total, "grad_norm": gn, "lr": lr, "skipped": skipped}
+
+    # ------------------------------------------------------------------ weights
+    @contextmanager
+    def _gathered(self, params):
+        if self.zero_stage == 3 and self.ds_engine is not None:
+            with self._ds.zero.GatheredParameters(list(params), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def hf_params(self):
+        """HF names and full tensors; ZeRO-3 gathers one parameter at a time (collective: every rank)."""
+        m = self.module()
+        tied = bool(getattr(m.config, "tie_word_embeddings", False))
+        for name, p in m.named_parameters():
+            if tied and name == "lm_head.weight":
+                continue
+            with self._gathered([p]):
+                t = p.detach().clone() if self.zero_stage == 3 else p.detach()
+            yield name, t
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
+        if self.ds_engine is None or self.scheduler is None:
+            return ckpt_dir
+        os.makedirs(ckpt_dir, exist_ok=True)
+        self.ds_engine.save_checkpoint(ckpt_dir, tag="deepspeed", client_state={"scheduler": self.scheduler.state_dict()},
+                                       save_latest=False)
+        return ckpt_dir
+
+    def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
+        if self.ds_engine is None or self.scheduler is None:
+            return {}
+        if not os.path.isdir(os.path.join(ckpt_dir, "deepspeed")):
+            raise FileNotFoundError(f"{ckpt_dir} holds no DeepSpeed checkpoint (expected {ckpt_dir}/deepspeed): it "
+                                    f"was saved by another strategy; resume with the strategy that saved it")
+        _, client = self.ds_engine.load_checkpoint(ckpt_dir, tag="deepspeed",
+                                                   load_optimizer_states="optimizer" in contents,
+                                                   load_lr_scheduler_states=False, load_module_strict=True)
+        if "extra" in contents and client and "scheduler" in client:
+            self.scheduler.load_state_dict(client["scheduler"])
+        return client or {}
+
+    def export_hf(self, out_dir: str, source_dir: str | None = None) -> str | None:
+        """Write a HF directory (rank 0 writes; every rank takes part in the ZeRO-3 gathers)."""
+        writer = self.rank == 0
+        state = {}
+        for n, t in self.hf_params():  # collective under ZeRO-3; only the writer keeps the tensors
+            if writer:
+                state[n] = t.cpu().contiguous()
+        if writer:
+            parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+            os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
+            os.makedirs(tmp)
+            try:
+                save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+                cfg = self.module().config.to_dict()
+                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                    json.dump(cfg, f, indent=2, sort_keys=True, default=str)
+                if source_dir:
+                    for fn in TOKENIZER_FILES:
+                        src = os.path.join(source_dir, fn)
+                        if os.path.exists(src):
+                            shutil.copy2(src, os.path.join(tmp, fn))
+                replace_dir(tmp, out_dir)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
+        return out_dir if writer else None

@@ -1,0 +1,152 @@
+"""The megatron-core strategy: one rank of a TP / PP / VPP / CP / EP model group (``*.strategy=megatron``).
+
+Everything goes through ``megatron_bridge``: the distributed set-up and parallel layout
+(``launch``), the model built from the HF config with the HF weights loaded (``model``, ``convert``),
+log-probs on padded or packed (THD) rows (``logprobs``), the train step with megatron's optimizer and
+LR schedule (``train``), checkpoints in megatron's distributed format (``checkpoint``), the HF-named
+weight stream and its per-rank blocks (``export``, ``reshard``), R3 routing replay
+(``routing_replay``) and verl's parameter / gradient / optimizer offload (``offload``).
+
+Imported only in a worker process that runs this strategy (``trainer.strategies.load_strategy``), so
+megatron-core is imported at the top here and never in the driver.
+"""
+
+from __future__ import annotations
+
+from megatron_bridge import launch
+from megatron_bridge import offload as off
+from megatron_bridge import routing_replay as rr
+from megatron_bridge.checkpoint import load_checkpoint, save_checkpoint
+from megatron_bridge.convert import load_hf_weights
+from megatron_bridge.export import export_hf, iter_hf_param, iter_hf_weights
+from megatron_bridge.hf_config import read_hf_config
+from megatron_bridge.logprobs import compute_logprobs, pack_padded, unpack_padded
+from megatron_bridge.model import build_model, compile_model
+from megatron_bridge.reshard import local_blocks
+from megatron_bridge.train import OptimConfig, make_trainer, train_step
+from trainer.rewards.reward_model import check_score_head
+from trainer.strategies import DTYPES, Strategy
+
+
+class MegatronStrategy(Strategy):
+    packs = True
+
+    def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                 model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
+                 etp: int | None = None, moe: dict | None = None, pp_layers=None, params_dtype: str = "float32",
+                 compile: bool = False, optim: dict | None = None, seed: int = 1, recompute: dict | None = None,
+                 sequence_parallel: bool = False, routing_replay: bool = False, offload: dict | None = None):
+        launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
+                                seed=seed)
+        self.mesh = launch.parallel_layout()
+        self.hf = read_hf_config(model_path)
+        if role == "reward":  # a reward model's head is its training: never a fresh init (trainer.rewards.reward_model)
+            check_score_head(model_path, self.hf.hidden_size)
+        self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=DTYPES[params_dtype],
+                                 value_head=role in ("critic", "reward"),
+                                 recompute={**(recompute or {}), **(moe or {})} or None,
+                                 sequence_parallel=sequence_parallel)
+        load_hf_weights(self.model, model_path)
+        # R3 routing replay: every forward routes each token to the experts the rollout engine used
+        self.routing_replay = routing_replay
+        if routing_replay:
+            if not self.hf.is_moe:
+                raise ValueError(f"{role}: router_replay.mode=R3 replays mixture-of-experts routing, but {model_path} "
+                                 f"is a dense model; remove the router_replay line")
+            rr.install(self.model)
+        self.trainer = make_trainer(self.model, OptimConfig(**optim)) if optim is not None else None
+        self._setup_offload(offload or {})
+        if compile:
+            compile_model(self.model)
+
+    def module(self):
+        return self.trainer.model if self.trainer is not None else self.model
+
+    # ------------------------------------------------------------------ offload (megatron_bridge.offload)
+    def _setup_offload(self, offload: dict) -> None:
+        """verl's ``param_offload`` / ``grad_offload`` / ``optimizer_offload``: each named part lives in
+        host memory except while a method that needs it runs (``trainer.workers.train_worker.resident``)."""
+        bad = set(offload) - {"params", "grads", "optimizer"}
+        if bad:
+            raise ValueError(f"offload: unknown parts {sorted(bad)}")
+        t = self.trainer
+        self._offloaders = {}
+        if offload.get("optimizer") and t is not None:  # first: it tells its own tensors from the model's
+            self._offloaders["optimizer"] = off.StorageOffload(off.optimizer_state(t.optimizer, t.model), name="optimizer")
+        if offload.get("grads") and t is not None:
+            self._offloaders["grads"] = off.StorageOffload(off.grad_buffers(t.model), keep=False, name="grads")
+        if offload.get("params"):
+            self._offloaders["params"] = off.StorageOffload(off.model_params(self.module()), name="params")
+        self.offloaded_bytes = {}
+        self.offload_state()
+
+    def load_state(self, parts) -> None:
+        for name in ("params", "grads", "optimizer"):  # the reverse of offload_state's order
+            o = self._offloaders.get(name)
+            if o is not None and name in parts:
+                o.load()
+
+    def offload_state(self) -> None:
+        for name, o in self._offloaders.items():
+            n = o.offload()
+            if n:
+                self.offloaded_bytes[name] = n
+
+    def offload_status(self) -> dict:
+        """Per offloaded part: whether it is in host memory now, the bytes it freed the last time, and the
+        bytes its storages hold in place right now (0 while offloaded)."""
+        return {"offloaded": {k: o.offloaded for k, o in self._offloaders.items()}, "bytes": dict(self.offloaded_bytes),
+                "resident": {k: off.resident_bytes(o.tensors()) for k, o in self._offloaders.items()}}
+
+    # ------------------------------------------------------------------ micro-batches, forward, step
+    @property
+    def min_micro_batches(self) -> int:
+        # the interleaved schedule (virtual pipeline stages) needs a micro-batch per pipeline stage
+        return self.mesh["pp_size"] if self.mesh.get("vpp_size", 1) > 1 else 1
+
+    def pack(self, input_ids, attention_mask) -> dict:
+        return pack_padded(input_ids, attention_mask)
+
+    def unpack(self, values, pack_index, shape):
+        return unpack_padded(values, pack_index, shape)
+
+    def compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,
+                with_sum_pi_squared: bool = False) -> list[dict]:
+        """Forward-only per-token outputs of each micro-batch on its own grid (``megatron_bridge.logprobs``)."""
+        return compute_logprobs(self.module(), mbs, temperature=temperature, with_entropy=with_entropy,
+                                with_sum_pi_squared=with_sum_pi_squared)
+
+    def train_step(self, mbs: list[dict], loss_fn, **kw) -> dict:
+        """One optimizer step over the micro-batches: ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
+        return train_step(self.trainer, mbs, loss_fn, **kw)
+
+    # ------------------------------------------------------------------ weights
+    def hf_buckets(self, bucket_bytes: int):
+        """HF-named weight buckets, collective over the model group (every rank sees full tensors)."""
+        return iter_hf_weights(self.module(), bucket_bytes)
+
+    def hf_params(self):
+        """``(hf_name, full tensor)`` one at a time, collective."""
+        return iter_hf_param(self.module())
+
+    def reshard_blocks(self) -> list | None:
+        return local_blocks(self.module())
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
+        t = self.trainer
+        return save_checkpoint(ckpt_dir, self.module(), t.optimizer if t else None, t.scheduler if t else None, extra=extra)
+
+    def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
+        """``contents``: verl's load_contents (the model always; the optimizer and the LR scheduler
+        ('extra') only when named, otherwise they keep their fresh state)."""
+        t = self.trainer
+        out = load_checkpoint(ckpt_dir, self.module(), t.optimizer if t and "optimizer" in contents else None,
+                              t.scheduler if t and "extra" in contents else None)
+        if self._offloaders:
+            off.own_storages(self.module(), t.optimizer if t else None)  # loaded tensors may sit in a mapped file
+        return out
+
+    def export_hf(self, out_dir: str, source_dir: str | None = None) -> str:
+        export_hf(self.module(), out_dir, source_dir=source_dir)
+        return out_dir
