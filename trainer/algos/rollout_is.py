@@ -503,6 +503,94 @@ def compute_mismatch_metrics(
     return _to_floats(_mismatch_from_rows(s, maxes[:, _MPD].to(torch.float64), valid))
 
 
+def _is_bounds(level, mode, threshold, threshold_lower, veto):
+    """Validated settings of ``compute_rollout_is_weights``: (mode function, lower, upper, log veto | None)."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown rollout_is_level '{level}'; valid: {sorted(LEVELS)}")
+    mode_fn = load_fn(mode, MODES, "rollout_is_mode")
+    upper = float(threshold)
+    lower = 1.0 / upper if threshold_lower is None else float(threshold_lower)
+    if not upper > 0:
+        raise ValueError(f"rollout_is_threshold must be > 0, got {upper}")
+    if not 0 <= lower <= upper:
+        how = "given" if threshold_lower is not None else "default 1/rollout_is_threshold"
+        raise ValueError(
+            f"need 0 <= rollout_is_threshold_lower ({lower}, {how}) <= rollout_is_threshold ({upper})"
+        )
+    if veto is not None and not veto > 0:
+        raise ValueError(f"rollout_is_veto_threshold must be > 0 or None, got {veto}")
+    return mode_fn, lower, upper, (None if veto is None else math.log(veto))
+
+
+def _token_level_stats(s, maxes, valid, ntot, met) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token level: the weight statistics from the fused pass's row sums into ``met``; returns
+    (tokens changed by the mode per row [B], per-row mean pre-threshold weight [R])."""
+    mc, mcc = s[:, _SC].sum() / ntot, s[:, _SCC].sum() / ntot  # E[c - 1], E[(c - 1)^2]
+    mx = maxes.to(torch.float64)  # [B, 3]
+    met["rollout_is_mean"] = 1.0 + s[:, _SE].sum() / ntot
+    met["rollout_is_max"] = torch.exp(mx[valid, _MLW].max())
+    met["rollout_is_min"] = torch.exp(-mx[valid, _NEG_MIN_LW].max())
+    met["rollout_is_std"] = torch.sqrt((mcc - mc * mc).clamp_min(0))
+    met["rollout_is_eff_sample_size"] = (1 + mc) ** 2 / (1 + 2 * mc + mcc)
+    met["rollout_is_ratio_fraction_high"] = s[:, _HI].sum() / ntot  # tokens above upper
+    met["rollout_is_ratio_fraction_low"] = s[:, _LO].sum() / ntot
+    return s[:, _CHG], 1.0 + s[valid, _SE] / s[valid, _N]
+
+
+def _row_level_stats(s, level, valid, ntot, mode_fn, lower: float, upper: float, met):
+    """Sequence / geometric level: one weight per row. Fills ``met``; returns (tokens changed per row [B],
+    per-row weight [R], percentiles, thresholded row weights [B])."""
+    n = s[:, _N]
+    log_w = LEVELS[level](None, s[:, _SD], n)  # [B] float64 log-weight per row
+    w_row = torch.exp(log_w)  # [B]
+    lwv, wv = log_w[valid], w_row[valid]  # [R]
+    c = w_row.clamp(lower, upper)  # [B]
+    mc, mcc = (n * (c - 1)).sum() / ntot, (n * (c - 1) ** 2).sum() / ntot
+    new_w, chg = mode_fn(w_row, lower, upper)  # [B]
+    met["rollout_is_mean"] = (n * w_row).sum() / ntot
+    met["rollout_is_max"] = wv.max()
+    met["rollout_is_min"] = wv.min()
+    met["rollout_is_std"] = torch.sqrt((mcc - mc * mc).clamp_min(0))
+    met["rollout_is_eff_sample_size"] = (1 + mc) ** 2 / (1 + 2 * mc + mcc)
+    met["rollout_is_ratio_fraction_high"] = ((w_row > upper).double() * n).sum() / ntot
+    met["rollout_is_ratio_fraction_low"] = ((w_row < lower).double() * n).sum() / ntot
+    return chg.double() * n, wv, _row_percentiles(lwv, n[valid], int(n.sum().item())), new_w
+
+
+def _percentile_inputs(old, roll, m, percentile_sample_size: Optional[int]):
+    """Token level: (the sorted sample the percentiles are estimated from | None, the brackets of the
+    exact selection | None); both None: one sort of the valid values."""
+    sample = brackets = None
+    if percentile_sample_size is not None and m.numel() > 2 * percentile_sample_size:
+        sample = _stratified_sample(old, roll, m, int(percentile_sample_size))
+    if sample is None and m.numel() > _EXACT_SORT_MAX:
+        brackets = _sample_brackets(old, roll, m, _SAMPLE_SIZE, _BRACKET_SIGMAS)
+    return sample, brackets
+
+
+def _row_weights(new_w: torch.Tensor, vetoed: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One weight per row [B] (0 on vetoed rows) broadcast over the row's valid tokens: [B, T], float32
+    (float64 for float64 inputs)."""
+    dt = dtype if dtype == torch.float64 else torch.float32
+    row = torch.where(vetoed, torch.zeros_like(new_w), new_w).to(dt)  # [B]
+    return torch.where(m, row[:, None], torch.zeros((), dtype=dt, device=m.device))  # [B, T]
+
+
+def _shared_stats(met, changed, valid, ntot, pct, seq_w, lower: float, upper: float) -> None:
+    """The statistics every level reports the same way."""
+    met["rollout_is_clipped_fraction"] = changed.sum() / ntot
+    met["rollout_is_seq_clipped_fraction"] = (changed[valid] > 0).double().mean()
+    for q, v in zip(PERCENTILES, pct):
+        met[f"rollout_is_p{q}"] = v
+    met["rollout_is_seq_mean"] = seq_w.mean()
+    met["rollout_is_seq_std"] = seq_w.std() if seq_w.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    met["rollout_is_seq_max"] = seq_w.max()
+    met["rollout_is_seq_min"] = seq_w.min()
+    met["rollout_is_seq_max_deviation"] = (seq_w - 1.0).abs().max()
+    met["rollout_is_seq_fraction_high"] = (seq_w > upper).double().mean()
+    met["rollout_is_seq_fraction_low"] = (seq_w < lower).double().mean()
+
+
 @torch.no_grad()
 def compute_rollout_is_weights(
     old_log_prob: torch.Tensor,
@@ -534,100 +622,32 @@ def compute_rollout_is_weights(
     if rollout_is_threshold is None:
         return None, response_mask, {}
     _check(old_log_prob, rollout_log_prob, response_mask)
-    if rollout_is_level not in LEVELS:
-        raise ValueError(f"unknown rollout_is_level '{rollout_is_level}'; valid: {sorted(LEVELS)}")
-    mode_fn = load_fn(rollout_is_mode, MODES, "rollout_is_mode")
-    upper = float(rollout_is_threshold)
-    lower = 1.0 / upper if rollout_is_threshold_lower is None else float(rollout_is_threshold_lower)
-    if not upper > 0:
-        raise ValueError(f"rollout_is_threshold must be > 0, got {upper}")
-    if not 0 <= lower <= upper:
-        how = "given" if rollout_is_threshold_lower is not None else "default 1/rollout_is_threshold"
-        raise ValueError(
-            f"need 0 <= rollout_is_threshold_lower ({lower}, {how}) <= rollout_is_threshold ({upper})"
-        )
-    if rollout_is_veto_threshold is not None and not rollout_is_veto_threshold > 0:
-        raise ValueError(f"rollout_is_veto_threshold must be > 0 or None, got {rollout_is_veto_threshold}")
-    log_veto = None if rollout_is_veto_threshold is None else math.log(rollout_is_veto_threshold)
-
+    mode_fn, lower, upper, log_veto = _is_bounds(rollout_is_level, rollout_is_mode, rollout_is_threshold,
+                                                 rollout_is_threshold_lower, rollout_is_veto_threshold)
     old, roll = old_log_prob.detach(), rollout_log_prob.detach()
     m = response_mask if response_mask.dtype == torch.bool else response_mask != 0  # [B, T]
     token_level = rollout_is_level == "token"
-    want_w = bool(rollout_is) and token_level
-    brackets = sample = None
-    if token_level and percentile_sample_size is not None and m.numel() > 2 * percentile_sample_size:
-        sample = _stratified_sample(old, roll, m, int(percentile_sample_size))
-    if token_level and sample is None and m.numel() > _EXACT_SORT_MAX:
-        brackets = _sample_brackets(old, roll, m, _SAMPLE_SIZE, _BRACKET_SIGMAS)
+    sample, brackets = _percentile_inputs(old, roll, m, percentile_sample_size) if token_level else (None, None)
     sums, maxes, counts, weights, inb = _run_rows(
         _row_pass, (old, roll, m), (brackets,), token_level=token_level, mode_fn=mode_fn,
-        lower=lower, upper=upper, log_veto=log_veto, want_weights=want_w,
+        lower=lower, upper=upper, log_veto=log_veto, want_weights=bool(rollout_is) and token_level,
     )  # fmt: skip
-
     s = sums.to(torch.float64)  # [B, K]
-    n = s[:, _N]  # [B]
-    valid = n > 0  # [B] rows with at least one valid token
+    valid = s[:, _N] > 0  # [B] rows with at least one valid token
     if not bool(valid.any()):
         raise ValueError("response_mask has no valid token")
-    n_valid = int(n.sum().item())
-    ntot = n.sum()
-    nv = n[valid]
-    met: dict[str, torch.Tensor | float] = {}
+    ntot = s[:, _N].sum()
     vetoed = s[:, _CAT] > 0  # [B]
-    met["rollout_is_veto_fraction"] = vetoed[valid].double().mean()
-    met["rollout_is_catastrophic_token_fraction"] = s[:, _CAT].sum() / ntot
-
+    met: dict[str, torch.Tensor | float] = {"rollout_is_veto_fraction": vetoed[valid].double().mean(),
+                                            "rollout_is_catastrophic_token_fraction": s[:, _CAT].sum() / ntot}
     if token_level:
-        mc, mcc = s[:, _SC].sum() / ntot, s[:, _SCC].sum() / ntot  # E[c - 1], E[(c - 1)^2]
-        hi, lo = s[:, _HI], s[:, _LO]  # [B] per-row token counts above upper / below lower
-        changed = s[:, _CHG]  # [B] tokens the mode changed (truncated) or zeroed (clipped)
-        seq_w = 1.0 + s[valid, _SE] / nv  # [R] per-row mean pre-threshold weight
-        met["rollout_is_mean"] = 1.0 + s[:, _SE].sum() / ntot
-        mx = maxes.to(torch.float64)  # [B, 3]
-        met["rollout_is_max"] = torch.exp(mx[valid, _MLW].max())
-        met["rollout_is_min"] = torch.exp(-mx[valid, _NEG_MIN_LW].max())
-        met["rollout_is_std"] = torch.sqrt((mcc - mc * mc).clamp_min(0))
-        met["rollout_is_eff_sample_size"] = (1 + mc) ** 2 / (1 + 2 * mc + mcc)
-        met["rollout_is_ratio_fraction_high"] = hi.sum() / ntot
-        met["rollout_is_ratio_fraction_low"] = lo.sum() / ntot
-        if sample is not None:
-            pct = _sampled_percentiles(sample)
-        else:
-            pct = _token_percentiles(old, roll, m, n_valid, brackets, counts, inb)
+        changed, seq_w = _token_level_stats(s, maxes, valid, ntot, met)
+        pct = (_sampled_percentiles(sample) if sample is not None
+               else _token_percentiles(old, roll, m, int(ntot.item()), brackets, counts, inb))
     else:
-        log_w = LEVELS[rollout_is_level](None, s[:, _SD], n)  # [B] float64 log-weight per row
-        w_row = torch.exp(log_w)  # [B]
-        lwv, wv = log_w[valid], w_row[valid]  # [R]
-        c = w_row.clamp(lower, upper)  # [B]
-        mc, mcc = (n * (c - 1)).sum() / ntot, (n * (c - 1) ** 2).sum() / ntot
-        new_w, chg = mode_fn(w_row, lower, upper)  # [B]
-        hi, lo = (w_row > upper).double() * n, (w_row < lower).double() * n  # [B] token counts
-        changed = chg.double() * n
-        seq_w = wv
-        met["rollout_is_mean"] = (n * w_row).sum() / ntot
-        met["rollout_is_max"] = wv.max()
-        met["rollout_is_min"] = wv.min()
-        met["rollout_is_std"] = torch.sqrt((mcc - mc * mc).clamp_min(0))
-        met["rollout_is_eff_sample_size"] = (1 + mc) ** 2 / (1 + 2 * mc + mcc)
-        met["rollout_is_ratio_fraction_high"] = hi.sum() / ntot
-        met["rollout_is_ratio_fraction_low"] = lo.sum() / ntot
-        pct = _row_percentiles(lwv, nv, n_valid)
-        if rollout_is:
-            dt = old.dtype if old.dtype == torch.float64 else torch.float32
-            row = torch.where(vetoed, torch.zeros_like(new_w), new_w).to(dt)  # [B]
-            weights = torch.where(m, row[:, None], torch.zeros((), dtype=dt, device=m.device))  # [B, T]
-
-    met["rollout_is_clipped_fraction"] = changed.sum() / ntot
-    met["rollout_is_seq_clipped_fraction"] = (changed[valid] > 0).double().mean()
-    for q, v in zip(PERCENTILES, pct):
-        met[f"rollout_is_p{q}"] = v
-    met["rollout_is_seq_mean"] = seq_w.mean()
-    met["rollout_is_seq_std"] = seq_w.std() if seq_w.numel() > 1 else torch.zeros((), dtype=torch.float64)
-    met["rollout_is_seq_max"] = seq_w.max()
-    met["rollout_is_seq_min"] = seq_w.min()
-    met["rollout_is_seq_max_deviation"] = (seq_w - 1.0).abs().max()
-    met["rollout_is_seq_fraction_high"] = (seq_w > upper).double().mean()
-    met["rollout_is_seq_fraction_low"] = (seq_w < lower).double().mean()
+        changed, seq_w, pct, new_w = _row_level_stats(s, rollout_is_level, valid, ntot, mode_fn, lower, upper, met)
+        weights = _row_weights(new_w, vetoed, m, old.dtype) if rollout_is else None
+    _shared_stats(met, changed, valid, ntot, pct, seq_w, lower, upper)
     met.update(_mismatch_from_rows(s, maxes[:, _MPD].to(torch.float64), valid))
     return (weights if rollout_is else None), response_mask, _to_floats(met)
 
