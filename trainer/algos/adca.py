@@ -462,29 +462,84 @@ def _pearson(x: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _adca_inputs(step_flags, step_ids, mask, outcome_scores, token_level_rewards, num_steps, dtype):
+    """Defaults and checks of ``compute_adca_grpo_advantage``'s inputs: (outcome scores [B], output dtype,
+    step ids [B, T] int64, steps per row [B] int64, step flags [B, S])."""
+    if outcome_scores is None:
+        if token_level_rewards is None:
+            raise ValueError("adca_grpo needs outcome_scores or token_level_rewards")
+        outcome_scores = (token_level_rewards.to(F64) * mask).sum(-1)  # [B]
+    if dtype is None:
+        dtype = token_level_rewards.dtype if token_level_rewards is not None else torch.float32
+    sid = step_ids.to(torch.int64)  # [B, T]
+    if num_steps is None:
+        num_steps = num_steps_from_step_ids(sid)  # [B]
+    if not isinstance(step_flags, torch.Tensor):
+        step_flags, _ = pad_step_flags(step_flags, num_steps, device=sid.device)
+    k = torch.as_tensor(num_steps, device=sid.device).to(torch.int64).reshape(-1)  # [B]
+    if sid.numel() and bool((sid >= k[:, None]).any()):
+        raise ValueError("step_ids name a step >= num_steps for some trajectory (steps and flags disagree)")
+    return outcome_scores, dtype, sid, k, step_flags
+
+
+def _adca_count_metrics(b: int, num_skipped, num_fallback, num_judge_calls) -> dict[str, torch.Tensor]:
+    """The judge's counts as fractions of the batch (each only when its count is given)."""
+    metrics = {}
+    if num_skipped is not None:
+        metrics["adca/skipped_fraction"] = torch.tensor(num_skipped / max(b, 1), dtype=F64)
+    if num_fallback is not None:
+        metrics["adca/judge_fallback_fraction"] = torch.tensor(num_fallback / max(b, 1), dtype=F64)
+    if num_judge_calls is not None:
+        metrics["adca/judge_calls"] = torch.tensor(float(num_judge_calls), dtype=F64)
+    return metrics
+
+
+def _adca_part_metrics(k, prm_part, orm_part, zero) -> dict[str, torch.Tensor]:
+    """Per trajectory sums of |PRM term| and |outcome term| in the step rewards, and the outcome's share."""
+    has_steps = k > 0  # [B]
+    n_traj = has_steps.to(F64).sum().clamp_min(1.0)
+    prm_abs = prm_part.abs().sum(-1)  # [B]
+    orm_abs = orm_part.abs().sum(-1)  # [B]
+    tot = prm_abs.sum() + orm_abs.sum()
+    return {"adca/prm_abs_mean": (prm_abs * has_steps).sum() / n_traj,
+            "adca/orm_abs_mean": (orm_abs * has_steps).sum() / n_traj,
+            "adca/outcome_share": torch.where(tot > 0, orm_abs.sum() / tot.clamp_min(1e-300), zero)}
+
+
+def _adca_metrics(step_flags, k, outcome_scores, index, use_prm, step_mask, prm_part, orm_part,
+                  counts: tuple) -> dict[str, torch.Tensor]:
+    """The ``adca/*`` metrics of ``compute_adca_grpo_advantage`` (no host sync), float32 0-d tensors."""
+    flags, _, r, _, use, _, lab = _prepare(step_flags, k, outcome_scores, index, use_prm)
+    b = flags.shape[0]
+    zero = torch.zeros((), dtype=F64, device=flags.device)
+    attributed_steps = (step_mask & use[:, None]).to(F64)  # [B, S]
+    n_lab = lab.to(F64).sum()
+    n_good = (lab & (flags > 0)).to(F64).sum()
+    metrics: dict[str, torch.Tensor] = {
+        "adca/good_fraction": n_good / n_lab.clamp_min(1.0),
+        "adca/unknown_step_fraction": torch.where(
+            attributed_steps.sum() > 0, 1.0 - n_lab / attributed_steps.sum().clamp_min(1.0), zero
+        ),
+        "adca/prm_fraction": use.to(F64).mean() if b else zero,
+        "adca/mean_steps": k.to(F64).mean() if b else zero,
+        **_adca_count_metrics(b, *counts),
+    }
+    if prm_part is not None:
+        metrics.update(_adca_part_metrics(k, prm_part, orm_part, zero))
+    labf = lab.to(F64)  # [B, S]
+    n_i = labf.sum(-1)  # [B]
+    mean_flag = (flags.to(F64) * labf).sum(-1) / n_i.clamp_min(1.0)  # [B]
+    metrics["adca/flag_outcome_corr"] = _pearson(mean_flag, r, n_i > 0)
+    return {key: v.detach().to(torch.float32) for key, v in metrics.items()}
+
+
 def compute_adca_grpo_advantage(
-    *,
-    step_flags,
-    index,
-    step_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    outcome_scores=None,
-    token_level_rewards: torch.Tensor | None = None,
-    num_steps=None,
-    use_prm=None,
-    prm_scheme="decouple",
-    fix_base: float = 0.2,
-    alpha: float = 0.1,
-    beta: float = 1.0,
-    do_batch_norm: bool = True,
-    equal_trajectory_weight: bool = True,
-    orm_distribution: str = "last_step",
-    enable_length_normalization: bool = False,
-    eps: float = 1e-8,
-    num_skipped: int | None = None,
-    num_fallback: int | None = None,
-    num_judge_calls: int | None = None,
-    dtype: torch.dtype | None = None,
+    *, step_flags, index, step_ids: torch.Tensor, response_mask: torch.Tensor, outcome_scores=None,
+    token_level_rewards: torch.Tensor | None = None, num_steps=None, use_prm=None, prm_scheme="decouple",
+    fix_base: float = 0.2, alpha: float = 0.1, beta: float = 1.0, do_batch_norm: bool = True,
+    equal_trajectory_weight: bool = True, orm_distribution: str = "last_step",
+    enable_length_normalization: bool = False, eps: float = 1e-8, num_skipped: int | None = None,
+    num_fallback: int | None = None, num_judge_calls: int | None = None, dtype: torch.dtype | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """ADCA-GRPO advantages: ``(advantages [B, T], returns [B, T], metrics)``.
@@ -505,69 +560,17 @@ def compute_adca_grpo_advantage(
       adca/mean_steps            mean K_i
     """
     mask = response_mask.bool()  # [B, T]
-    if outcome_scores is None:
-        if token_level_rewards is None:
-            raise ValueError("adca_grpo needs outcome_scores or token_level_rewards")
-        outcome_scores = (token_level_rewards.to(F64) * mask).sum(-1)  # [B]
-    if dtype is None:
-        dtype = token_level_rewards.dtype if token_level_rewards is not None else torch.float32
-    sid = step_ids.to(torch.int64)  # [B, T]
-    if num_steps is None:
-        num_steps = num_steps_from_step_ids(sid)  # [B]
-    if not isinstance(step_flags, torch.Tensor):
-        step_flags, _ = pad_step_flags(step_flags, num_steps, device=sid.device)
-    k = torch.as_tensor(num_steps, device=sid.device).to(torch.int64).reshape(-1)  # [B]
-    if sid.numel() and bool((sid >= k[:, None]).any()):
-        raise ValueError("step_ids name a step >= num_steps for some trajectory (steps and flags disagree)")
-
-    fn = get_prm_scheme(prm_scheme)
-    out = fn(
+    outcome_scores, dtype, sid, k, step_flags = _adca_inputs(step_flags, step_ids, mask, outcome_scores,
+                                                             token_level_rewards, num_steps, dtype)
+    out = get_prm_scheme(prm_scheme)(
         step_flags=step_flags, num_steps=k, outcome_scores=outcome_scores, index=index, use_prm=use_prm,
         fix_base=fix_base, alpha=alpha, beta=beta, do_batch_norm=do_batch_norm,
         equal_trajectory_weight=equal_trajectory_weight, orm_distribution=orm_distribution,
         enable_length_normalization=enable_length_normalization, eps=eps, return_parts=True, **kwargs,
     )
-    if isinstance(out, tuple):
-        step_rewards, prm_part, orm_part = out
-    else:
-        step_rewards, prm_part, orm_part = out, None, None
-    s = step_rewards.shape[1]
-    step_mask = step_mask_from_num_steps(k, s)  # [B, S]
+    step_rewards, prm_part, orm_part = out if isinstance(out, tuple) else (out, None, None)
+    step_mask = step_mask_from_num_steps(k, step_rewards.shape[1])  # [B, S]
     adv = step_rewards_to_token_advantages(step_rewards, step_mask, sid, mask, dtype=dtype)  # [B, T]
-
-    # ---- metrics (no host sync) ----
-    flags, _, r, _, use, _, lab = _prepare(step_flags, k, outcome_scores, index, use_prm)
-    b = flags.shape[0]
-    zero = torch.zeros((), dtype=F64, device=flags.device)
-    attributed_steps = (step_mask & use[:, None]).to(F64)  # [B, S]
-    n_lab = lab.to(F64).sum()
-    n_good = (lab & (flags > 0)).to(F64).sum()
-    metrics: dict[str, torch.Tensor] = {
-        "adca/good_fraction": n_good / n_lab.clamp_min(1.0),
-        "adca/unknown_step_fraction": torch.where(
-            attributed_steps.sum() > 0, 1.0 - n_lab / attributed_steps.sum().clamp_min(1.0), zero
-        ),
-        "adca/prm_fraction": use.to(F64).mean() if b else zero,
-        "adca/mean_steps": k.to(F64).mean() if b else zero,
-    }
-    if num_skipped is not None:
-        metrics["adca/skipped_fraction"] = torch.tensor(num_skipped / max(b, 1), dtype=F64)
-    if num_fallback is not None:
-        metrics["adca/judge_fallback_fraction"] = torch.tensor(num_fallback / max(b, 1), dtype=F64)
-    if num_judge_calls is not None:
-        metrics["adca/judge_calls"] = torch.tensor(float(num_judge_calls), dtype=F64)
-    if prm_part is not None:
-        has_steps = k > 0  # [B]
-        n_traj = has_steps.to(F64).sum().clamp_min(1.0)
-        prm_abs = prm_part.abs().sum(-1)  # [B]
-        orm_abs = orm_part.abs().sum(-1)  # [B]
-        metrics["adca/prm_abs_mean"] = (prm_abs * has_steps).sum() / n_traj
-        metrics["adca/orm_abs_mean"] = (orm_abs * has_steps).sum() / n_traj
-        tot = prm_abs.sum() + orm_abs.sum()
-        metrics["adca/outcome_share"] = torch.where(tot > 0, orm_abs.sum() / tot.clamp_min(1e-300), zero)
-    labf = lab.to(F64)  # [B, S]
-    n_i = labf.sum(-1)  # [B]
-    mean_flag = (flags.to(F64) * labf).sum(-1) / n_i.clamp_min(1.0)  # [B]
-    metrics["adca/flag_outcome_corr"] = _pearson(mean_flag, r, n_i > 0)
-    metrics = {key: v.detach().to(torch.float32) for key, v in metrics.items()}
+    metrics = _adca_metrics(step_flags, k, outcome_scores, index, use_prm, step_mask, prm_part, orm_part,
+                            (num_skipped, num_fallback, num_judge_calls))
     return adv, adv, metrics
