@@ -36,6 +36,8 @@ from typing import Literal
 
 import torch
 
+from trainer.rollout.registry import Capabilities
+
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
@@ -114,6 +116,25 @@ class RolloutEngine(abc.ABC):
     # gives the same samples whatever it is batched with. The async batcher and the multi-turn loop
     # rely on it to batch seeded requests together; an engine without it gets one seeded item per call.
     request_keyed_seeds: bool = False
+    # what this engine can do (trainer.rollout.registry): the checks, the cluster and the fleet ask this
+    capabilities: Capabilities = Capabilities()
+
+    @classmethod
+    def from_rollout(cls, model_path: str, *, max_batch_size: int, max_seq_len: int, dtype: str,
+                     engine_kwargs: dict | None = None, settings: dict | None = None) -> "RolloutEngine":
+        """One engine as ``actor_rollout_ref.rollout`` describes it (what the rollout worker calls):
+        ``dtype`` a torch dtype's name, ``engine_kwargs`` the user's ``rollout.engine_kwargs``,
+        ``settings`` verl's other engine keys (tensor_model_parallel_size, gpu_memory_utilization, seed,
+        max_num_batched_tokens, enable_chunked_prefill, enforce_eager) for the engines that read them.
+        By default ``cls(model_path, max_batch_size=, max_seq_len=, dtype=torch.<dtype>, **engine_kwargs)``."""
+        return cls(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=getattr(torch, dtype),
+                   **(engine_kwargs or {}))
+
+    @classmethod
+    def unavailable(cls, *, server: bool) -> str | None:
+        """Why this machine cannot run the engine (in a worker, or with ``server`` as the fleet's HTTP
+        servers), with the fix; None when it can. Asked at run time, not at config load."""
+        return None
 
     @abc.abstractmethod
     def generate(

@@ -141,9 +141,10 @@ from dataclasses import dataclass
 import torch
 
 from trainer.hf_io import SafetensorsDir, iter_safetensors, read_config
+from trainer.rollout import sglang_cpu
 from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, iter_buckets, new_hasher, tensor_digest
-
-SGLANG_VERSION = "0.5.21"
+from trainer.rollout.registry import Capabilities
+from trainer.rollout.sglang_cpu import SGLANG_VERSION
 INSTALL_HINT = (f"GPU: pip install 'coxswain[sglang]' (sglang=={SGLANG_VERSION}); "
                 f"CPU: python -m trainer.rollout.sglang_cpu install (a venv at .venv-sglang-cpu)")
 
@@ -355,9 +356,7 @@ def engine_args(
         "log_level": "error",
     }
     if device == "cpu":
-        from trainer.rollout.sglang_cpu import cpu_engine_args
-
-        args.update(cpu_engine_args())
+        args.update(sglang_cpu.cpu_engine_args())
     elif device != "cuda":
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     extra = dict(engine_kwargs or {})
@@ -544,6 +543,34 @@ class SGLangEngine(RolloutEngine):
     :mod:`trainer.rollout.sglang_cpu`). It decides the engine arguments only.
     """
 
+    # weights by SGLang's broadcast (trainer/sync/broadcast.py) or buckets through the object store; no
+    # partial rollout, routed experts or adapters yet; serves as real sglang.launch_server processes
+    capabilities = Capabilities(weight_protocols=("broadcast", "object_store"), partial_rollout=False,
+                                routing_replay=False, multi_turn=True, devices=("cpu", "cuda"),
+                                server="trainer.rollout.fleet:SGLangServers")
+
+    @classmethod
+    def from_rollout(cls, model_path: str, *, max_batch_size: int, max_seq_len: int, dtype: str,
+                     engine_kwargs: dict | None = None, settings: dict | None = None) -> "SGLangEngine":
+        """:meth:`from_config` with verl's rollout keys (``settings``); SGLang derives the context length
+        from the model, so ``max_seq_len`` is not passed."""
+        return cls.from_config(model_path=model_path, dtype=dtype, max_num_seqs=max_batch_size,
+                               engine_kwargs=engine_kwargs, **(settings or {}))
+
+    @classmethod
+    def unavailable(cls, *, server: bool) -> str | None:
+        if server:  # a fleet of SGLang servers: the servers need sglang, this trainer only speaks HTTP to them
+            if sglang_cpu.server_python() is None:
+                return ("actor_rollout_ref.rollout.name=sglang with rollout.mode=server launches sglang.launch_server, "
+                        "but no interpreter here has sglang: pip install 'coxswain[sglang]' (GPU), or "
+                        f"{sglang_cpu.INSTALL_COMMAND} (CPU; COXSWAIN_SGLANG_PYTHON names another interpreter)")
+            return None
+        why = None if torch.cuda.is_available() else sglang_cpu.missing_reason()  # SGLang's CPU path where installed
+        if why:
+            return ("actor_rollout_ref.rollout.name=sglang needs CUDA GPUs with pip install 'coxswain[sglang]', or on "
+                    f"CPU the SGLang CPU install, absent here ({why}); or use the native engine (rollout.name=native)")
+        return None
+
     def __init__(
         self,
         model_path: str,
@@ -588,8 +615,6 @@ class SGLangEngine(RolloutEngine):
         self._generating = False
         self._abort_epoch = -1
         if device == "cpu":
-            from trainer.rollout import sglang_cpu
-
             sglang_cpu.activate()  # env + the sgl_kernel stand-in on PYTHONPATH, before sglang is imported
         try:
             import sglang

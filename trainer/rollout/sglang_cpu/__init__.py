@@ -45,6 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 REQUIREMENTS = REPO_ROOT / "requirements-sglang-cpu.txt"
 CONSTRAINTS = REPO_ROOT / "constraints-sglang-cpu.txt"
 DEFAULT_VENV = REPO_ROOT / ".venv-sglang-cpu"
+SGLANG_VERSION = "0.5.21"  # the pinned release (setup.py's sglang extra); the engine adapter reads it here
 INSTALL_COMMAND = "python -m trainer.rollout.sglang_cpu install  (then run with .venv-sglang-cpu/bin/python)"
 
 ENV = {
@@ -91,8 +92,6 @@ def missing_reason() -> str | None:
     """None when sglang (the pinned version) is importable in THIS interpreter, else why not, with the
     install command."""
     import importlib.metadata as md
-
-    from trainer.rollout.sglang_engine import SGLANG_VERSION
 
     try:
         v = md.version("sglang")

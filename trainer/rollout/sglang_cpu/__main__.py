@@ -15,7 +15,7 @@ import sys
 import time
 
 from trainer.rollout import sglang_cpu
-from trainer.rollout.sglang_engine import SGLANG_VERSION
+from trainer.rollout.sglang_cpu import SGLANG_VERSION
 
 
 def _run(cmd: list[str], what: str) -> None:
