@@ -72,7 +72,9 @@ they reach the queue. Multi-turn episodes run as whole calls (no partial rollout
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -80,6 +82,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from trainer.algos.filtering import group_filter, select_filter_metric
+from trainer.batch import RolloutBatch
+from trainer.generation import PipelineError, fit_rows, generate_scored, score_outputs
+from trainer.rollout.engine import GenerationOutput
 
 FRONTIER_FILE = "async_frontier.json"
 
@@ -122,7 +129,10 @@ class _Prompt:
 class AsyncBatchSource:
     """The trainer's batches in fully-async mode, with the loop's interface of
     :class:`trainer.batch_source.BatchSource` (``take``, ``prefetch``, ``settle``, ``save``, ``load``,
-    ``close``) plus ``push``, the weight push that :meth:`trainer.pipeline.Step.sync_weights` hands it."""
+    ``close``); it declares ``schedules_weight_sync``, so :meth:`trainer.step.Step.sync_weights` hands
+    it the weight sync as ``push``."""
+
+    schedules_weight_sync = True  # the rollouter's versions decide when the engines take new weights
 
     def __init__(self, gen, state, plan):
         self.gen, self.state, self.plan = gen, state, plan
@@ -164,8 +174,6 @@ class AsyncBatchSource:
     def take(self, step: int, m: dict):
         """``R`` groups in draw order (blocks only while the queue is short); stale groups are dropped
         and counted. Returns ``(batch, epoch)``; the step's ``async/*`` metrics go into ``m``."""
-        from trainer.batch import RolloutBatch
-
         self._start(step)
         t0 = time.perf_counter()
         R, groups = self.st.required, []
@@ -176,8 +184,6 @@ class AsyncBatchSource:
             while len(groups) < R:
                 while not self._queue and self._error is None:
                     if self._working == 0 and not self._pending and self._count >= self.st.quota:
-                        from trainer.generation import PipelineError
-
                         raise PipelineError(
                             f"step {step}: the rollouter has started its quota of {self.st.quota} prompts for weight "
                             f"version {self.version} and the queue is empty: nothing more comes until the next push. "
@@ -213,8 +219,6 @@ class AsyncBatchSource:
         if self.plan.filter_groups.get("enable"):
             gm["filter/kept_group_fraction"] = kept[0] / max(kept[1], 1)
         if self.gen.hooks:
-            from trainer.generation import fit_rows
-
             batch = fit_rows(self.gen.hooks.run("after_filter", batch, gm), self.gen.row_multiple, gm)
         m.update(gm)
         m.update(staleness_metrics(batch, version, self.st.max_staleness))
@@ -261,9 +265,6 @@ class AsyncBatchSource:
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str) -> None:
         """``async_frontier.json``: where the untrained suffix of the sampler's sequence starts."""
-        import json
-        import os
-
         self._pause(abort=self.st.partial)
         with self._cond:
             front = self._frontier()
@@ -274,9 +275,6 @@ class AsyncBatchSource:
     def load(self, ckpt_dir: str) -> bool:
         """Restart the sampler at the saved frontier (the queued and in-flight prompts of the saved run
         are drawn again). Returns False: there is no prefetched batch in this mode."""
-        import json
-        import os
-
         path = os.path.join(ckpt_dir, FRONTIER_FILE)
         if not os.path.isfile(path):
             return False
@@ -443,9 +441,6 @@ class AsyncBatchSource:
                               o.finish_reason]
 
     def _generate_and_queue(self, work: list[_Prompt]) -> None:
-        from trainer.generation import generate_scored, score_outputs
-        from trainer.rollout.engine import GenerationOutput
-
         p, g, m = self.plan, self.gen, {}
         gen_params = dict(work[0].params)
         t0 = time.perf_counter()
@@ -490,8 +485,6 @@ class AsyncBatchSource:
             gids = batch.group_ids
             keep_gids = set(by_gid)
             if p.filter_groups.get("enable"):
-                from trainer.algos.filtering import group_filter, select_filter_metric
-
                 fields = {"acc": batch.acc, "score": batch.scores, "token_level_scores": batch.token_level_scores,
                           "token_level_rewards": batch.token_level_scores, "response_mask": batch.response_mask}
                 keep, _ = group_filter(select_filter_metric(p.filter_groups["metric"], fields), gids)

@@ -30,12 +30,22 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from trainer.debug import dump_batch, load_batch
+
 PREFETCH_DIR = "prefetched_batch"
 
 
 class BatchSource:
     """Each step's batch (``take``), and in one-step-off mode the next one generated in a background
-    thread (``prefetch``) that ``settle`` waits for before anything else uses the engines."""
+    thread (``prefetch``) that ``settle`` waits for before anything else uses the engines.
+
+    The batch sources' interface (this class, and the fully-async rollouter of
+    :mod:`trainer.async_rollout`): ``take``, ``prefetch``, ``settle``, ``save``, ``load``, ``close``,
+    and the capability ``schedules_weight_sync``. False here: the step settles the source and syncs the
+    engines itself. True: the source owns the engines' schedule, and the step hands it the sync as
+    ``push(step, sync) -> metrics`` (:meth:`trainer.step.Step.sync_weights`)."""
+
+    schedules_weight_sync = False
 
     def __init__(self, gen, state, *, one_step_off: bool, total_steps: int):
         self.gen, self.state, self.one_step_off, self.total = gen, state, one_step_off, total_steps
@@ -90,8 +100,6 @@ class BatchSource:
     def save(self, ckpt_dir: str) -> None:
         """Write the finished prefetch (if any) into ``ckpt_dir/prefetched_batch``: the batch, and its
         step, generation metrics and data epoch as JSON."""
-        from trainer.debug import dump_batch
-
         self.settle()
         if self._ready is None:
             return
@@ -104,8 +112,6 @@ class BatchSource:
     def load(self, ckpt_dir: str) -> bool:
         """Restore a checkpoint's prefetched batch (if it has one), to be taken at its step: its prompts
         are already consumed from the sampler, so a resume must train on it whatever the mode."""
-        from trainer.debug import load_batch
-
         frontier = os.path.join(ckpt_dir, "async_frontier.json")  # a fully-async run's checkpoint
         if os.path.isfile(frontier):
             with open(frontier) as f:

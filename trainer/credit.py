@@ -3,7 +3,7 @@ flags with the outcome scores into token advantages.
 
 The math is :func:`trainer.algos.adca.compute_adca_grpo_advantage` (AgentEvolver, Zhai et al. 2025,
 arXiv:2511.10395; see that module's docstring for every formula). This module is the I/O around it,
-one call per step from ``trainer/main.py``:
+one call per step from the driver's math (:func:`trainer.step.driver_math`):
 
   1. outcome scores R_i = sum of the token-level rewards (after overlong shaping / KL-in-reward);
   2. o_i = per-group z-score of R (:func:`outcome_zscore`) decides, with ``skip_type``, which samples
@@ -17,7 +17,9 @@ one call per step from ``trainer/main.py``:
   4. :meth:`trainer.rewards.judge.JudgeClient.judge_batch` returns per-trajectory flags, or None when
      the judge failed (after its transport retries and one stricter-prompt retry): that sample falls
      back to outcome-only credit (``use_prm=False``);
-  5. the advantages.
+  5. the advantages: ``compute_adca_grpo_advantage`` through the estimators' dispatch
+     (:func:`trainer.algos.advantages.compute_advantage`, which takes a callable), so its ``critic/*``
+     statistics are made as every estimator's are.
 
 ``evaluation_type=local`` serves a local HF model as the judge with ``python -m trainer.serve`` in a
 subprocess (:class:`trainer.rewards.judge_server.LocalJudgeServer`): by default the actor's own initial
@@ -39,14 +41,10 @@ import torch
 
 from trainer.algos.adca import (compute_adca_grpo_advantage, num_steps_from_step_ids, outcome_zscore, prm_active,
                                 select_judge_samples)
+from trainer.algos.advantages import compute_advantage, compute_grpo_outcome_advantage
 from trainer.batch import RolloutBatch
+from trainer.rewards.judge import JudgeClient
 from trainer.rewards.judge_server import LocalJudgeServer
-
-
-def adca_active(cfg) -> bool:
-    """ADCA runs when asked for either way: the seed recipes set ``attribution_driven_credit_assignment.enable``
-    (next to ``adv_estimator=grpo``); ``algorithm.adv_estimator=adca_grpo`` says the same."""
-    return bool(cfg.attribution_driven_credit_assignment.enable) or cfg.algorithm.adv_estimator == "adca_grpo"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,8 +95,6 @@ def grpo_advantage(batch: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
     """Each sample's GRPO outcome advantage (R - mean_g) / (std_g + 1e-6), unbiased std as verl's GRPO,
     ``[B]``: what the seed's judge sees with ``overall_score_source=advantages`` (it reads the batch's
     advantages after verl's GRPO pass)."""
-    from trainer.algos.advantages import compute_grpo_outcome_advantage
-
     adv, _ = compute_grpo_outcome_advantage(token_level_rewards=batch.token_level_rewards.double(),
                                             response_mask=mask, index=batch.group_ids)  # [B, T]
     return (adv * mask).sum(-1) / mask.sum(-1).clamp_min(1)  # [B]: the per-token value is constant per row
@@ -107,15 +103,17 @@ def grpo_advantage(batch: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # the phase
 # --------------------------------------------------------------------------------------------------
-def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_step: int, epoch: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """``(advantages [B, T], returns [B, T], metrics)`` for ``batch`` (needs ``token_level_rewards``,
-    ``group_ids``, ``step_ids``). ``judge`` has ``judge_batch(trajectories, global_step=) -> (flags, metrics)``.
+def adca_estimator_inputs(batch: RolloutBatch, tokenizer, judge, settings, *, global_step: int, epoch: int = 0
+                          ) -> tuple[dict[str, Any], dict[str, float]]:
+    """The keywords of :func:`trainer.algos.adca.compute_adca_grpo_advantage` for ``batch`` (needs
+    ``token_level_rewards``, ``group_ids``, ``step_ids``), with the judge's flags, and the judge's
+    metrics. ``settings``: ``attribution_driven_credit_assignment`` (the plan's plain dict, or the
+    config section). ``judge`` has ``judge_batch(trajectories, global_step=) -> (flags, metrics)``.
     Attribution runs while ``global_step < prm_steps`` and ``epoch < prm_epoch`` (the seed's gate, in
     data epochs). The judge sees as each trajectory's overall score (``overall_score_source``, the
     seed's name) its outcome score R_i (``token_level_rewards``, as the seed's trainer asks) or its
     GRPO advantage o_i (``advantages``)."""
-    g = adca_cfg.adca_grpo
+    g = settings["adca_grpo"]
     mask = batch.response_mask.bool()  # [B, T]
     if batch.step_ids is None:  # single-turn: every response token belongs to step 0
         batch.step_ids = torch.where(mask, 0, -1).to(torch.int64)  # [B, T]
@@ -124,36 +122,51 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_s
     k = num_steps_from_step_ids(step_ids)  # [B]
 
     zs = outcome_zscore(scores, batch.group_ids)  # [B]
-    ask = select_judge_samples(zs, scores, adca_cfg.skip_type)  # [B]
+    ask = select_judge_samples(zs, scores, settings["skip_type"])  # [B]
     ask &= k > 0
-    if not prm_active(global_step, g.prm_steps) or (g.prm_epoch is not None and epoch >= g.prm_epoch):
+    if not prm_active(global_step, g["prm_steps"]) or (g["prm_epoch"] is not None and epoch >= g["prm_epoch"]):
         ask[:] = False
     rows = ask.nonzero().flatten().tolist()
     flags: list = [None] * len(scores)
     judge_m: dict[str, float] = {}
     if rows:
-        shown = grpo_advantage(batch, mask) if adca_cfg.overall_score_source == "advantages" else scores
+        shown = grpo_advantage(batch, mask) if settings["overall_score_source"] == "advantages" else scores
         got, judge_m = judge.judge_batch(judge_trajectories(batch, tokenizer, rows, shown, k), global_step=global_step)
         for i, f in zip(rows, got):
             flags[i] = f
     use_prm = torch.tensor([f is not None and len(f) > 0 for f in flags], dtype=torch.bool)  # [B]
     padded = [f if f is not None else [] for f in flags]
     extra = {}
-    if g.prm_scheme == "allocation":
-        extra = dict(consistent_scale=g.consistent_scale, pos_unconsistent_scale=g.pos_unconsistent_scale,
-                     neg_unconsistent_scale=g.neg_unconsistent_scale)
-    adv, ret, m = compute_adca_grpo_advantage(
+    if g["prm_scheme"] == "allocation":
+        extra = dict(consistent_scale=g["consistent_scale"], pos_unconsistent_scale=g["pos_unconsistent_scale"],
+                     neg_unconsistent_scale=g["neg_unconsistent_scale"])
+    kwargs = dict(
         step_flags=padded, index=batch.group_ids, step_ids=step_ids, response_mask=batch.response_mask,
-        outcome_scores=scores, num_steps=k, use_prm=use_prm, prm_scheme=g.prm_scheme, fix_base=g.fix_base,
-        alpha=g.alpha, beta=g.beta, do_batch_norm=g.do_batch_norm, equal_trajectory_weight=g.equal_trajectory_weight,
-        orm_distribution=g.orm_distribution, enable_length_normalization=g.enable_length_normalization,
-        num_skipped=len(scores) - len(rows), num_judge_calls=int(judge_m.get("adca/judge_calls", 0)),
-        dtype=torch.float32, **extra)
-    metrics = {key: float(v) for key, v in m.items()}
-    metrics.update(judge_m)  # the judge's fallback fraction (over asked trajectories) is the one logged
-    if not g.enable_adca_metric:
-        metrics = {}
-    return adv, ret, metrics
+        outcome_scores=scores, num_steps=k, use_prm=use_prm, prm_scheme=g["prm_scheme"], fix_base=g["fix_base"],
+        alpha=g["alpha"], beta=g["beta"], do_batch_norm=g["do_batch_norm"],
+        equal_trajectory_weight=g["equal_trajectory_weight"], orm_distribution=g["orm_distribution"],
+        enable_length_normalization=g["enable_length_normalization"], num_skipped=len(scores) - len(rows),
+        num_judge_calls=int(judge_m.get("adca/judge_calls", 0)), dtype=torch.float32, **extra)
+    return kwargs, judge_m
+
+
+def adca_metrics(estimator_m: dict, judge_m: dict[str, float], settings) -> dict[str, float]:
+    """What ADCA logs (``adca_grpo.enable_adca_metric``): the fusion's ``adca/*`` from the estimator's
+    metrics, then the judge's (its fallback fraction, over asked trajectories, is the one logged)."""
+    if not settings["adca_grpo"]["enable_adca_metric"]:
+        return {}
+    metrics = {key: float(v) for key, v in estimator_m.items() if key.startswith("adca/")}
+    metrics.update(judge_m)
+    return metrics
+
+
+def adca_advantages(batch: RolloutBatch, tokenizer, judge, settings, *, global_step: int, epoch: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """``(advantages [B, T], returns [B, T], metrics)`` for ``batch``: the judge's flags
+    (:func:`adca_estimator_inputs`) into ADCA-GRPO through the estimators' dispatch."""
+    kwargs, judge_m = adca_estimator_inputs(batch, tokenizer, judge, settings, global_step=global_step, epoch=epoch)
+    adv, ret, m = compute_advantage(compute_adca_grpo_advantage, **kwargs)
+    return adv, ret, adca_metrics(m, judge_m, settings)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,8 +174,6 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, adca_cfg, *, global_s
 # --------------------------------------------------------------------------------------------------
 def make_judge(cfg, run_dir: str) -> tuple[Any, LocalJudgeServer | None]:
     """``(JudgeClient, server or None)`` from the config; the caller closes the server."""
-    from trainer.rewards.judge import JudgeClient
-
     ac = cfg.attribution_driven_credit_assignment
     kw: dict[str, Any] = dict(max_tokens=ac.judge_max_tokens)
     server = None

@@ -65,7 +65,7 @@ from trainer.batch import RolloutBatch
 from trainer.config.plugins import load_callable
 from trainer.credit import adca_advantages
 from trainer.debug import dump_batch, replay_batch
-from trainer.generation import PipelineError, fit_rows, timer, to_float_metrics
+from trainer.generation import PipelineError, timer, to_float_metrics
 from trainer.step_data import StepData
 from trainer.workers.metrics import entropy_from_summary
 
@@ -117,16 +117,14 @@ class Hooks:
 class Runtime:
     """What lives for the whole run and every step uses (built once by ``trainer.main.train``)."""
 
-    plan: Any
-    cfg: Any
+    plan: Any  # Plan: every setting the step reads
     cluster: Any
     state: Any  # LoopState
     batches: Any  # BatchSource
     hooks: Hooks
     evaluate: Callable[[int], dict]
-    judge: Any = None
+    judge: Any = None  # ADCA-GRPO's judge client (plan.adca), or None
     tokenizer: Any = None
-    parallel_phases: bool = True
 
 
 @dataclass
@@ -203,15 +201,15 @@ class Step:
     def generate(self):
         """The step's batch: rollout, reward (and the generation hooks), DAPO's filter; in one-step-off
         mode the one generated while the last step trained. ``trainer.debug`` replays or dumps it."""
-        rt, m, dbg = self.rt, self.metrics, self.rt.cfg.trainer.debug
-        if dbg.train_only:
+        rt, m, p = self.rt, self.metrics, self.plan
+        if p.train_only:
             with self._timer("gen"):
-                self.batch, self.epoch = replay_batch(dbg.dump_batch_path, self.step), rt.state.sampler.epoch
+                self.batch, self.epoch = replay_batch(p.dump_batch_path, self.step), rt.state.sampler.epoch
         else:
             self.batch, self.epoch = rt.batches.take(self.step, m)
             rt.batches.prefetch(self.step + 1)  # one-step-off: the next batch, with the engines' weights, while this one trains
-        if dbg.dump_batch_path and not dbg.train_only:
-            dump_batch(self.batch, dbg.dump_batch_path, self.step)
+        if p.dump_batch_path and not p.train_only:
+            dump_batch(self.batch, p.dump_batch_path, self.step)
         self._ran.add("generate")
         return self.batch
 
@@ -254,7 +252,7 @@ class Step:
             data.shards(g.dp)  # put each shard once, here, not from two threads at once
         with self._timer("forward_passes"):
             out = run_concurrently({k: c for k, (_, c) in jobs.items()}, self.metrics,
-                                   parallel=self.rt.parallel_phases and not cl.in_process)
+                                   parallel=p.parallel_phases and not cl.in_process)
         if "old_log_prob" in out:
             self.old, self.entropy = out["old_log_prob"]
         self.ref, self.values = out.get("ref"), out.get("values")
@@ -278,7 +276,7 @@ class Step:
         with self._timer("adv"):
             self.metrics.update(driver_math(
                 self.plan, self.batch, old=self.old, ref=self.ref, values=self.values, kl_ctrl=rt.state.kl_ctrl,
-                adca=(rt.judge, rt.tokenizer, rt.cfg.attribution_driven_credit_assignment) if rt.judge else None,
+                adca=(rt.judge, rt.tokenizer) if rt.judge else None,
                 step=self.step, epoch=self.epoch))
         self._ran.add("advantages")
 
@@ -329,11 +327,11 @@ class Step:
         """The actor's weights into the rollout engines, checksum-verified (one-step-off: after the
         engines finish the next batch with the old weights; fully async: every
         ``trigger_parameter_sync_step`` steps, the rollouter paused around it)."""
-        push = getattr(self.rt.batches, "push", None)
-        if push is not None:  # fully async (trainer.async_rollout): the source owns the engines' schedule
-            self.metrics.update(push(self.step, lambda: self.rt.cluster.rollout.sync_from(self.actor)))
+        batches = self.rt.batches
+        if batches.schedules_weight_sync:  # fully async (trainer.async_rollout): the source owns the engines' schedule
+            self.metrics.update(batches.push(self.step, lambda: self.rt.cluster.rollout.sync_from(self.actor)))
             return
-        self.metrics.update(self.rt.batches.settle())
+        self.metrics.update(batches.settle())
         with self._timer("update_weights"):
             self.metrics.update(self.rt.cluster.rollout.sync_from(self.actor))
 
@@ -354,7 +352,7 @@ class Step:
 def default_pipeline(s: Step) -> None:
     """Coxswain's step (verl's PPO step order); the example to copy for ``trainer.pipeline``."""
     s.generate()  # 1-3. rollout, reward, overlong shaping, DAPO dynamic sampling (hooks: after_rollout/reward/filter)
-    if s.rt.cfg.trainer.debug.rollout_only:  # generate and score only: no training, no sync
+    if s.plan.rollout_only:  # trainer.debug.rollout_only: generate and score only, no training, no sync
         return
     s.forward_passes()  # 4-5. old log-probs, reference log-probs, critic values: at the same time
     s.hook("before_advantages")
@@ -439,8 +437,8 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
     """Steps 6-7 on the driver, writing the batch's fields: rejection mask, rollout-IS weights and
     mismatch metrics, KL in reward, critic values, advantages and returns. ``old``, ``ref``,
     ``values``: the role groups' results (``Sharded``, or None), fetched here only where this math
-    reads them. ``adca``: ``(judge, tokenizer, adca_cfg)`` for ADCA-GRPO; ``epoch``: the data epoch of
-    the batch (ADCA's ``prm_epoch`` gate)."""
+    reads them. ``adca``: ``(judge, tokenizer)`` for ADCA-GRPO (its settings: ``plan.adca``); ``epoch``:
+    the data epoch of the batch (ADCA's ``prm_epoch`` gate)."""
     m: dict[str, float] = {}
     if old is not None and plan.driver_needs_old_log_probs():
         got = old.fetch()
@@ -467,9 +465,9 @@ def driver_math(plan, batch: RolloutBatch, *, old, ref, values, kl_ctrl, adca, s
         batch.token_level_rewards = batch.token_level_scores
     if values is not None:
         batch.values = values.fetch()["values"]
-    if adca is not None:  # ADCA-GRPO: the judge's step flags fused with the outcome
-        judge, tok, adca_cfg = adca
-        batch.advantages, batch.returns, adv_m = adca_advantages(batch, tok, judge, adca_cfg, global_step=step, epoch=epoch)
+    if adca is not None:  # ADCA-GRPO: the judge's step flags fused with the outcome (plan.adca: its settings)
+        judge, tok = adca
+        batch.advantages, batch.returns, adv_m = adca_advantages(batch, tok, judge, plan.adca, global_step=step, epoch=epoch)
         m.update(to_float_metrics(adv_m))  # adca/*
     else:
         batch.advantages, batch.returns, adv_m = compute_advantage(

@@ -730,9 +730,10 @@ def compute_advantage(name, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict[
     """Dispatch to the estimator ``name`` and return ``(advantages, returns, metrics)``.
 
     Metrics are 0-dim detached tensors (no host sync here): mean / max / min of the advantages and
-    of the returns over the valid tokens (0 when the mask is empty).
+    of the returns over the valid tokens (0 when the mask is empty), and an estimator's own metrics
+    when it returns them as a third element (ADCA-GRPO's ``adca/*``).
     """
-    adv, ret = get_adv_estimator(name)(**kwargs)
+    adv, ret, *own = get_adv_estimator(name)(**kwargs)
     valid = kwargs["response_mask"].bool()  # [B, T]
     metrics: dict[str, torch.Tensor] = {}
     for key, x in (("critic/advantages", adv), ("critic/returns", ret)):
@@ -745,4 +746,6 @@ def compute_advantage(name, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict[
         metrics[f"{key}/mean"] = torch.where(n > 0, (x * valid).sum() / n.clamp_min(1), zero)
         metrics[f"{key}/max"] = torch.where(n > 0, torch.where(valid, x, -torch.inf).amax(), zero)
         metrics[f"{key}/min"] = torch.where(n > 0, torch.where(valid, x, torch.inf).amin(), zero)
+    for extra in own:  # the estimator's own metrics
+        metrics.update(extra)
     return adv, ret, metrics

@@ -16,7 +16,10 @@ import numpy as np
 import torch
 
 from trainer.batch import RolloutBatch
-from trainer.step_data import MODEL_FIELDS, Partition, Sharded, StepData  # noqa: F401 (re-exported)
+from trainer.step_data import MODEL_FIELDS, Partition, Sharded, StepData
+
+__all__ = ["MODEL_FIELDS", "Partition", "Sharded", "StepData", "Transport", "shard_batch"]  # the first four re-exported
+
 
 def _nbytes(obj) -> int:
     if isinstance(obj, np.ndarray):
