@@ -9,12 +9,11 @@ strategy's: ``zero_stage``, ``params_dtype``, ``optim``, ``seed``, ``gradient_ch
 
 from __future__ import annotations
 
-from trainer.sync.endpoints import SenderEndpoints
 from trainer.workers.train_worker import TrainWorker
 
 
-class DeepSpeedWorker(SenderEndpoints, TrainWorker):
+class DeepSpeedWorker(TrainWorker):
     """A rank on DeepSpeed; its weights reach the rollout engines through ``sync_send`` / ``sync_stream``
-    (:mod:`trainer.sync`)."""
+    (:mod:`trainer.sync`, held by every :class:`TrainWorker`)."""
 
     strategy_name = "deepspeed"

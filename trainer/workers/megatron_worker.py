@@ -10,12 +10,11 @@ The strategy-neutral :class:`~trainer.workers.train_worker.TrainWorker` on the `
 from __future__ import annotations
 
 from trainer.rollout.sglang_engine import combine_digests  # noqa: F401 (tests import it from here)
-from trainer.sync.endpoints import SenderEndpoints
 from trainer.workers.train_worker import TrainWorker
 
 
-class MegatronWorker(SenderEndpoints, TrainWorker):
+class MegatronWorker(TrainWorker):
     """A rank on megatron-core; its weights reach the rollout engines through ``sync_send`` / ``sync_stream``
-    (:mod:`trainer.sync`)."""
+    (:mod:`trainer.sync`, held by every :class:`TrainWorker`)."""
 
     strategy_name = "megatron"

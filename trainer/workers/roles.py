@@ -6,11 +6,11 @@ size, which rank answers for each DP shard, the split of a step's batch into sha
 methods (``actor.log_probs(step, ...)``, ``critic.update(step, plan.critic_update, ...)``) and never
 sees a layout, a method name or a shard.
 
-The training strategy is the worker class behind a group (today
-:class:`~trainer.workers.megatron_worker.MegatronWorker`, or its hybrid-engine subclass); a second
-strategy implements the same worker methods (``layout``, ``log_probs``, ``values``,
+Behind every group is the same strategy-neutral worker
+(:class:`~trainer.workers.train_worker.TrainWorker`: ``layout``, ``log_probs``, ``values``,
 ``update_actor``/``update_critic``, ``save``/``load``/``export_hf``, the weight stream and the RNG
-state) and the loop does not change.
+state) holding a training strategy (:mod:`trainer.strategies`: megatron-core, DeepSpeed, ...); a new
+strategy changes neither the groups nor the loop.
 
 Updates. A step's batch is split over the DP ranks once, length-balanced; an update's mini-batch k
 is, on every rank, the k-th slice of that rank's shard (reshuffled per epoch when

@@ -32,6 +32,7 @@ from trainer.batch import RolloutBatch, micro_batch_groups
 from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings
 from trainer.rewards.reward_model import with_score_token
 from trainer.strategies import Strategy, load_strategy
+from trainer.sync.endpoints import SenderEndpoints
 from trainer.workers.dataplane import shard_batch
 from trainer.workers.metrics import MEAN, SUM, Partials, entropy_summary, step_partials
 
@@ -62,16 +63,18 @@ def resident(*parts: str):
     return deco
 
 
-class TrainWorker:
-    """A rank: ``strategy_name`` (a key of ``trainer.strategies.STRATEGIES`` or ``"pkg.module:Class"``)
-    picks the strategy; every keyword but ``role``, ``rank`` and ``num_threads`` is the strategy's."""
+class TrainWorker(SenderEndpoints):
+    """A rank: ``strategy`` (or the class's ``strategy_name``: a key of ``trainer.strategies.STRATEGIES`` or
+    ``"pkg.module:Class"``) picks the strategy; every other keyword but ``role``, ``rank`` and
+    ``num_threads`` is the strategy's. The weight transports' sender ends (``sync_send``,
+    ``weight_buckets``, checksums) come with every strategy (:class:`trainer.sync.endpoints.SenderEndpoints`)."""
 
     strategy_name: str = ""
 
-    def __init__(self, *, role: str, rank: int, num_threads: int = 1, **options):
+    def __init__(self, *, role: str, rank: int, num_threads: int = 1, strategy: str | None = None, **options):
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
-        self.strategy: Strategy = load_strategy(self.strategy_name)(role=role, rank=rank, **options)
+        self.strategy: Strategy = load_strategy(strategy or self.strategy_name)(role=role, rank=rank, **options)
         self.mesh = self.strategy.mesh
 
     @property
