@@ -1,0 +1,122 @@
+"""Preflight: what this machine and the files on disk must give a configuration, checked before any worker
+starts. The load-time checks (:mod:`trainer.config.checks`) never look at the hardware, so a GPU recipe
+resolves on a CPU login node (``--print-config``); these run where the job runs:
+
+* :func:`check_supported`: CUDA for ``trainer.device=cuda``; SGLang (GPU, its CPU install, or a server
+  interpreter) for ``rollout.name=sglang``, as the engine class says (``unavailable``);
+* :func:`check_node_layout`: on more than one node, every tensor-parallel group within one node;
+* :func:`check_model`: the model directories against the settings (routing replay needs an MoE model; the
+  reward model's head, vocabulary and tokenizers, with :func:`rm_inputs`);
+* :func:`check_code_sandbox`: code-scored data only on a host whose sandbox can contain the code.
+
+Each raises ``ConfigError`` naming the keys and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_bridge.hf_config import read_hf_config
+from trainer.config.checks import need_critic, need_ref
+from trainer.config.schema import ConfigError
+from trainer.rewards.reward_model import RMInputs, check_score_head
+from trainer.rewards.sandbox import SandboxUnavailable, check_host
+from trainer.rewards.scorers import code_score, get_scorer
+from trainer.rollout.registry import engine_class
+
+
+class NotSupportedYet(ConfigError):
+    """A configuration that is valid but that this machine cannot run (the message names what is missing)."""
+
+
+def check_supported(cfg) -> None:
+    """Refuse, with the reason, what this machine cannot run: the hardware checks that ``--print-config``
+    leaves out (a GPU recipe resolves on a CPU login node). Everything else is refused at load time."""
+    r = cfg.actor_rollout_ref.rollout
+    gaps = []
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        gaps.append("trainer.device=cuda but this machine has no CUDA GPU: run on GPU nodes, or set trainer.device=cpu "
+                    "(with actor_rollout_ref.rollout.name=native)")
+    why = engine_class(r.name).unavailable(server=r.mode in ("server", "async"))  # the engine knows what it needs
+    if why:
+        gaps.append(why)
+    if gaps:
+        raise NotSupportedYet("this machine cannot run the requested configuration:\n  - " + "\n  - ".join(gaps))
+
+
+def check_node_layout(cfg) -> None:
+    """On more than one node, every tensor-parallel group must fit in one node: megatron's TP ranks are
+    consecutive, so TP (and a rollout engine's TP) must divide ``trainer.n_gpus_per_node``."""
+    t = cfg.trainer
+    if t.nnodes <= 1:
+        return
+    sizes = [("actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+              cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size),
+             ("actor_rollout_ref.rollout.tensor_model_parallel_size", cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)]
+    if need_ref(cfg):
+        sizes.append(("actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
+                      cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size))
+    if need_critic(cfg):
+        sizes.append(("critic.megatron.tensor_model_parallel_size", cfg.critic.megatron.tensor_model_parallel_size))
+    if cfg.reward_model.enable:
+        sizes.append(("reward_model.megatron.tensor_model_parallel_size", cfg.reward_model.megatron.tensor_model_parallel_size))
+    bad = [f"{k}={v}" for k, v in sizes if v and t.n_gpus_per_node % v]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} does not divide trainer.n_gpus_per_node={t.n_gpus_per_node}: with "
+                          f"trainer.nnodes={t.nnodes} a tensor-parallel group would span nodes (its all-reduces on the "
+                          f"inter-node network). Use a TP size that divides the devices of one node.")
+
+
+def check_model(cfg) -> None:
+    """Refuse settings the model cannot take, before any worker starts."""
+    arr = cfg.actor_rollout_ref
+    replay = [f"actor_rollout_ref.{r}.router_replay.mode=R3" for r in ("actor", "ref") if arr[r].router_replay.mode == "R3"]
+    if replay and not read_hf_config(arr.model.path).is_moe:
+        raise ConfigError(f"{' and '.join(replay)} replays mixture-of-experts routing, but {arr.model.path} is a dense "
+                          f"model: remove the router_replay and enable_rollout_routing_replay lines.")
+    if cfg.reward_model.enable:  # before any worker starts: the RM reads the actor's token ids with its trained head
+        path = cfg.reward_model.model.path
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"reward_model.model.path='{path}' is not a Hugging Face model directory (no config.json).")
+        rm_hf, actor_hf = read_hf_config(path), read_hf_config(arr.model.path)
+        if cfg.reward_model.model.input_tokenizer is None and rm_hf.vocab_size != actor_hf.vocab_size:
+            raise ConfigError(f"reward_model.model.path={path} has a vocabulary of {rm_hf.vocab_size} tokens, the actor "
+                              f"{actor_hf.vocab_size}: with reward_model.model.input_tokenizer=null the reward model "
+                              f"reads the actor's token ids, so it needs the actor's tokenizer. Set input_tokenizer to "
+                              f"the actor's tokenizer path to re-tokenise each response with the reward model's own.")
+        try:
+            check_score_head(path, rm_hf.hidden_size)
+            rm_inputs(cfg)  # the tokenizers load and the RM's has a chat template
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+
+
+def rm_inputs(cfg):
+    """The reward model's input builder: re-tokenising (``reward_model.model.input_tokenizer`` set, verl's
+    default) or None (the RM reads the actor's ids)."""
+    from transformers import AutoTokenizer  # heavy (about 2 s to import): only with a re-tokenising reward model
+
+    rm = cfg.reward_model
+    if rm.model.input_tokenizer is None:
+        return None
+    trust = bool(cfg.actor_rollout_ref.model.trust_remote_code)
+    return RMInputs(AutoTokenizer.from_pretrained(rm.model.input_tokenizer, trust_remote_code=trust),
+                    AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=trust), max_length=rm.max_length)
+
+
+def check_code_sandbox(cfg, *datasets) -> None:
+    """Refuse to start a run with code-scored data on a host whose sandbox cannot contain the code
+    (unless the user opted in to weaker containment or scores code in a SandboxFusion service)."""
+    rm = cfg.reward_model
+    if rm.sandbox_fusion.url or cfg.custom_reward_function.path:
+        return
+    sources = {it["data_source"] for ds in datasets if ds is not None for it in getattr(ds, "items", [])}
+    code = sorted(s for s in sources if get_scorer(s) is code_score)
+    if not code:
+        return
+    try:
+        check_host(rm.sandbox.allow_weak_containment or None)
+    except SandboxUnavailable as e:
+        raise ConfigError(f"data sources {code} are scored by running code: {e}") from None
