@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from trainer.config import moe_settings, recompute_settings
+from trainer.config.preflight import check_node_layout
 from trainer.plan import need_critic, need_ref
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
@@ -64,31 +65,6 @@ def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
                 lr_warmup_steps=warm, lr_warmup_init=o.lr_warmup_init,
                 lr_decay_steps=o.lr_decay_steps if o.lr_decay_steps is not None else horizon,
                 use_distributed_optimizer=use_dist)
-
-
-def check_node_layout(cfg) -> None:
-    """On more than one node, every tensor-parallel group must fit in one node: megatron's TP ranks are
-    consecutive, so TP (and a rollout engine's TP) must divide ``trainer.n_gpus_per_node``."""
-    from trainer.config import ConfigError
-
-    t = cfg.trainer
-    if t.nnodes <= 1:
-        return
-    sizes = [("actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
-              cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size),
-             ("actor_rollout_ref.rollout.tensor_model_parallel_size", cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)]
-    if need_ref(cfg):
-        sizes.append(("actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
-                      cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size))
-    if need_critic(cfg):
-        sizes.append(("critic.megatron.tensor_model_parallel_size", cfg.critic.megatron.tensor_model_parallel_size))
-    if cfg.reward_model.enable:
-        sizes.append(("reward_model.megatron.tensor_model_parallel_size", cfg.reward_model.megatron.tensor_model_parallel_size))
-    bad = [f"{k}={v}" for k, v in sizes if v and t.n_gpus_per_node % v]
-    if bad:
-        raise ConfigError(f"{', '.join(bad)} does not divide trainer.n_gpus_per_node={t.n_gpus_per_node}: with "
-                          f"trainer.nnodes={t.nnodes} a tensor-parallel group would span nodes (its all-reduces on the "
-                          f"inter-node network). Use a TP size that divides the devices of one node.")
 
 
 class Cluster:
