@@ -9,6 +9,10 @@ a ``coxswain_ckpt.json`` marker and renames the directory into place (an existin
 same name is moved aside first and deleted after). A crash mid-save leaves the previous checkpoint
 untouched and only a ``.tmp-`` directory, which the next save removes.
 
+Loading never unpickles code: every pickle of the directory is walked first by
+:func:`trainer.checkpoint.check_pickles` (only data globals admitted), since torch reads the ``.metadata``
+index with plain ``pickle.load``.
+
 The writer's result queue: ``dist_checkpointing`` keeps a module-global result queue served by a
 spawned ``multiprocessing.Manager`` process, which outlives the save and is orphaned if the rank is
 killed. Saves here are synchronous (the writer runs in the rank's own process), so the queue is a
@@ -30,6 +34,7 @@ import torch.distributed as dist
 from megatron_bridge import cpu_shims
 from megatron_bridge.fsutil import replace_dir
 from megatron_bridge.model import chunks, unwrap
+from trainer.checkpoint import check_pickles
 
 MARKER = "coxswain_ckpt.json"
 
@@ -132,6 +137,9 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     cpu_shims.install()
     if not is_complete(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {MARKER})")
+    # torch reads .metadata with plain pickle.load and megatron some items with weights_only=False:
+    # their globals are checked first (trainer.checkpoint.check_pickles), on every rank that reads them
+    check_pickles(ckpt_dir)
     state = _state(model, optimizer, scheduler, is_loading=True)
     state["extra"] = None  # common (non-sharded) entries are read from the checkpoint as saved
     if scheduler is not None:

@@ -25,6 +25,18 @@ newest one that verifies, with one warning per rejected step; an explicit ``resu
 not verify stops the run with one line naming the bad file. An unreadable tracker file counts as
 absent (the scan decides), and the tracker can only name a ``global_step_N`` directory of the root.
 
+A manifest is an unkeyed list of hashes: whoever can write the files can rewrite it too. So no pickle of
+a checkpoint is trusted either: :func:`check_pickles` walks every pickle a resume would unpickle
+(torch.distributed.checkpoint's ``.metadata``, which torch reads with plain ``pickle.load``; every item of
+its ``*.distcp`` files, some of which megatron reads with ``weights_only=False``; ``common.pt``,
+``driver_state.pt``, DeepSpeed's model and optimizer files: every ``*.pt`` / ``*.pth`` / ``*.pkl``) with
+an unpickler that calls nothing: each global a pickle names must be on :data:`SAFE_GLOBALS` (torch's own
+``weights_only`` list, the checkpoint metadata dataclasses, numpy's RNG key array, DeepSpeed's loss
+scaler and ZeRO records) and is replaced by an inert stand-in while the walk goes on. A pickle naming
+anything else (``os.system``, ``builtins.eval``, ...) fails the checkpoint before any loader opens it. A
+checkpoint without a manifest is refused unless ``trainer.resume_allow_unverified=true`` (its pickles
+are checked all the same). The manifest records its writer's format (``format``: :data:`FORMAT_VERSION`).
+
 ``trainer.max_actor_ckpt_to_keep`` (verl: keep the newest N; None or <= 0 keeps all) prunes whole
 ``global_step_*`` directories: a Coxswain checkpoint is one unit (actor, critic and driver state).
 
@@ -38,10 +50,13 @@ optimizer starts fresh, without ``extra`` the LR scheduler and the workers' RNG 
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import random
 import re
 import shutil
+import zipfile
 from typing import Any, Callable, Optional
 
 from megatron_bridge.fsutil import replace_dir
@@ -52,6 +67,8 @@ _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MARKER = "COMPLETE"
 DRIVER_STATE = "driver_state.pt"
 MANIFEST = "MANIFEST.json"
+MANIFEST_VERSION = 2  # 1: files only; 2: files + the writer's format
+FORMAT_VERSION = 1  # the layout above; a reader refuses a checkpoint written in a newer one
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's name
 HF_DIR = os.path.join("actor", "huggingface")
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -238,42 +255,244 @@ def _files(root: str) -> list[str]:
 
 
 def write_manifest(ckpt_dir: str) -> None:
-    """``MANIFEST.json``: the size and sha256 of every file of the checkpoint (but itself and the marker)."""
+    """``MANIFEST.json``: the writer's format and the size and sha256 of every file of the checkpoint (but
+    itself and the marker)."""
     import json
 
-    doc = {"version": 1, "files": {rel: {"size": os.path.getsize(os.path.join(ckpt_dir, rel)),
-                                         "sha256": _sha256(os.path.join(ckpt_dir, rel))} for rel in _files(ckpt_dir)}}
+    doc = {"version": MANIFEST_VERSION, "format": FORMAT_VERSION,
+           "files": {rel: {"size": os.path.getsize(os.path.join(ckpt_dir, rel)),
+                           "sha256": _sha256(os.path.join(ckpt_dir, rel))} for rel in _files(ckpt_dir)}}
     with open(os.path.join(ckpt_dir, MANIFEST), "w") as f:
         json.dump(doc, f, indent=1)
 
 
-def verify(ckpt_dir: str) -> None:
-    """Check a checkpoint against its manifest before anything in it is opened: every listed file present
-    with its size and sha256, and no unlisted file. A checkpoint from before manifests (none written)
-    passes unverified. Raises :class:`CheckpointError` naming the first bad file."""
+def _read_manifest(mf: str) -> dict:
     import json
 
+    try:
+        with open(mf) as f:
+            doc = json.load(f)
+        listed = doc["files"]
+        assert isinstance(listed, dict)
+    except Exception as e:
+        raise CheckpointError(f"{mf} is unreadable ({type(e).__name__}); the checkpoint cannot be verified") from e
+    fmt = doc.get("format", 1)
+    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+        raise CheckpointError(f"{mf} says the checkpoint is in format {fmt!r}, newer than this version reads "
+                              f"({FORMAT_VERSION}); resume it with the version that wrote it")
+    return listed
+
+
+def verify(ckpt_dir: str, allow_unverified: bool = False) -> None:
+    """Check a checkpoint before anything in it is opened: every file its manifest lists present with its
+    size and sha256, no unlisted file, and every pickle in it naming only :data:`SAFE_GLOBALS`
+    (:func:`check_pickles`). Without a manifest it is refused unless ``allow_unverified``
+    (``trainer.resume_allow_unverified``). Raises :class:`CheckpointError` naming the first bad file."""
     if not os.path.isfile(os.path.join(ckpt_dir, MARKER)):
         raise CheckpointError(f"checkpoint '{ckpt_dir}' is incomplete (no {MARKER} marker)")
     mf = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.isfile(mf):
-        return  # written before manifests existed: nothing to check against
-    try:
-        with open(mf) as f:
-            listed = json.load(f)["files"]
-        assert isinstance(listed, dict)
-    except Exception as e:
-        raise CheckpointError(f"{mf} is unreadable ({type(e).__name__}); the checkpoint cannot be verified") from e
-    present = set(_files(ckpt_dir))
-    for rel, want in sorted(listed.items()):
-        path = os.path.join(ckpt_dir, rel)
-        if os.path.isabs(rel) or ".." in rel.split(os.sep) or rel not in present:
-            raise CheckpointError(f"{path} is missing")
-        if os.path.getsize(path) != want.get("size") or _sha256(path) != want.get("sha256"):
-            raise CheckpointError(f"{path} does not match the checkpoint's manifest (corrupt or modified)")
-    extra = sorted(present - set(listed))
-    if extra:
-        raise CheckpointError(f"{os.path.join(ckpt_dir, extra[0])} is not in the checkpoint's manifest (added later)")
+        if not allow_unverified:
+            raise CheckpointError(f"checkpoint '{ckpt_dir}' has no {MANIFEST}, so its files cannot be verified "
+                                  f"(written before manifests, or the manifest was removed); if you trust whoever "
+                                  f"wrote it, set trainer.resume_allow_unverified=true")
+    else:
+        listed = _read_manifest(mf)
+        present = set(_files(ckpt_dir))
+        for rel, want in sorted(listed.items()):
+            path = os.path.join(ckpt_dir, rel)
+            if os.path.isabs(rel) or ".." in rel.split(os.sep) or rel not in present:
+                raise CheckpointError(f"{path} is missing")
+            if not isinstance(want, dict) or os.path.getsize(path) != want.get("size") or _sha256(path) != want.get("sha256"):
+                raise CheckpointError(f"{path} does not match the checkpoint's manifest (corrupt or modified)")
+        extra = sorted(present - set(listed))
+        if extra:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, extra[0])} is not in the checkpoint's manifest (added later)")
+    check_pickles(ckpt_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pickles: walked with nothing called before any loader opens them
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the *.distcp items (a plain pickle)
+_DCP = "torch.distributed.checkpoint."
+# beyond torch's weights_only list: what checkpoints of megatron (via torch.distributed.checkpoint),
+# DeepSpeed and the driver hold. Each is a data record or an enum; none runs code given any arguments.
+EXTRA_SAFE_GLOBALS = frozenset({
+    *(_DCP + "metadata." + n for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                       "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                                       "_MEM_FORMAT_ENCODING")),
+    _DCP + "filesystem._StorageInfo",
+    *(_DCP + "planner." + n for n in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType", "LoadPlan",
+                                      "ReadItem", "LoadItemType")),
+    "torch.serialization._get_layout", "pathlib.PosixPath", "pathlib.PurePosixPath",
+    # numpy's RNG key array (np.random.get_state()), pickled by value
+    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray.scalar",
+    "numpy.core.multiarray.scalar", "numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType", "codecs.encode",
+    # DeepSpeed's optimizer files
+    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
+def safe_globals() -> frozenset:
+    """The globals a checkpoint's pickle may name (``module.name``): torch's ``weights_only`` list, the
+    globals registered with ``torch.serialization.add_safe_globals`` and :data:`EXTRA_SAFE_GLOBALS`."""
+    import torch
+    from torch import _weights_only_unpickler
+
+    added = {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals() if hasattr(g, "__qualname__")}
+    return frozenset(_weights_only_unpickler._get_allowed_globals()) | added | EXTRA_SAFE_GLOBALS
+
+
+class _Inert:
+    """What an allowed global becomes while a pickle is walked: accepts every call the unpickler makes
+    (construction, state, items) and does nothing, so no code of the checkpoint's choosing runs."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Inert()
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+    def add(self, value):
+        pass
+
+
+class _Walker(pickle.Unpickler):
+    """Reads a pickle calling nothing: an allowed global is an :class:`_Inert` class, any other refused."""
+
+    def __init__(self, f, allowed: frozenset):
+        super().__init__(f)
+        self.allowed = allowed
+
+    def find_class(self, module, name):
+        if f"{module}.{name}" not in self.allowed:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint never holds")
+        return type(name, (_Inert,), {})
+
+    def persistent_load(self, pid):
+        return _Inert()  # a torch storage: its bytes are raw data, never unpickled
+
+
+class _MetadataReader(pickle.Unpickler):
+    """torch.distributed.checkpoint's ``.metadata`` with the real classes, admitting only allowed globals
+    (all of them data records: building them runs nothing)."""
+
+    def __init__(self, f, allowed: frozenset):
+        super().__init__(f)
+        self.allowed = allowed
+
+    def find_class(self, module, name):
+        if f"{module}.{name}" not in self.allowed:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint never holds")
+        return super().find_class(module, name)
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a seekable file (one ``*.distcp`` item)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buf):
+        n = max(0, min(len(buf), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(buf)[:n])
+        self.pos += got
+        return got
+
+
+def _walk(f, allowed: frozenset) -> None:
+    """Every pickle of ``f`` (a torch zip: its ``*.pkl`` members; otherwise the pickles in a row to the
+    end), walked by :class:`_Walker`. Anything the walk cannot read is refused as well: a real loader
+    reading further than the walk could meet a global the walk never saw."""
+    head = f.read(4)
+    f.seek(0)
+    if head == b"PK\x03\x04":  # torch.save's zip format (what torch.load checks for)
+        with zipfile.ZipFile(f) as z:
+            for member in z.namelist():
+                if member.endswith(".pkl"):
+                    with z.open(member) as m:
+                        _walk_stream(io.BytesIO(m.read()), allowed)
+        return
+    _walk_stream(f, allowed)
+
+
+def _walk_stream(f, allowed: frozenset) -> None:
+    end = f.seek(0, io.SEEK_END)
+    f.seek(0)
+    while f.tell() < end:
+        _Walker(f, allowed).load()
+
+
+def _dcp_items(directory: str, allowed: frozenset) -> dict[str, list[tuple[int, int]]]:
+    """``*.distcp`` file -> its items' (offset, length), from the directory's ``.metadata``."""
+    with open(os.path.join(directory, DCP_METADATA), "rb") as f:
+        md = _MetadataReader(f, allowed).load()
+    items: dict[str, list[tuple[int, int]]] = {}
+    for info in getattr(md, "storage_data", None).values():
+        rel = info.relative_path
+        if os.path.isabs(rel) or os.sep in rel or getattr(info, "transform_descriptors", None):
+            raise pickle.UnpicklingError(f"its item path {rel!r} is not a file of the directory")
+        items.setdefault(rel, []).append((int(info.offset), int(info.length)))
+    return items
+
+
+def check_pickles(ckpt_dir: str) -> None:
+    """Raise :class:`CheckpointError` naming the first file of ``ckpt_dir`` (walked recursively) whose
+    pickles name a global outside :func:`safe_globals` or cannot be read; see the module docstring."""
+    allowed = safe_globals()
+    for rel in _files(ckpt_dir):
+        directory, name = os.path.split(os.path.join(ckpt_dir, rel))
+        path = os.path.join(directory, name)
+        try:
+            if name == DCP_METADATA:
+                with open(path, "rb") as f:
+                    _walk_stream(f, allowed)
+                items = _dcp_items(directory, allowed)
+                for shard, spans in sorted(items.items()):
+                    path = os.path.join(directory, shard)
+                    with open(path, "rb") as f:
+                        for start, length in spans:
+                            _walk(_Slice(f, start, length), allowed)
+            elif name.endswith(PICKLE_SUFFIXES):
+                with open(path, "rb") as f:
+                    _walk(f, allowed)
+        except Exception as e:  # noqa: BLE001 - anything a walk meets is the file's fault
+            raise CheckpointError(f"{path} holds a pickle that cannot be loaded safely ({str(e)[:200] or type(e).__name__}): "
+                                  f"the checkpoint was modified or not written by Coxswain; resume from another "
+                                  f"one") from e
 
 
 def load_driver_state(path: str) -> dict[str, Any]:

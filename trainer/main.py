@@ -91,10 +91,10 @@ def resolve_model_paths(cfg) -> None:
                                 f"config.json). Point it at a local HF checkpoint; nothing is downloaded.")
 
 
-def resume(cluster, state, ckpt_dir: str, load_contents) -> None:
+def resume(cluster, state, ckpt_dir: str, load_contents, allow_unverified: bool = False) -> None:
     """Verify ``ckpt_dir`` against its manifest, then restore the workers (what ``load_contents`` names)
     and the driver state. Any failure is a ``CheckpointError`` naming the checkpoint."""
-    verify(ckpt_dir)  # before anything in it is unpickled
+    verify(ckpt_dir, allow_unverified)  # before anything in it is unpickled
     driver = load_driver_state(ckpt_dir)
     try:
         load_workers(cluster, ckpt_dir, load_contents)
@@ -249,7 +249,7 @@ def resume_newest(run: Run) -> Optional[str]:
         ckpt.clean_stale()
         for cand in ckpt.candidates():
             try:
-                resume(run.cluster, run.state, cand, load_contents)
+                resume(run.cluster, run.state, cand, load_contents, cfg.trainer.resume_allow_unverified)
                 resume_from = cand
                 break
             except CheckpointError as e:
@@ -261,7 +261,7 @@ def resume_newest(run: Run) -> Optional[str]:
     elif cfg.trainer.resume_mode == "resume_path":
         resume_from = cfg.trainer.resume_from_path
         try:
-            resume(run.cluster, run.state, resume_from, load_contents)
+            resume(run.cluster, run.state, resume_from, load_contents, cfg.trainer.resume_allow_unverified)
         except CheckpointError as e:
             raise CheckpointError(f"{e}. Point trainer.resume_from_path at an earlier global_step_* directory, "
                                   f"or use trainer.resume_mode=auto to take the newest one that verifies") from e

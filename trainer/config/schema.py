@@ -497,6 +497,7 @@ class TrainerConfig:
     log_val_generations: int = 0  # log N validation samples (input, output, score, step) per validation as a table: wandb Table, MLflow JSON artifact, tensorboard text
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # checkpoint dir when resume_mode=resume_path
+    resume_allow_unverified: bool = False  # resume from a checkpoint with no MANIFEST.json (only one you trust)
     seed: int = 1  # driver seed
     debug: DebugConfig = field(default_factory=DebugConfig)  # debugging modes
     hooks: HooksConfig = field(default_factory=HooksConfig)  # user stages at named points of the step (trainer.pipeline)
