@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from trainer.config.secrets import SECRET_KEY, secret_values
+from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
 from trainer.console import ConsoleLog
 
 def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -66,7 +66,7 @@ def redact(params: Mapping[str, Any]) -> dict[str, str]:
             sv = "***"
         for s in secrets:
             sv = sv.replace(s, "***")
-        out[k] = sv[:500]  # MLflow's param value limit
+        out[k] = mask_url_credentials(sv)[:500]  # MLflow's param value limit
     return out
 
 

@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from trainer.config.checks import error_report, validation_errors
 from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_key, field_type, flatten_keys,
                                    is_schema_key, type_name)
-from trainer.config.secrets import SECRET_KEY, secret_values
+from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
 from trainer.verl_compat import verl_only
 
 # ----------------------------------------------------------------------------------------------
@@ -325,6 +325,7 @@ def public_container(cfg: DictConfig) -> dict:
         if isinstance(v, str):
             for h in hidden:
                 v = v.replace(h, "***")
+            v = mask_url_credentials(v)
         return v
 
     collect(raw, res)
