@@ -43,7 +43,6 @@ from trainer.algos.adca import (compute_adca_grpo_advantage, num_steps_from_step
                                 select_judge_samples)
 from trainer.algos.advantages import compute_advantage, compute_grpo_outcome_advantage
 from trainer.batch import RolloutBatch
-from trainer.rewards.judge import JudgeClient
 from trainer.rewards.judge_server import LocalJudgeServer
 
 
@@ -174,6 +173,8 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, settings, *, global_s
 # --------------------------------------------------------------------------------------------------
 def make_judge(cfg, run_dir: str) -> tuple[Any, LocalJudgeServer | None]:
     """``(JudgeClient, server or None)`` from the config; the caller closes the server."""
+    from trainer.rewards.judge import JudgeClient  # imports aiohttp (about 0.6 s): only ADCA runs need it
+
     ac = cfg.attribution_driven_credit_assignment
     kw: dict[str, Any] = dict(max_tokens=ac.judge_max_tokens)
     server = None
