@@ -51,6 +51,7 @@ optimizer starts fresh, without ``extra`` the LR scheduler and the workers' RNG 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import random
@@ -257,8 +258,6 @@ def _files(root: str) -> list[str]:
 def write_manifest(ckpt_dir: str) -> None:
     """``MANIFEST.json``: the writer's format and the size and sha256 of every file of the checkpoint (but
     itself and the marker)."""
-    import json
-
     doc = {"version": MANIFEST_VERSION, "format": FORMAT_VERSION,
            "files": {rel: {"size": os.path.getsize(os.path.join(ckpt_dir, rel)),
                            "sha256": _sha256(os.path.join(ckpt_dir, rel))} for rel in _files(ckpt_dir)}}
@@ -267,8 +266,6 @@ def write_manifest(ckpt_dir: str) -> None:
 
 
 def _read_manifest(mf: str) -> dict:
-    import json
-
     try:
         with open(mf) as f:
             doc = json.load(f)
@@ -391,18 +388,13 @@ class _Walker(pickle.Unpickler):
         return _Inert()  # a torch storage: its bytes are raw data, never unpickled
 
 
-class _MetadataReader(pickle.Unpickler):
+class _MetadataReader(_Walker):
     """torch.distributed.checkpoint's ``.metadata`` with the real classes, admitting only allowed globals
     (all of them data records: building them runs nothing)."""
 
-    def __init__(self, f, allowed: frozenset):
-        super().__init__(f)
-        self.allowed = allowed
-
     def find_class(self, module, name):
-        if f"{module}.{name}" not in self.allowed:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint never holds")
-        return super().find_class(module, name)
+        super().find_class(module, name)  # refuses what is not allowed
+        return pickle.Unpickler.find_class(self, module, name)
 
 
 class _Slice(io.RawIOBase):
