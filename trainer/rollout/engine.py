@@ -1,4 +1,8 @@
-"""The rollout engine interface: what every engine (native torch, SGLang) promises the trainer.
+"""The rollout engine interface: what every engine (native torch, SGLang, a user's) promises the trainer.
+
+An engine class declares what it can do (``capabilities``, :class:`trainer.rollout.registry.Capabilities`),
+is built from the rollout config by :meth:`RolloutEngine.from_rollout`, and says at run time what this machine
+lacks to run it (:meth:`RolloutEngine.unavailable`); ``rollout.name`` finds it in the registry.
 
 An engine turns prompts (token ids) into sampled responses and returns, for each sampled token, the
 log-probability the sampler gave it. Rollout importance sampling corrects the trainer's recomputed

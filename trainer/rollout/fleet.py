@@ -39,6 +39,10 @@ router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={}, hosts=Non
     restarted server loads the checkpoint from disk and is given the last push again
     (:meth:`FleetClient.replay_last_push`) before it rejoins the router.
 
+``backend`` names an engine (:mod:`trainer.rollout.registry`); the class that starts its servers, finds
+them ready, sets up the client's weight protocol and re-syncs a restarted server is the server adapter the
+engine class declares (``capabilities.server``: :class:`NativeServers`, :class:`SGLangServers` below).
+
 The client (:class:`~trainer.rollout.fleet_client.FleetClient`, its weight protocols, retries, seeds
 and stops) is documented in :mod:`trainer.rollout.fleet_client`.
 """
@@ -56,21 +60,25 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.orphans import supervised
+from trainer.rollout import sglang_cpu
 # the client lives in fleet_client; its names are re-exported here, where callers have always found them
 from trainer.rollout.engine import WeightSyncError
 from trainer.rollout.fleet_client import (FleetClient, FleetError, FleetStats, generate_payload,
                                           parse_generate_response, parse_output, prompt_seed)
+from trainer.rollout.registry import server_adapter
+from trainer.rollout.sglang_http import server_command
 from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as SERVER_READY_PREFIX
 from trainer.serving.net import free_port, ready_url
 from trainer.serving.wire import WEIGHTS_CONTENT_TYPE
 
 __all__ = ["Fleet", "FleetClient", "FleetError", "FleetStats", "ServerHost", "RemoteProc", "WeightSyncError",
-           "generate_payload", "parse_generate_response", "parse_output", "prompt_seed"]
+           "NativeServers", "SGLangServers", "generate_payload", "parse_generate_response", "parse_output", "prompt_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +125,7 @@ class ServerHost:
     ``--host`` set to the node's IP; ``wait_ready`` returns the server's URL."""
 
     def __init__(self, cmd: list[str], env: dict, log_path: str):
-        import ray
+        import ray  # heavy; used only with servers on a Ray cluster
 
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -163,7 +171,7 @@ class RemoteProc:
         self.node_id = self.node_ip = None
 
     def poll(self):
-        import ray
+        import ray  # heavy; used only with servers on a Ray cluster
 
         if self.returncode is None:
             try:
@@ -175,7 +183,7 @@ class RemoteProc:
         return self.returncode
 
     def host_answers(self, timeout_s: float = 3.0) -> bool:
-        import ray
+        import ray  # heavy; used only with servers on a Ray cluster
 
         try:
             ray.get(self.handle.where.remote(), timeout=timeout_s)
@@ -185,14 +193,14 @@ class RemoteProc:
 
     def node_alive(self) -> bool | None:
         """Ray's view of the server's node (None before it is known)."""
-        import ray
+        import ray  # heavy; used only with servers on a Ray cluster
 
         if self.node_id is None:
             return None
         return next((bool(n.get("Alive")) for n in ray.nodes() if n["NodeID"] == self.node_id), False)
 
     def kill(self, grace_s: float = 0.0) -> None:
-        import ray
+        import ray  # heavy; used only with servers on a Ray cluster
 
         try:
             ray.get(self.handle.terminate.remote(grace_s), timeout=grace_s + 15)
@@ -218,7 +226,8 @@ class _Server:
 
 @dataclass
 class Fleet:
-    """N native servers behind sglang-router, and their :class:`FleetClient`; see the module docstring."""
+    """N engine servers behind sglang-router, and their :class:`FleetClient`; see the module docstring. How a
+    server starts, is found ready, is given weights after a restart: the engine's server adapter."""
 
     model: str
     num_servers: int = 2
@@ -236,26 +245,16 @@ class Fleet:
     client_kwargs: dict = field(default_factory=dict)
     hosts: Sequence[dict] | None = None  # Ray actor options per server: run server k on that node (see above)
     node_grace_s: float = 30.0  # how long a dead remote server waits for Ray's verdict on its node
-    backend: str = "native"  # native (trainer.rollout.native_server) | sglang (real sglang.launch_server)
+    # the engine (trainer.rollout.registry name or pkg.module:Class) whose server adapter runs the servers:
+    # native (trainer.rollout.native_server: NativeServers) | sglang (real sglang.launch_server: SGLangServers)
+    backend: str = "native"
     device: str = "cpu"  # sglang: the servers' device (cpu: SGLang's CPU path, trainer/rollout/sglang_cpu)
     max_total_tokens: int = 4096  # sglang on CPU: the KV cache's size in tokens
     server_python: str | None = None  # sglang: the interpreter with sglang (default sglang_cpu.server_python())
 
     def __post_init__(self):
-        if self.backend not in ("native", "sglang"):
-            raise ValueError(f"Fleet backend={self.backend!r}: 'native' or 'sglang'")
-        if self.backend == "sglang":
-            if self.hosts is not None:
-                raise FleetError("a fleet of SGLang servers runs on the trainer's host: its weight route (SGLang's "
-                                 "update_weights_from_tensor) shares memory with the sender; use backend='native' "
-                                 "for servers on other nodes")
-            if self.server_python is None:
-                from trainer.rollout import sglang_cpu
-
-                self.server_python = sglang_cpu.server_python()
-                if self.server_python is None:
-                    raise FleetError(f"backend='sglang' needs an interpreter with sglang: install the 'sglang' extra "
-                                     f"(GPU) or run {sglang_cpu.INSTALL_COMMAND} (CPU)")
+        # how this engine runs as servers: the adapter its class declares (capabilities.server)
+        self.kind = server_adapter(self.backend)(self)
         self.servers: list[_Server] = []
         self.router: subprocess.Popen | None = None
         self.router_url: str | None = None
@@ -289,29 +288,15 @@ class Fleet:
             procs = [self._spawn_server(k, 0) for k in range(self.num_servers)]  # all start at once
             self.servers = [self._await_server(k, p, path, 0) for k, (p, path) in enumerate(procs)]
             self._start_router()
-            kw = dict(self.client_kwargs)
-            if self.backend == "sglang":
-                # each sample its own request: SGLang honours no per-request seed unless deterministic
-                kw = {"per_sample_requests": True, **kw, "weight_protocol": "sglang", "model_dir": self.model,
-                      "model_dtype": self.dtype}
             self.client = FleetClient(self.router_url, self.server_urls, on_failure=self._on_failure, stats=self.stats,
-                                      api_key=self.api_key, **kw)
-            if self.backend == "sglang":
-                self.client.expected_checksum = None  # the checkpoint on disk until the first push
-            else:
-                self._check_start_weights()
+                                      api_key=self.api_key, **self.kind.client_kwargs(dict(self.client_kwargs)))
+            self.kind.check_start_weights()
         except BaseException:
             self.close()
             raise
         self._monitor = threading.Thread(target=self._watch, name="coxswain-fleet-monitor", daemon=True)
         self._monitor.start()
         return self
-
-    def _check_start_weights(self) -> None:
-        sums = self.client._call(self.client._checksums(self.server_urls))
-        if len(set(sums.values())) != 1:
-            raise WeightSyncError(f"the servers started with different weights: {sums}")
-        self.client.expected_checksum = next(iter(sums.values()))
 
     def close(self) -> None:
         if self._closed:
@@ -343,53 +328,11 @@ class Fleet:
         return proc
 
     def _spawn_server(self, k: int, generation: int) -> tuple[subprocess.Popen, str]:
-        if self.backend == "sglang":
-            return self._spawn_sglang(k, generation)
-        cmd = [sys.executable, "-m", "trainer.rollout.native_server", "--model", self.model, "--host", self.host,
-               "--port", "0", "--threads", str(self.threads_per_server), "--max-batch-size", str(self.max_batch_size),
-               "--dtype", self.dtype, "--skip-tokenizer-init", *map(str, self.server_args)]
-        if self.max_seq_len:
-            cmd += ["--max-seq-len", str(self.max_seq_len)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_server))
-        # a fresh key per fleet, handed over in the environment (never on a command line other users can read):
-        # only this trainer may push, read out or pause the weights; generation comes through the router
-        env[FLEET_KEY_ENV] = self.api_key
-        cmd += ["--api-key-env", FLEET_KEY_ENV, "--open-generation"]
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        path = os.path.join(self.log_dir, f"server-{k}-{generation}.log")
-        if self.hosts is not None:  # on server k's own node, through a host actor there
-            import ray
-
-            extra = {k2: env[k2] for k2 in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", FLEET_KEY_ENV, "PYTHONPATH")}
-            opts = dict(self.hosts[k % len(self.hosts)])
-            handle = ray.remote(ServerHost).options(**opts, max_concurrency=4).remote(cmd, extra, path)
-            proc = RemoteProc(handle)
-            self._pending.append(proc)
-            return proc, path
-        return self._spawn(cmd, path, env), path
-
-    def _spawn_sglang(self, k: int, generation: int) -> tuple[subprocess.Popen, str]:
-        from trainer.rollout import sglang_cpu
-        from trainer.rollout.sglang_http import server_command
-
-        port = free_port(self.host)
-        cmd = server_command(self.server_python, self.model, host=self.host, port=port, device=self.device,
-                             # no --context-length: SGLang derives it from the model (as the in-worker
-                             # adapter); a longer one than the model's positions is refused by SGLang
-                             dtype=self.dtype, admin_key=self.api_key,
-                             max_total_tokens=self.max_total_tokens, extra=self.server_args)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_server))
-        if self.device == "cpu":
-            sglang_cpu.activate(env)
-        path = os.path.join(self.log_dir, f"server-{k}-{generation}.log")
-        proc = self._spawn(cmd, path, env)
-        proc.coxswain_url = f"http://{self.host}:{port}"  # known up front: SGLang prints no machine-readable line
-        return proc, path
+        return self.kind.spawn(k, generation, os.path.join(self.log_dir, f"server-{k}-{generation}.log"))
 
     def _await_server(self, k: int, proc: subprocess.Popen, path: str, generation: int) -> _Server:
         if isinstance(proc, RemoteProc):
-            import ray
+            import ray  # heavy; used only with servers on a Ray cluster
 
             try:
                 url = ray.get(proc.handle.wait_ready.remote(self.startup_timeout_s), timeout=self.startup_timeout_s + 60)
@@ -401,43 +344,16 @@ class Fleet:
                 proc.kill()
                 raise FleetError(f"rollout server {k} did not start ({type(e).__name__}: {e})") from e
             return _Server(k, proc, url, path, generation=generation)
-        if self.backend == "sglang":
-            probe, every = (lambda: self._sglang_answers(proc.coxswain_url)), 0.5
-        else:
-            probe, every = (lambda: self._ready_line(path)), 0.05
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            url = probe()
+            url = self.kind.ready(proc, path)
             if url is not None:
                 return _Server(k, proc, url, path, generation=generation)
-            time.sleep(every)
+            time.sleep(self.kind.poll_s)
         _kill_group(proc)
         with open(path, encoding="utf-8", errors="replace") as f:
             tail = f.read()[-3000:]
-        raise FleetError(f"{'SGLang' if self.backend == 'sglang' else 'rollout'} server {k} did not start "
-                         f"(log {path}):\n{tail}")
-
-    @staticmethod
-    def _ready_line(path: str) -> str | None:
-        """The URL a native server prints once it listens, or None yet."""
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                url = ready_url(line, SERVER_READY_PREFIX)
-                if url is not None:
-                    return url
-        return None
-
-    @staticmethod
-    def _sglang_answers(url: str) -> str | None:
-        """``url`` once SGLang's /model_info answers (its tokenizer manager and scheduler are up), else None;
-        SGLang prints no machine-readable ready line."""
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
-                return url if r.status == 200 else None
-        except OSError:
-            return None
+        raise FleetError(f"{self.kind.label} server {k} did not start (log {path}):\n{tail}")
 
     # ---- router ----------------------------------------------------------------------------------------
     def _start_router(self) -> None:
@@ -455,14 +371,10 @@ class Fleet:
         self._await_router({s.url for s in self.servers}, set())
 
     def _router_workers(self) -> list[dict]:
-        import urllib.request
-
         with urllib.request.urlopen(self.router_url + "/workers", timeout=5) as r:
             return json.load(r).get("workers", [])
 
     def _router_call(self, method: str, path: str, body: dict | None = None) -> None:
-        import urllib.request
-
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.router_url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -493,8 +405,6 @@ class Fleet:
         self._poke.set()  # wake the monitor now (called from the client's loop: never block here)
 
     def _watch(self) -> None:
-        import urllib.request
-
         while not self._stop.is_set():
             self._poke.wait(self.health_interval_s)
             self._poke.clear()
@@ -587,19 +497,81 @@ class Fleet:
             return old.url
 
     def _sync_from_peer(self, url: str) -> None:
-        import urllib.request
+        self.kind.sync_new_server(url)
 
-        if self.backend == "sglang":  # SGLang has no weight read-out: the client replays the last push
-            self.client.replay_last_push(url)
-            return
-        expected = self.client.expected_checksum
+
+# --------------------------------------------------------------------------------------------------
+# server adapters: how each engine runs as the fleet's servers (named by its capabilities.server)
+# --------------------------------------------------------------------------------------------------
+class NativeServers:
+    """The native engine's servers: ``python -m trainer.rollout.native_server`` processes (locally, or on
+    other nodes through :class:`ServerHost` actors), ready once they print their URL; Coxswain's weight
+    protocol (safetensors blobs, checksums read from each server); a restarted server gets a live peer's
+    weights when the fleet's have moved on from the checkpoint."""
+
+    label = "rollout"
+    poll_s = 0.05  # how often a starting server's log is read for its ready line
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+
+    def spawn(self, k: int, generation: int, path: str) -> tuple[subprocess.Popen, str]:
+        f = self.fleet
+        cmd = [sys.executable, "-m", "trainer.rollout.native_server", "--model", f.model, "--host", f.host,
+               "--port", "0", "--threads", str(f.threads_per_server), "--max-batch-size", str(f.max_batch_size),
+               "--dtype", f.dtype, "--skip-tokenizer-init", *map(str, f.server_args)]
+        if f.max_seq_len:
+            cmd += ["--max-seq-len", str(f.max_seq_len)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(f.threads_per_server))
+        # a fresh key per fleet, handed over in the environment (never on a command line other users can read):
+        # only this trainer may push, read out or pause the weights; generation comes through the router
+        env[FLEET_KEY_ENV] = f.api_key
+        cmd += ["--api-key-env", FLEET_KEY_ENV, "--open-generation"]
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if f.hosts is not None:  # on server k's own node, through a host actor there
+            import ray  # heavy; used only with servers on a Ray cluster
+
+            extra = {k2: env[k2] for k2 in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", FLEET_KEY_ENV, "PYTHONPATH")}
+            opts = dict(f.hosts[k % len(f.hosts)])
+            handle = ray.remote(ServerHost).options(**opts, max_concurrency=4).remote(cmd, extra, path)
+            proc = RemoteProc(handle)
+            f._pending.append(proc)
+            return proc, path
+        return f._spawn(cmd, path, env), path
+
+    def ready(self, proc: subprocess.Popen, path: str) -> str | None:
+        """The URL a native server prints once it listens, or None yet."""
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                url = ready_url(line, SERVER_READY_PREFIX)
+                if url is not None:
+                    return url
+        return None
+
+    def client_kwargs(self, kw: dict) -> dict:
+        return kw
+
+    def check_start_weights(self) -> None:
+        """Every server loaded the same checkpoint: its checksum is the fleet's until the first push."""
+        client = self.fleet.client
+        sums = client._call(client._checksums(self.fleet.server_urls))
+        if len(set(sums.values())) != 1:
+            raise WeightSyncError(f"the servers started with different weights: {sums}")
+        client.expected_checksum = next(iter(sums.values()))
+
+    def sync_new_server(self, url: str) -> None:
+        """A restarted server at ``url`` holds the checkpoint from disk: copy a live peer's weights into it
+        when the fleet's have moved on (checked against the fleet's checksum)."""
+        client = self.fleet.client
+        expected = client.expected_checksum
         if expected is None:
             return
-        auth = {"Authorization": f"Bearer {self.api_key}"}
+        auth = {"Authorization": f"Bearer {self.fleet.api_key}"}
         with urllib.request.urlopen(urllib.request.Request(url + "/weights_checksum", headers=auth), timeout=60) as r:
             if json.load(r)["checksum"] == expected:
                 return  # weights from disk are the fleet's current ones
-        for peer in self.client.worker_urls:
+        for peer in client.worker_urls:
             try:
                 with urllib.request.urlopen(urllib.request.Request(peer + "/weights_safetensors", headers=auth),
                                             timeout=600) as r:
@@ -608,8 +580,66 @@ class Fleet:
                                              headers={"Content-Type": WEIGHTS_CONTENT_TYPE, **auth})
                 with urllib.request.urlopen(req, timeout=600) as r:
                     r.read()
-                self.client.verify_weights(expected, [url])
+                client.verify_weights(expected, [url])
                 return
             except (OSError, WeightSyncError) as e:
                 log.warning("fleet: copying weights from %s to %s failed: %s", peer, url, e)
         raise WeightSyncError(f"restarted server {url} holds stale weights and no live peer could provide them")
+
+
+class SGLangServers:
+    """Real ``python -m sglang.launch_server`` processes (:func:`trainer.rollout.sglang_http.server_command`;
+    on CPU SGLang's CPU path), run by the fleet's ``server_python``, ready once ``/model_info`` answers;
+    SGLang's own weight protocol, each sample its own request. Same host only (the tensor route shares
+    memory). A restarted server is given the last push again (SGLang has no weight read-out)."""
+
+    label = "SGLang"
+    poll_s = 0.5
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        if fleet.hosts is not None:
+            raise FleetError("a fleet of SGLang servers runs on the trainer's host: its weight route (SGLang's "
+                             "update_weights_from_tensor) shares memory with the sender; use backend='native' "
+                             "for servers on other nodes")
+        if fleet.server_python is None:
+            fleet.server_python = sglang_cpu.server_python()
+            if fleet.server_python is None:
+                raise FleetError(f"backend='sglang' needs an interpreter with sglang: install the 'sglang' extra "
+                                 f"(GPU) or run {sglang_cpu.INSTALL_COMMAND} (CPU)")
+
+    def spawn(self, k: int, generation: int, path: str) -> tuple[subprocess.Popen, str]:
+        f = self.fleet
+        port = free_port(f.host)
+        cmd = server_command(f.server_python, f.model, host=f.host, port=port, device=f.device,
+                             # no --context-length: SGLang derives it from the model (as the in-worker
+                             # adapter); a longer one than the model's positions is refused by SGLang
+                             dtype=f.dtype, admin_key=f.api_key,
+                             max_total_tokens=f.max_total_tokens, extra=f.server_args)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(f.threads_per_server))
+        if f.device == "cpu":
+            sglang_cpu.activate(env)
+        proc = f._spawn(cmd, path, env)
+        proc.coxswain_url = f"http://{f.host}:{port}"  # known up front: SGLang prints no machine-readable line
+        return proc, path
+
+    def ready(self, proc: subprocess.Popen, path: str) -> str | None:
+        """The server's URL once SGLang's /model_info answers (its tokenizer manager and scheduler are up),
+        else None; SGLang prints no machine-readable ready line."""
+        url = proc.coxswain_url
+        try:
+            with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
+                return url if r.status == 200 else None
+        except OSError:
+            return None
+
+    def client_kwargs(self, kw: dict) -> dict:
+        # each sample its own request: SGLang honours no per-request seed unless deterministic
+        return {"per_sample_requests": True, **kw, "weight_protocol": "sglang", "model_dir": self.fleet.model,
+                "model_dtype": self.fleet.dtype}
+
+    def check_start_weights(self) -> None:
+        self.fleet.client.expected_checksum = None  # the checkpoint on disk until the first push
+
+    def sync_new_server(self, url: str) -> None:
+        self.fleet.client.replay_last_push(url)

@@ -83,8 +83,12 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.hf_io import iter_safetensors
 from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError,
-                                    checksum_named_tensors, iter_buckets)
+                                    checksum_named_tensors, iter_buckets, tensor_digest)
+from trainer.rollout.sglang_engine import (combine_digests, default_probe_names, flatten_bucket, iter_cast_buckets,
+                                           probe_rows, unflatten_bucket)
+from trainer.rollout.sglang_http import serialize_flat
 from trainer.serving.wire import WEIGHTS_CONTENT_TYPE, tensors_to_safetensors
 
 log = logging.getLogger(__name__)
@@ -225,7 +229,7 @@ class FleetClient(RolloutEngine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _setup(self) -> None:
-        import aiohttp
+        import aiohttp  # heavy to import: loaded once the client starts its loop
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False), headers=headers)
@@ -253,7 +257,7 @@ class FleetClient(RolloutEngine):
 
     # ---- HTTP helpers (on the loop) -------------------------------------------------------------------
     def _timeout(self, seconds: float):
-        import aiohttp
+        import aiohttp  # heavy to import: loaded once the client starts its loop
 
         return aiohttp.ClientTimeout(total=seconds)
 
@@ -281,7 +285,7 @@ class FleetClient(RolloutEngine):
         return None
 
     async def _post_generate(self, payload: dict) -> Any:
-        import aiohttp
+        import aiohttp  # heavy to import: loaded once the client starts its loop
 
         url, last = self.router_url, ""
         for attempt in range(self.max_retries + 1):
@@ -447,11 +451,8 @@ class FleetClient(RolloutEngine):
         if self._disk_checksum is None:
             if self.model_dir is None:
                 raise WeightSyncError("no weights were pushed and the servers' checkpoint is unknown (set model_dir)")
-            from trainer.rollout.engine import checksum_named_tensors as _ck
-            from trainer.hf_io import iter_safetensors
-
             skip = {"lm_head.weight"} if self._tied() else set()
-            self._disk_checksum = _ck(iter_safetensors(self.model_dir, lambda n: n not in skip), dtype=self.model_dtype)
+            self._disk_checksum = checksum_named_tensors(iter_safetensors(self.model_dir, lambda n: n not in skip), dtype=self.model_dtype)
         return self._disk_checksum
 
     def _tied(self) -> bool:
@@ -492,8 +493,6 @@ class FleetClient(RolloutEngine):
             await asyncio.sleep(0.05)
 
     async def _push_flat(self, url: str, flat: torch.Tensor, metas: list, weight_version: str | None = None) -> None:
-        from trainer.rollout.sglang_http import serialize_flat
-
         # Serialized per server: each receiver opens its own shared-memory handle
         payload = serialize_flat(flat, metas)
         body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "flush_cache": False}
@@ -535,10 +534,6 @@ class FleetClient(RolloutEngine):
         self._call(_gather(self._flush(u) for u in urls))
 
     def _update_weights_sglang(self, named_tensors, *, dtype, ignore, weight_version) -> list[str]:
-        from trainer.rollout.engine import tensor_digest
-        from trainer.rollout.sglang_engine import (combine_digests, default_probe_names, flatten_bucket,
-                                                   iter_cast_buckets, probe_rows, unflatten_bucket)
-
         dtype = dtype or self.model_dtype
         if ignore is None:  # as the native servers: a tied model's lm_head is the embedding, not pushed
             ignore = {"lm_head.weight"} if self._tied() else set()

@@ -133,6 +133,7 @@ import os
 import secrets
 import struct
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
@@ -617,7 +618,7 @@ class SGLangEngine(RolloutEngine):
         if device == "cpu":
             sglang_cpu.activate()  # env + the sgl_kernel stand-in on PYTHONPATH, before sglang is imported
         try:
-            import sglang
+            import sglang  # the optional heavy dependency (the sglang extra, or the CPU venv)
         except ImportError as e:
             raise ImportError(f"the SGLang rollout engine needs sglang: {INSTALL_HINT}") from e
         version = getattr(sglang, "__version__", "?")
@@ -719,8 +720,6 @@ class SGLangEngine(RolloutEngine):
     def _wait_idle(self, timeout_s: float = 60.0) -> None:
         """Flush the prefix cache, retrying until the scheduler is idle (it refuses, with success=False,
         while a batch is still being finished)."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while True:
             result = self.engine.flush_cache()
@@ -776,7 +775,7 @@ class SGLangEngine(RolloutEngine):
                 self._repushed = None
 
     def _push_flat(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils import MultiprocessingSerializer  # optional heavy dependency (sglang)
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
