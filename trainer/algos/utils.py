@@ -13,6 +13,7 @@ Conventions used across ``trainer.algos``:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 import os
@@ -106,8 +107,6 @@ def load_fn(spec: str | Callable, table: dict[str, Callable], kind: str) -> Call
         if fn is None or not callable(fn):
             raise ValueError(f"{kind} '{spec}': module '{mod_name}' has no function '{fn_name}'")
         return fn
-    import difflib
-
     close = difflib.get_close_matches(str(spec), list(table), n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise ValueError(
