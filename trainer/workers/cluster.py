@@ -21,6 +21,7 @@ import os
 from trainer.config import moe_settings, recompute_settings
 from trainer.config.preflight import check_node_layout
 from trainer.plan import need_critic, need_ref
+from trainer.rollout.registry import capabilities
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
 from trainer.workers.deepspeed_worker import DeepSpeedWorker
@@ -41,11 +42,11 @@ def _plain(d) -> dict:
 def compiled_engine_kwargs(engine_kwargs: dict, *, name: str, device: str, model_path: str) -> dict:
     """``trainer.compile=true`` for a rollout engine: the native engine's compiled decode step, launched from
     inductor's C++ wrapper with its matmuls on the C++ GEMM template on CPU (each setting only where
-    ``engine_kwargs`` does not name it: the user's own choice wins). SGLang engines and MoE models (whose
-    decode cannot compile) keep their kwargs."""
+    ``engine_kwargs`` does not name it: the user's own choice wins). Engines without a compiled decode step
+    (``capabilities.compiled_decode``: SGLang's) and MoE models (whose decode cannot compile) keep their kwargs."""
     from trainer.hf_io import ArchConfig
 
-    if name != "native" or ArchConfig.from_pretrained(model_path).is_moe:
+    if not capabilities(name).compiled_decode or ArchConfig.from_pretrained(model_path).is_moe:
         return engine_kwargs
     out = dict(engine_kwargs)
     out.setdefault("compile_decode", True)
@@ -151,14 +152,13 @@ class Cluster:
                    engine_kwargs=compiled_engine_kwargs(_plain(r.engine_kwargs), name=r.name, device=t.device,
                                                         model_path=model_path) if t.compile else _plain(r.engine_kwargs),
                    tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
-                   sglang=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
-                               gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
-                               max_num_batched_tokens=r.max_num_batched_tokens,
-                               enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager)
-                   if r.name == "sglang" else None)
+                   settings=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
+                                 gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
+                                 max_num_batched_tokens=r.max_num_batched_tokens,
+                                 enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager))
         # hybrid engine (verl's): each actor rank hosts its colocated engine, so a sync is a local copy
         self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode == "sync"
-                       and r.name == "native" and n_eng == world)
+                       and "hybrid" in capabilities(r.name).weight_protocols and n_eng == world)
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
         actor_optim = bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps,
                                    use_dist=a.megatron.use_distributed_optimizer)
@@ -207,7 +207,7 @@ class Cluster:
             self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
                                          shared_memory=r.weight_sync == "auto")
         else:
-            streams = 2 if r.name == "native" else 1  # the native engine admits a call into its running loop
+            streams = 2 if capabilities(r.name).concurrent_generate else 1  # a call joins the engine's running loop
             self.rollout = EngineRollout(
                 WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
                             bundle_of=rollout_bundle, share=0.25, max_concurrency=streams + 1),

@@ -1,4 +1,5 @@
-"""One rollout engine of the fleet: the native torch engine (CPU default), or SGLang's in-process engine on GPUs.
+"""One rollout engine of the fleet: the engine ``rollout.name`` names in :mod:`trainer.rollout.registry` (the
+native torch engine, SGLang's in-process engine, or a user's ``pkg.module:Class``).
 
 Thin: ``generate`` takes prompt ids and sampling settings and returns the engine's
 ``GenerationOutput``s as they are; ``update_weights`` takes one bucket of HF-named tensors from a
@@ -14,30 +15,24 @@ from contextlib import contextmanager
 import torch
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams
+from trainer.rollout.registry import engine_class
 
 
 class RolloutWorker:
     def __init__(self, *, model_path: str, name: str = "native", max_batch_size: int = 256,
                  max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, generate_threads: int = 0,
-                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None, sglang: dict | None = None):
+                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None, settings: dict | None = None):
+        """``name``: the engine as ``actor_rollout_ref.rollout.name`` gives it (trainer.rollout.registry: a
+        built-in name or ``pkg.module:Class``); ``settings``: verl's other engine keys, for the engines
+        that read them (``RolloutEngine.from_rollout``)."""
         torch.set_num_threads(max(1, num_threads))
         self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None  # loaded for multi-turn only
         # torch threads while generating (0 = num_threads): on CPU the colocated actor ranks are idle then,
         # so the engine may use their cores too; it drops back afterwards so training is not oversubscribed
         self.generate_threads = int(generate_threads) or max(1, num_threads)
         self._threads_lock, self._in_generate, self._threads_before = threading.Lock(), 0, torch.get_num_threads()
-        if name == "sglang":  # GPU: an in-process sglang.Engine (trainer/rollout/sglang_engine.py)
-            from trainer.rollout.sglang_engine import SGLangEngine
-
-            self.engine = SGLangEngine.from_config(model_path=model_path, dtype=dtype, max_num_seqs=max_batch_size,
-                                                   engine_kwargs=engine_kwargs, **(sglang or {}))
-        elif name == "native":
-            from trainer.rollout.native import NativeEngine
-
-            self.engine = NativeEngine(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                       dtype=getattr(torch, dtype), **(engine_kwargs or {}))
-        else:
-            raise ValueError(f"unknown rollout engine '{name}'; actor_rollout_ref.rollout.name is native or sglang")
+        self.engine = engine_class(name).from_rollout(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                                      dtype=dtype, engine_kwargs=engine_kwargs, settings=settings)
 
     def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
         """``params``: one dict for every prompt, or a list with one per prompt (a resumed partial
