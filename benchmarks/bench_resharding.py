@@ -5,10 +5,10 @@ What is timed: ``rollout.sync_from(actor, verify=...)`` of the controller's own 
 config: the actor over ``trainer.n_gpus_per_node`` CPU slots, colocated, so each rank hosts its own native
 engine: verl's hybrid engine; a real local Ray cluster, gloo). Two transports, interleaved:
 
-  * ``shared memory`` (the default on one node, trainer/workers/weight_shm.py): the engines of the node hold
+  * ``shared memory`` (the default on one node, trainer/sync/shared_memory.py): the engines of the node hold
     one copy of their weights in a /dev/shm file; each rank writes only the blocks of its own shards
     (megatron_bridge/reshard.py) straight into it (no barrier: engines re-derive at their next pass; the
-    driver starts the ranks on a doorbell, trainer/workers/doorbell.py, not a Ray call); verified: each rank compares,
+    driver starts the ranks on a doorbell, trainer/sync/doorbell.py, not a Ray call); verified: each rank compares,
     piece by piece while both are in cache, the bytes now in the engines' memory with the bytes it sent;
   * ``object store`` (the previous path, still used across nodes and for DeepSpeed): every rank walks
     megatron_bridge's bucketed HF iterator (a TP all-gather over gloo per parameter) and loads its
@@ -114,6 +114,7 @@ def measure(model_dir: str, run_dir: str, tp: int, pp: int, buckets: list[int], 
     cluster = build_cluster(model_dir, run_dir, buckets[-1], tp, pp)
     t_cluster = time.perf_counter() - t0
     res = cluster.rollout
+    chosen = res.transports  # shared memory, then the path it falls back to
     try:
         # First sync, verified (and, after set-up, checked end to end against the actor's full checksum):
         # proves the engines end up with exactly the actor's weights.
@@ -135,7 +136,7 @@ def measure(model_dir: str, run_dir: str, tp: int, pp: int, buckets: list[int], 
         verify_t: list[float] = []
 
         def sync(shared: bool, verify: bool):
-            res.shared_memory = shared
+            res.use(*(chosen if shared else chosen[1:]))
             m = res.sync_from(cluster.actor, verify=verify)
             assert int(m["sync/bytes"]) == nbytes and res.transport.startswith("shared_memory" if shared else "object_store")
             return m
@@ -154,9 +155,9 @@ def measure(model_dir: str, run_dir: str, tp: int, pp: int, buckets: list[int], 
                     n_buckets[b] = int(m["sync/buckets"])
                 times[f"gather only {b} MiB"].append(timed(lambda: gather_only(cluster))[0])
                 verify_t.append(timed(lambda: res.verify(cluster.actor))[0])  # raises on a mismatch
-        res.shared_memory = True
+        res.use(*chosen)
         res.sync_from(cluster.actor, verify=True)
-        file_mib = res._shm_buffer_bytes() / MiB
+        file_mib = res.link("shared_memory").buffer_bytes() / MiB
     finally:
         cluster.shutdown()
     return dict(tp=tp, pp=pp, ranks=tp * pp, bytes=nbytes, cluster_start_s=t_cluster, times=times,
@@ -197,7 +198,7 @@ def main(argv=None) -> dict:
               "object store": "object store (previous path), verify off",
               "object store verified": "object store (previous path), verified",
               "gather only": "actor-side TP gather only (previous path's share)"}
-    from trainer.workers import weight_shm
+    from trainer.sync import shared_memory as weight_shm
 
     copy = (f"C kernel, {weight_shm.KERNEL_PIECE >> 10} KiB pieces" if weight_shm.KERNEL is not None
             else f"Python fallback (no C kernel built), {weight_shm.PIECE >> 10} KiB pieces")

@@ -1,5 +1,5 @@
 """SGLang weight intake: the distributed update (``rollout.weight_sync=distributed_group``: the trainer's rank 0
-broadcasts flat buckets over a gloo group, ``trainer/workers/weight_broadcast.py``) against the tensor update
+broadcasts flat buckets over a gloo group, ``trainer/sync/broadcast.py``) against the tensor update
 that the object-store path ends in (``SGLangEngine.update_weights``: ``update_weights_from_tensor`` with
 flattened buckets, one serialized payload per TP rank), into the same real SGLang 0.5.21 engine on CPU.
 
@@ -63,7 +63,7 @@ def run(a) -> dict:
     from _common import machine, summary, table, write_json
     from trainer.rollout import sglang_engine as se
     from trainer.rollout.engine import checksum_named_tensors
-    from trainer.workers import weight_broadcast as wb
+    from trainer.sync import broadcast as wb
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="bench_sglang_sync_")

@@ -3,10 +3,10 @@ in GB/s, against a plain memcpy of the same bytes in the same run.
 
 What is timed: ``rollout.sync_from(actor, verify=...)`` of the controller's own ``Cluster`` (built from the
 config: the actor over 2 CPU slots, split placement, so the 2 native engines run in workers of their own; a
-real local Ray cluster). Shared memory is turned off on the rollout (``rollout.shared_memory = False``: what a
+real local Ray cluster). Shared memory is turned off on the rollout (``rollout.use(...)`` without ``shared_memory``: what a
 sync to engines on another node sees), so two transports remain, interleaved:
 
-  * ``group`` (trainer/workers/weight_group.py, ``rollout.distributed_group = True``): one gloo group of the
+  * ``group`` (trainer/sync/dist_group.py, ``rollout.use("dist_group", ...)``): one gloo group of the
     2 actor ranks and the 2 engines; each rank packs only its own blocks (megatron_bridge/reshard.py) into
     buckets cast to the engine dtype and sends each to every engine point to point, packing the next while
     the last goes out; each engine places every bucket into its weights as it arrives. Verified: each rank
@@ -71,10 +71,9 @@ def measure(model_dir: str, run_dir: str, buckets: list[int], repeats: int, dtyp
     cluster = build_cluster(model_dir, run_dir, buckets[-1], dtype)
     t_cluster = time.perf_counter() - t0
     res = cluster.rollout
-    res.shared_memory = False  # as for engines on another node
     try:
-        def sync(group: bool, verify: bool):
-            res.distributed_group = group
+        def sync(group: bool, verify: bool):  # no shared memory: as for engines on another node
+            res.use(*(("dist_group", "object_store") if group else ("object_store",)))
             m = res.sync_from(cluster.actor, verify=verify)
             assert res.transport.startswith("distributed_group" if group else "object_store"), res.transport
             return m

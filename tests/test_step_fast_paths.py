@@ -166,15 +166,15 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     assert c.hybrid and c.rollout.pids() == c.actor.pids()
     full = c.actor.weights_checksum(cfg.actor_rollout_ref.rollout.dtype)
     # one node: the engines hold one shared copy of the weights, each TP rank writes its own shards into
-    # it, and the engines check every block's digest (trainer/workers/weight_shm.py)
+    # it, and the engines check every block's digest (trainer/sync/shared_memory.py)
     m = c.rollout.sync_from(c.actor)
     assert c.rollout.transport == "shared_memory"
     assert m["sync/verified"] == 1.0 and m["sync/bytes"] > 1e6 and m["sync/buckets"] == 1
-    assert m["sync/doorbell"] == 1.0  # the driver rang the ranks directly (trainer/workers/doorbell.py)
+    assert m["sync/doorbell"] == 1.0  # the driver rang the ranks directly (trainer/sync/doorbell.py)
     assert full == c.rollout.engine_checksums()[0] == c.rollout.engine_checksums()[1]
     # the object-store path: TP gathers, each rank loads from the stream it hashed
     c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
-    c.rollout.shared_memory = False
+    c.rollout.use("hybrid")
     m = c.rollout.sync_from(c.actor)  # verified against the checksum taken while streaming
     assert c.rollout.transport.startswith("object_store") and m["sync/verified"] == 1.0
     streamed = c.actor.stream_checksum()
@@ -192,7 +192,7 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     assert m["sync/buckets"] > 5 and m["sync/verified"] == 1.0
     # and through shared memory again: a corrupted engine is repaired
     c.rollout.load_bucket([[("model.norm.weight", torch.zeros(96))], []])
-    c.rollout.shared_memory = True
+    c.rollout.use("shared_memory", "hybrid")
     m = c.rollout.sync_from(c.actor)
     assert c.rollout.transport == "shared_memory" and m["sync/verified"] == 1.0
     assert c.rollout.engine_checksums() == [full, full]
@@ -202,11 +202,11 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     def lossy_copy(w, on: bool):
         import ctypes
 
-        from trainer.workers import weight_shm
+        from trainer.sync import shared_memory as weight_shm
 
         real = getattr(weight_shm, "_real_memcpy", weight_shm._memcpy)
         weight_shm._real_memcpy = real
-        start = w._shm.tensor("model.layers.0.mlp.down_proj.weight").data_ptr()
+        start = w._sync_half("shared_memory").shared.tensor("model.layers.0.mlp.down_proj.weight").data_ptr()
 
         def lossy(dst, src, n):  # TP=1: whole tensors (or row ranges of big ones), copied by address
             real(dst, src, n)
@@ -225,7 +225,7 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     # a rank whose sync raises (not a mismatch) fails the sync through the doorbell, naming the rank;
     # the later syncs of this set-up go through Ray
     def broken_writes(w, on: bool):
-        from trainer.workers import weight_shm
+        from trainer.sync import shared_memory as weight_shm
 
         real = getattr(weight_shm, "_real_write_blocks", weight_shm.write_blocks)
         weight_shm._real_write_blocks = real
@@ -234,7 +234,7 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
             raise OSError("the shared file went away")
         weight_shm.write_blocks = boom if on and w.rank == 1 else real
     ray.get([w.__ray_call__.remote(broken_writes, True) for w in c.actor.group.workers])
-    from trainer.workers.doorbell import DoorbellError
+    from trainer.sync.doorbell import DoorbellError
 
     with pytest.raises(DoorbellError, match=r"(?s)rank 1: sync_engine_shm failed.*OSError: the shared file went away"):
         c.rollout.sync_from(c.actor)
@@ -246,7 +246,7 @@ def test_streamed_checksum_equals_the_recomputed_one_and_catches_a_bad_engine(cl
     real_verify = c.rollout.verify
     c.rollout.verify = lambda actor, streamed=False: (calls.append(streamed), real_verify(actor, streamed))
     try:
-        c.rollout._shm = None
+        c.rollout.link("shared_memory").reset()
         ms = [c.rollout.sync_from(c.actor, verify=verify) for verify in (False, True, True)]
     finally:
         del c.rollout.verify

@@ -839,14 +839,14 @@ def test_cpu_update_weights_bucketed_verified_and_restored(gpu_models, cpu_engin
 
 @pytest.mark.slow
 def test_cpu_distributed_update_from_the_trainers_sender(gpu_models, cpu_engine):
-    # Split placement's sync (trainer/workers/weight_broadcast.py): this process is the trainer's rank 0.
+    # Split placement's sync (trainer/sync/broadcast.py): this process is the trainer's rank 0.
     # It hosts the store, joins SGLang's weight-update group over gloo (built as SGLang builds it, so the
     # two ends must agree on every key), packs model B into flat buckets and broadcasts them; the engine
     # receives each with update_weights_from_distributed. Then: outputs equal transformers with B, the
     # checksum is B's, and the probe rows the sender kept are read back from SGLang (Llama) and equal.
     # A corrupted byte in the broadcast buffer (after the digests were taken) is caught by the read-back
     # when it hits a probe row.
-    from trainer.workers import weight_broadcast as wb
+    from trainer.sync import broadcast as wb
 
     (hf_a, _), hf_b = gpu_models["llama"], gpu_model("llama", 7)
     prompts = gpu_prompts(5)

@@ -22,6 +22,7 @@ from trainer.config import moe_settings, recompute_settings
 from trainer.config.preflight import check_node_layout
 from trainer.plan import need_critic, need_ref
 from trainer.rollout.registry import capabilities
+from trainer.sync import choose
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
 from trainer.workers.deepspeed_worker import DeepSpeedWorker
@@ -194,7 +195,11 @@ class Cluster:
         bucket = r.update_weights_bucket_megabytes << 20
         # colocated engines give their memory back while the trainer runs
         free = self.colocated and r.free_cache_engine
-        if r.mode in ("server", "async"):  # verl's async mode: HTTP engine servers behind sglang-router, outside Ray
+        # the weight transports, chosen once from what the engine accepts, where it runs and rollout.weight_sync
+        server = r.mode in ("server", "async")
+        transports = choose(capabilities(r.name).weight_protocols,
+                            "server" if server else "hybrid" if self.hybrid else "workers", r.weight_sync)
+        if server:  # verl's async mode: HTTP engine servers behind sglang-router, outside Ray
             # on a joined cluster each server runs on its slot's node (a host actor there); embedded: local processes
             hosts = ([placement.options(rollout_bundle(i), 0.25) for i in range(n_eng)]
                      if placement is not None and not self.owns_ray else None)
@@ -202,21 +207,17 @@ class Cluster:
                                         max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
                                         tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
                                         log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts,
-                                        backend=r.name, device=cfg.trainer.device)
+                                        backend=r.name, device=cfg.trainer.device, transports=transports)
         elif self.hybrid:
             self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
-                                         shared_memory=r.weight_sync == "auto")
+                                         transports=transports)
         else:
             streams = 2 if capabilities(r.name).concurrent_generate else 1  # a call joins the engine's running loop
             self.rollout = EngineRollout(
                 WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
                             bundle_of=rollout_bundle, share=0.25, max_concurrency=streams + 1),
                 free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams,
-                shared_memory=r.weight_sync == "auto")
-            self.rollout.distributed_group = r.weight_sync == "distributed_group"
-            # SGLang takes full tensors broadcast from one sender (weight_broadcast.py), the native engines
-            # every rank's own blocks (weight_group.py)
-            self.rollout.broadcast = r.name == "sglang"
+                transports=transports)
 
         if placement is not None:
             self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))

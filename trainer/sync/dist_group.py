@@ -2,7 +2,7 @@
 ``/dev/shm``) with the actor's ranks. Every actor rank sends only the blocks it owns; every engine
 receives every rank's blocks and places them into its own weights. No gather, no funnel through rank 0,
 no metadata on the wire. (SGLang engines take full tensors from one sender instead: their protocol is
-``trainer/workers/weight_broadcast.py``.)
+``trainer/sync/broadcast.py``.)
 
 What moves where. The group's world is the actor's ranks (group ranks ``0..A-1``, in actor rank order)
 and then the engine workers (``A..A+E-1``). It is a group of its own, next to megatron's default
@@ -15,7 +15,7 @@ tag, each returning a ``Work`` to ``wait`` on). The backend follows the device o
 is the same.
 
 * the plan: each actor rank's blocks (``megatron_bridge.reshard.local_blocks``, as planned for the
-  shared-memory sync by ``MegatronWorker.shm_plan``) are ``(HF name, HF shape, rows, cols)``. The
+  shared-memory sync, ``trainer.sync.base.reshard_plan``) are ``(HF name, HF shape, rows, cols)``. The
   driver gathers every rank's plan and hands all of them to every engine at set-up; both sides cut a
   rank's blocks, in plan order, into the same buckets (:func:`plan_buckets`: consecutive blocks up to
   ``bucket_bytes`` in the engine dtype; a lone bigger block is a bucket of its own). So the receiver
@@ -62,6 +62,10 @@ the group's timeout (gloo's pending operations do not end when a group is shut d
 connection closes or ``TIMEOUT`` passes). The driver waits on every member's call together, so the
 first error fails the sync at once; it then lets the others finish, every member leaves the group, and
 a new one is formed at the next sync. ``TIMEOUT`` bounds joining and each send or receive.
+
+The halves: :class:`GroupSender` on every actor rank (hosts the store on rank 0, joins, sends),
+:class:`GroupReceiver` beside every engine (joins, receives and places), and :class:`DistributedGroup`,
+the driver's link (forms the group, runs a sync, compares the digests).
 """
 
 from __future__ import annotations
@@ -71,10 +75,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import ray
 import torch
+import torch.distributed as dist
 
-from megatron_bridge.reshard import Block
 from trainer.rollout.engine import WeightSyncError, tensor_digest
+from trainer.sync.base import Half, Link, plan_of, reshard_plan, sync_metrics
 
 PREFIX = "coxswain/weight_group"  # the store's keys for this group (PrefixStore)
 TIMEOUT = datetime.timedelta(minutes=5)  # joining, and each send / receive (a bucket)
@@ -88,7 +94,7 @@ after_place: Callable[[int, list, dict], None] | None = None
 class Piece:
     """One block of a bucket: elements ``[offset, offset + numel)`` of the bucket, in the engine dtype."""
 
-    block: Block
+    block: object  # megatron_bridge.reshard.Block
     offset: int
 
     @property
@@ -101,6 +107,8 @@ def plan_buckets(plan: list, esize: int, bucket_bytes: int) -> list[list[Piece]]
     """A rank's plan (``(hf_name, hf_shape, rows, cols)`` per block, in its order) cut into buckets of
     consecutive blocks of at most ``bucket_bytes`` (``esize``: the engine dtype's element size); a lone
     bigger block forms its own bucket. Pure: the sender and every engine compute the same buckets."""
+    from megatron_bridge.reshard import Block  # heavy: megatron-core, loaded only where a group sync runs
+
     out, cur, size = [], [], 0
     for hf_name, hf_shape, rows, cols in plan:
         b = Block(hf_name, tuple(hf_shape), tuple(rows), tuple(cols), "", 0, 0)
@@ -133,8 +141,6 @@ def host_store(host: str) -> torch.distributed.TCPStore:
 def join(host: str, port: int, rank: int, world: int, device: torch.device, store=None):
     """This process's handle of the weight group (blocks until all ``world`` members join). ``store``:
     the hosted store on actor rank 0; the others connect to ``host:port``."""
-    import torch.distributed as dist
-
     if store is None:
         store = dist.TCPStore(host, port, None, False, TIMEOUT)
     prefixed = dist.PrefixStore(PREFIX, store)
@@ -154,7 +160,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class Sender:
     """An actor rank's side: its blocks, bucketed, sent to every engine."""
 
-    def __init__(self, pg, plan: list, blocks: list[Block], dtype: torch.dtype, bucket_bytes: int,
+    def __init__(self, pg, plan: list, blocks: list, dtype: torch.dtype, bucket_bytes: int,
                  device: torch.device):
         self.pg, self.dtype, self.device = pg, dtype, torch.device(device)
         self.esize = torch.empty((), dtype=dtype).element_size()
@@ -327,3 +333,191 @@ def compare_digests(sent: list[dict], placed: list[dict]) -> None:
         if extra:
             raise WeightSyncError(f"weight sync (distributed group) failed: rollout engine {e} placed block(s) no "
                                   f"actor rank sent, e.g. {sorted(extra)[0]}")
+
+
+# ---- the halves and the driver's link ---------------------------------------------------------------------
+class GroupSender(Half):
+    """An actor rank's half: its blocks, and its handle of every weight group it is in (one per rollout),
+    by key ``ip:port``."""
+
+    resident_ops = frozenset({"send"})
+
+    def __init__(self, owner):
+        super().__init__(owner)
+        self.groups: dict[str, tuple] = {}  # key -> (store, process group, Sender); (store, None) while hosting
+
+    def plan(self) -> list[tuple] | None:
+        """This rank's blocks, (HF name, HF shape, rows, cols) each; None where the strategy cannot plan."""
+        planned = reshard_plan(self.owner)
+        if planned is None:
+            return None
+        self.blocks, self.params = planned
+        return plan_of(self.blocks)
+
+    def host(self) -> tuple[str, int] | None:
+        """Rank 0: host a weight group's store on this node's IP, at a port the kernel picks; returns
+        (ip, port), which also names the group. The other ranks: None."""
+        if self.owner.rank != 0:
+            return None
+        ip = ray.util.get_node_ip_address()
+        store = host_store(ip)
+        self.groups[f"{ip}:{store.port}"] = (store, None)
+        return ip, store.port
+
+    def join(self, host: str, port: int, world: int, dtype: str, bucket_bytes: int) -> bool:
+        """Join weight group ``host:port`` as its rank ``owner.rank`` (the engines join beside; this blocks
+        until all have), and bucket this rank's blocks (:meth:`plan` planned them) for sending in ``dtype``."""
+        key = f"{host}:{port}"
+        store = self.groups.pop(key, (None, None))[0]
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        pg, store = join(host, port, self.owner.rank, world, device, store)
+        self.groups[key] = (store, pg, Sender(pg, plan_of(self.blocks), self.blocks, getattr(torch, dtype),
+                                              bucket_bytes, device))
+        return True
+
+    def send(self, key: str, engines: list[int], verify: bool, bucket_bytes: int) -> dict:
+        """Send this rank's blocks to the engines (group ranks ``engines``) of weight group ``key``; with
+        ``verify`` the digest of every block as sent (:meth:`Sender.send`)."""
+        sender = self.groups[key][2]
+        sender.rebucket(bucket_bytes)
+        return sender.send(engines, self.params.__getitem__, verify)
+
+    def close(self, key: str) -> None:
+        """Leave weight group ``key`` (its rollout's shutdown)."""
+        entry = self.groups.pop(key, None)
+        if entry is not None and entry[1] is not None:
+            try:
+                entry[1].shutdown()
+            except Exception:  # noqa: BLE001 (the engines may be gone already)
+                pass
+
+
+class GroupReceiver(Half):
+    """An engine's half: its handle of the weight group (an engine is in one) and the receiving side."""
+
+    pg = None
+    receiver: Receiver | None = None
+
+    def join(self, host: str, port: int, rank: int, world: int, plans: list, dtype: str, bucket_bytes: int) -> bool:
+        """Join the weight group as its rank ``rank`` (blocks until every actor rank and engine has);
+        ``plans``: every actor rank's blocks, which this engine will receive in buckets. False when
+        this engine cannot place blocks into its weights (no ``hf_views``)."""
+        engine = self.owner.engine
+        views = engine.hf_views() if hasattr(engine, "hf_views") else {}
+        device = next(iter(views.values())).device if views else torch.device("cpu")
+        self.pg, _ = join(host, port, rank, world, device)
+        if not views or not hasattr(engine, "weights_changed"):
+            return False
+        held = {str(v.dtype).removeprefix("torch.") for v in views.values()}
+        if held != {dtype}:
+            raise ValueError(f"the engine holds its weights in {sorted(held)}, but the sync sends {dtype}")
+        self.receiver = Receiver(self.pg, plans, getattr(torch, dtype), bucket_bytes, device)
+        return True
+
+    def recv(self, verify: bool, bucket_bytes: int) -> dict:
+        """Receive every actor rank's blocks into this engine's weights, then re-derive what the engine
+        computes from them; with ``verify`` the digest of every block read back from the weights."""
+        self.receiver.rebucket(bucket_bytes)
+        res = self.receiver.receive(self.owner.engine.hf_views(), verify)
+        self.owner.engine.weights_changed()
+        return res
+
+    def close(self, key: str = "") -> None:
+        """Leave the weight group."""
+        pg, self.pg, self.receiver = self.pg, None, None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 (the actor ranks may be gone already)
+                pass
+
+
+class DistributedGroup(Link):
+    """The driver's side: the group is formed at the first sync from an actor (actor rank 0 hosts its
+    store; world = actor ranks, then engines), then every sync sends every rank's blocks to every engine."""
+
+    name, label = "dist_group", "distributed_group"
+    sender, receiver = GroupSender, GroupReceiver
+
+    def __init__(self, rollout):
+        super().__init__(rollout)
+        self.setup: tuple | None = None  # (actor group, the engines' group ranks or None, reason, group key)
+
+    def ready(self, actor) -> bool:
+        if self.setup is None or self.setup[0] is not actor.group:
+            self.close()
+            self.setup = (actor.group, *self._set_up(actor))
+        self.reason = self.setup[2]
+        return self.setup[1] is not None
+
+    def _set_up(self, actor) -> tuple:
+        """Form the weight group; every engine gets every rank's plan. Returns (the engines' group ranks or
+        None, reason, key)."""
+        r = self.rollout
+        if r.group.in_process or actor.group.in_process:
+            return None, "the distributed-group sync needs the engines in their own processes", None
+        plans = actor.group.call("sync_send", [("dist_group", "plan")] * actor.size)
+        if any(p is None for p in plans):
+            return None, "the actor's strategy has no direct reshard plan", None
+        host, port = next(h for h in actor.group.call("sync_send", [("dist_group", "host")] * actor.size)
+                          if h is not None)
+        key, world = f"{host}:{port}", actor.size + r.size
+        senders = actor.group.async_call("sync_send", [("dist_group", "join", host, port, world,
+                                                        r.engine_dtype, r.bucket_bytes)] * actor.size)
+        receivers = r.recv_async("dist_group", "join", [
+            (host, port, actor.size + i, world, plans, r.engine_dtype, r.bucket_bytes) for i in range(r.size)])
+        try:  # together: the first failure raises at once (the others would wait in the join for it)
+            ok = r._get(senders + receivers)
+        except Exception:
+            self._leave(actor.group, key)
+            raise
+        if not all(ok):
+            self._leave(actor.group, key)
+            return None, "a rollout engine cannot place blocks into its weights", None
+        return list(range(actor.size, world)), "", key
+
+    def sync(self, actor, verify: bool) -> dict[str, float]:
+        """Every actor rank sends its blocks (bucketed, pipelined) to every engine through the group;
+        every engine places them into its weights. With ``verify`` the engines' read-back digests of every
+        block are compared with the senders' (:func:`compare_digests`); the first verified sync after
+        set-up is also checked end to end (full checksums), outside its timing."""
+        r, (_, engines, _, key) = self.rollout, self.setup
+        t0 = time.perf_counter()
+        sends = actor.group.async_call("sync_send", [("dist_group", "send", key, engines, verify,
+                                                      r.bucket_bytes)] * actor.size)
+        recvs = r.recv_async("dist_group", "recv", [(verify, r.bucket_bytes)] * r.size)
+        try:  # together: the first failure on either side raises at once
+            res = r._get(sends + recvs)
+        except Exception:
+            # a member failed mid-sync (it drained its part of the exchange, so its peers finish): let them
+            # finish, leave this group and form a new one at the next sync
+            ray.wait(sends + recvs, num_returns=len(sends + recvs), timeout=TIMEOUT.total_seconds(),
+                     fetch_local=False)
+            self.close()
+            raise
+        sent, placed = res[:actor.size], res[actor.size:]
+        if verify:
+            compare_digests([s["digests"] for s in sent], [p["digests"] for p in placed])
+        m = sync_metrics(t0, sum(s["bytes"] for s in sent), sum(s["buckets"] for s in sent), verify)
+        m["sync/group"] = 1.0
+        if verify:
+            # the hashing's share: the slowest process's time in XXH3 (senders hash while their sends run)
+            m["sync/verify_seconds"] = max(x["hash_s"] for x in sent + placed)
+            self.check_once(actor, self.setup)
+        return m
+
+    def close(self) -> None:
+        """Leave the weight group on every member (at shutdown, or before forming one for another actor)."""
+        setup, self.setup = self.setup, None
+        if setup is not None and setup[3] is not None:
+            self._leave(setup[0], setup[3])
+
+    def reset(self) -> None:
+        self.close()
+
+    def _leave(self, actor_group, key: str) -> None:
+        for g, half in ((self.rollout.group, "sync_recv"), (actor_group, "sync_send")):
+            try:
+                g.call(half, [("dist_group", "close", key)] * g.size)
+            except Exception:  # noqa: BLE001 (a group already shut down: nothing left to close)
+                pass

@@ -34,19 +34,29 @@ The file is created with ``posix_fallocate`` (a full tmpfs is an ``ENOSPC`` at s
 ``SIGBUS`` mid-copy), mapped by every process, then unlinked: the mappings stay, and no file outlives
 the processes. Its first 16 bytes are a random token that every process checks after mapping it, so
 a process on another node (or in another ``/dev/shm`` namespace) reports that it cannot join and the
-sync keeps the object-store path (trainer/workers/rollouts.py).
+sync takes the rollout's next transport (the object store).
+
+The halves: :class:`Sender` on every actor rank (its blocks, the mapping, the checked writes; in the
+hybrid engine also the hand-over to the engine in its own process, rung on a doorbell,
+trainer/sync/doorbell.py), :class:`Receiver` beside every engine (its layout, the move of its weights
+into the file, the re-derivation after a sync), and :class:`SharedMemory`, the driver's link.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
 import torch
 
+from megatron_bridge import cpu_shims
 from trainer.rollout.engine import WeightSyncError
+from trainer.sync.base import Half, Link, plan_of, reshard_plan, sync_metrics
+from trainer.sync.doorbell import Doorbell, DoorbellError, serve
 
 HEADER = 64  # token (16 bytes), then padding: the weights start on a cache line
 
@@ -84,8 +94,6 @@ def _l1d_bytes(default: int = 32 << 10, path: str = "/sys/devices/system/cpu/cpu
 def _load_kernel():
     """The C checked copy (``trainer/workers/_copycheck.c``, built by ``pip install``) through ctypes, or
     None where it was not built (no C compiler at install time): the sync then checks in Python."""
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("trainer.workers._copycheck")
         lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
@@ -334,3 +342,207 @@ def write_blocks(shared: SharedWeights, writes: list[Write], get_param, verify: 
                         raise _mismatch(w.blk, r + row)
             nbytes += dst.numel() * dst.element_size()
     return nbytes
+
+
+# ---- the halves and the driver's link ---------------------------------------------------------------------
+class Sender(Half):
+    """An actor rank's half: its blocks (planned once), its mapping of the file, its checked writes."""
+
+    resident_ops = frozenset({"write", "sync_engine_shm"})  # the ops that read the rank's parameters
+
+    shared: SharedWeights | None = None
+    _doorbell = None
+
+    def plan(self) -> list[tuple] | None:
+        """Plan this rank's part of a sync: (HF name, HF shape, rows, cols) of each block it writes, or None
+        when the strategy cannot (the sync keeps the object-store path)."""
+        planned = reshard_plan(self.owner)
+        if planned is None:
+            return None
+        self.blocks, self.params = planned
+        return plan_of(self.blocks)
+
+    def attach(self, path: str, token: bytes, layout: Layout) -> bool:
+        """Map the sync file; False when it is not visible from here (another node or namespace)."""
+        try:
+            self.shared = SharedWeights(path, token, layout)
+        except FileNotFoundError:
+            return False
+        self.writes = prepare_writes(self.shared, self.blocks)
+        return True
+
+    def write(self, verify: bool) -> int:
+        """Write this rank's blocks into the engines' shared weights (cast to the engine dtype), with
+        ``verify`` each chunk compared in cache with what was sent (``WeightSyncError`` on a
+        difference); returns the bytes written."""
+        return write_blocks(self.shared, self.writes, self.params.__getitem__, verify)
+
+    def sync_engine_shm(self, verify: bool) -> dict:
+        """The hybrid engine's sync (the engine in this rank's process): write this rank's blocks (every
+        actor rank hosts one engine of the node), each piece compared in cache with what was sent when
+        ``verify``. No barrier: the engine re-derives what it computes from its weights at its next pass,
+        which starts after the driver has every rank's result. A mismatch is returned, so the driver names
+        the rank. Returns ``{"bytes", "buckets", "error"}``."""
+        error = None
+        with cpu_shims.suspended():  # plain copies: megatron's CPU device shim would only add dispatch
+            try:
+                write_blocks(self.shared, self.writes, self.params.__getitem__, verify)
+            except WeightSyncError as e:
+                error = str(e)
+            nbytes = self.owner.engine_worker.sync_recv("shared_memory", "take")
+        return {"bytes": nbytes, "buckets": 1, "error": error}
+
+    def doorbell_open(self) -> tuple[str, bytes]:
+        """Serve :meth:`sync_engine_shm` on a doorbell (trainer/sync/doorbell.py): the driver rings it
+        without a Ray round trip. Returns (address, token); a second call replaces the first doorbell."""
+        self._doorbell = serve(self, ("sync_engine_shm",), self._doorbell)
+        return self._doorbell.address, self._doorbell.token
+
+
+class Receiver(Half):
+    """An engine's half: the engine's weights moved into the file, re-derived after each sync."""
+
+    shared: SharedWeights | None = None
+
+    def layout(self) -> tuple | None:
+        """This engine's weights as one flat storage (``NativeEngine.storage_layout``): what the file is laid
+        out by; None when the engine cannot take one."""
+        layout = getattr(self.owner.engine, "storage_layout", None)
+        return layout() if layout is not None else None
+
+    def attach(self, path: str, token: bytes, layout: Layout) -> bool:
+        """Map the file and move this engine's weights into it (every engine of the node then holds the
+        same pages); False when the file is not visible from here (another node or ``/dev/shm``
+        namespace) or the engine cannot hold its weights there."""
+        engine = self.owner.engine
+        if not hasattr(engine, "share_weights"):
+            return False
+        if engine.storage_layout()[1:] != (layout.numel, layout.entries):
+            raise ValueError("this engine lays its weights out differently from the weight-sync file")
+        try:
+            self.shared = SharedWeights(path, token, layout)
+        except FileNotFoundError:
+            return False
+        engine.share_weights(self.shared.storage)
+        return True
+
+    def take(self) -> int:
+        """The actor ranks wrote the weights in place: the engine re-derives what it computes from them at
+        its next pass (``weights_changed``). Returns the sync's bytes."""
+        self.owner.engine.weights_changed()
+        return self.shared.layout.model_bytes
+
+    def load(self, *written: int) -> int:
+        """:meth:`take` once every actor rank has written (``written``: the ranks' results, which Ray
+        resolves first: a rank's failed check fails this call too)."""
+        return self.take()
+
+
+class SharedMemory(Link):
+    """The driver's side: the file's set-up (once per actor), then each sync, on engine workers (a Ray
+    call per side) or on the hybrid engine's ranks (rung on a doorbell where the driver reaches them)."""
+
+    name = label = "shared_memory"
+    sender, receiver = Sender, Receiver
+
+    def __init__(self, rollout):
+        super().__init__(rollout)
+        self.setup: tuple | None = None  # (actor group, Layout or None, reason)
+        self._bell: tuple | None = None  # (the set-up it serves, Doorbell or None)
+
+    def ready(self, actor) -> bool:
+        if self.setup is None or self.setup[0] is not actor.group:
+            self.setup = (actor.group, *self._set_up(actor))
+        self.reason = self.setup[2]
+        return self.setup[1] is not None
+
+    def reset(self) -> None:
+        self.setup = None
+
+    def buffer_bytes(self) -> int:
+        """The file's size (the engines' weights, one copy for the node instead of one per engine), 0
+        when not set up."""
+        layout = self.setup[1] if self.setup is not None else None
+        return layout.file_bytes if layout is not None else 0
+
+    def _set_up(self, actor) -> tuple:
+        """Every engine's weights move into one shared file that every actor rank maps. Returns
+        ``(layout, reason)``; the layout is None where it cannot run, and the reason then says why."""
+        r = self.rollout
+        plans = actor.group.call("sync_send", [("shared_memory", "plan")] * actor.size)
+        if any(p is None for p in plans):
+            return None, "the actor's strategy has no direct reshard plan"
+        layouts = r.recv_call("shared_memory", "layout")
+        if any(x is None for x in layouts):
+            return None, "the rollout engine cannot hold its weights in shared memory"
+        if any(x != layouts[0] for x in layouts):
+            return None, "the rollout engines lay their weights out differently"
+        layout = plan_layout(layouts[0], plans)
+        try:
+            path, token = create_buffer(layout.file_bytes)
+        except OSError as e:
+            return None, f"no room for the {layout.file_bytes >> 20} MiB weight-sync file in /dev/shm: {e}"
+        try:
+            # the actor ranks first: an engine that joins moves its weights into the file, so join only
+            # where the writers can reach it
+            ok = actor.group.call("sync_send", [("shared_memory", "attach", path, token, layout)] * actor.size)
+            if all(ok):
+                ok = r.recv_call("shared_memory", "attach", path, token, layout)
+        finally:
+            os.unlink(path)  # every process that joined keeps its mapping; nothing outlives them
+        if not all(ok):
+            return None, "the actor and the engines do not share a node's /dev/shm"
+        return layout, ""
+
+    def sync(self, actor, verify: bool) -> dict[str, float]:
+        t0 = time.perf_counter()
+        if self.rollout.in_actor:
+            res = self._ring(actor, verify)
+            errors = [(i, x["error"]) for i, x in enumerate(res) if x["error"]]
+            if errors:  # every rank compared what it wrote with what it sent
+                raise WeightSyncError(f"rank {errors[0][0]}: {errors[0][1]}")
+            m = self._metrics(actor, t0, res[0]["bytes"], verify)
+            m["sync/doorbell"] = float(self._bell[1] is not None)
+            return m
+        # every actor rank writes its blocks (checking each chunk in cache); then (Ray resolves the ranks'
+        # results first) every engine re-derives its packed weights
+        writes = actor.group.async_call("sync_send", [("shared_memory", "write", verify)] * actor.size)
+        nbytes = self.rollout.recv_call("shared_memory", "load", *writes)[0]
+        return self._metrics(actor, t0, nbytes, verify)
+
+    def _metrics(self, actor, t0: float, nbytes: int, verify: bool) -> dict[str, float]:
+        m = sync_metrics(t0, nbytes, 1, verify)
+        m["sync/shared_memory"] = 1.0
+        if verify:
+            self.check_once(actor, self.setup)
+        return m
+
+    def _ring(self, actor, verify: bool) -> list[dict]:
+        """The hybrid engine's sync on every rank: on the doorbell where the driver reaches the ranks, else
+        a Ray call. A failure on the doorbell closes it (later syncs of this set-up go through Ray)."""
+        bell = self._doorbell(actor)
+        if bell is None:
+            return actor.group.call("sync_send", [("shared_memory", "sync_engine_shm", verify)] * actor.size)
+        try:
+            return bell.call("sync_engine_shm", [(verify,)] * actor.size)
+        except DoorbellError:
+            self._bell = (self.setup, None)
+            actor.group.call("ping")  # a lost worker or node raises here, named by the group
+            raise
+
+    def _doorbell(self, actor):
+        """The doorbell to the actor ranks, opened with each set-up; None in-process or where the driver
+        cannot reach them (another node): Ray calls then."""
+        if self._bell is None or self._bell[0] is not self.setup:
+            self.close()
+            bell = None
+            if not actor.group.in_process:
+                bell = Doorbell.connect(actor.group.call("sync_send", [("shared_memory", "doorbell_open")]
+                                                         * actor.size))
+            self._bell = (self.setup, bell)
+        return self._bell[1]
+
+    def close(self) -> None:
+        if self._bell is not None and self._bell[1] is not None:
+            self._bell[1].close()
+        self._bell = None

@@ -1,4 +1,4 @@
-"""The weight sync through a torch.distributed group (trainer/workers/weight_group.py), on a real local
+"""The weight sync through a torch.distributed group (trainer/sync/dist_group.py), on a real local
 Ray cluster: a TP=2 megatron actor (so its blocks are real column / row blocks) in split placement with
 two separate engine workers, joined in one gloo group (world = 2 actor ranks + 2 engines). Every actor
 rank sends only its own blocks; each engine must end with exactly the actor's weights in its dtype
@@ -13,7 +13,7 @@ import torch
 from tests.tiny import tiny_config
 from trainer.rollout.engine import WeightSyncError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_sent_digests_are_the_source_blocks_digests_and_buckets_are_cut_alike():
 
     from megatron_bridge.reshard import Block
     from trainer.rollout.engine import tensor_digest
-    from trainer.workers import weight_group as wg
+    from trainer.sync import dist_group as wg
 
     torch.manual_seed(0)
     param = torch.randn(16, 12)  # the blocks take its last 10 columns: strided [4, 10] views
@@ -74,7 +74,7 @@ def test_a_sender_that_fails_mid_sync_drains_so_the_engine_does_not_wait_for_the
     import time
 
     from megatron_bridge.reshard import Block
-    from trainer.workers import weight_group as wg
+    from trainer.sync import dist_group as wg
 
     param = torch.randn(16, 10)
     blocks = [Block("w", (16, 10), (r0, r0 + 4), (0, 10), "p", r0 * 10, 10) for r0 in (0, 4, 8, 12)]
@@ -186,7 +186,7 @@ def test_a_flipped_bit_in_what_an_engine_placed_is_caught_and_named(cluster):
     name = "model.layers.1.self_attn.o_proj.weight"  # row-parallel: each TP rank sends a column block
 
     def install(worker):
-        from trainer.workers import weight_group
+        from trainer.sync import dist_group as weight_group
 
         def flip(source, pieces, views):  # rank 1's block of o_proj: one bit of its first element
             for p in pieces:
@@ -195,7 +195,7 @@ def test_a_flipped_bit_in_what_an_engine_placed_is_caught_and_named(cluster):
         weight_group.after_place = flip
 
     def remove(worker):
-        from trainer.workers import weight_group
+        from trainer.sync import dist_group as weight_group
 
         weight_group.after_place = None
 
@@ -222,8 +222,8 @@ def test_bf16_engines_from_an_fp32_actor(cluster):
     kw = dict(model_path=cfg.actor_rollout_ref.model.path, name="native", max_batch_size=4, max_seq_len=32,
               dtype="bfloat16")
     r16 = EngineRollout(WorkerGroup("rollout_bf16", RolloutWorker, [kw] * 2, share=0), free_cache=False,
-                        bucket_bytes=c.rollout.bucket_bytes, engine_dtype="bfloat16", shared_memory=False)
-    r16.distributed_group = True
+                        bucket_bytes=c.rollout.bucket_bytes, engine_dtype="bfloat16",
+                        transports=("dist_group", "object_store"))
     try:
         _scramble(r16)
         m = r16.sync_from(c.actor)
@@ -245,14 +245,14 @@ def test_an_engine_that_fails_mid_sync_fails_the_sync_at_once_and_the_next_sync_
     r = c.rollout
 
     def install(worker):
-        from trainer.workers import weight_group
+        from trainer.sync import dist_group as weight_group
 
         def fail(source, pieces, views):
             raise RuntimeError("engine fault injected by the test")
         weight_group.after_place = fail
 
     def remove(worker):
-        from trainer.workers import weight_group
+        from trainer.sync import dist_group as weight_group
 
         weight_group.after_place = None
 
@@ -274,14 +274,14 @@ def test_an_engine_that_fails_mid_sync_fails_the_sync_at_once_and_the_next_sync_
 def test_separate_engine_workers_through_shared_memory_catch_a_lossy_copy(cluster):
     """The same split placement with weight_sync=auto (last here: the engines then keep their weights in
     the shared file): the engines share one copy, each TP rank writes its own blocks, and a byte copy
-    that lands wrong on an actor rank is named at its block and row (trainer/workers/weight_shm.py)."""
+    that lands wrong on an actor rank is named at its block and row (trainer/sync/shared_memory.py)."""
     import ray
 
     from trainer.rollout.engine import WeightSyncError
 
     cfg, c = cluster
     r = c.rollout
-    r.shared_memory, r.distributed_group = True, False
+    r.use("shared_memory", "object_store")
     want = c.actor.weights_checksum("float32")
     _scramble(r)
     m = r.sync_from(c.actor)  # the first one after set-up also checks the full checksums
@@ -291,11 +291,11 @@ def test_separate_engine_workers_through_shared_memory_catch_a_lossy_copy(cluste
     def lossy(w, on: bool):
         import ctypes
 
-        from trainer.workers import weight_shm
+        from trainer.sync import shared_memory as weight_shm
 
         real = getattr(weight_shm, "_real_memcpy", weight_shm._memcpy)
         weight_shm._real_memcpy = real
-        start = w._shm.tensor("model.layers.0.mlp.gate_proj.weight").data_ptr()  # TP rank 0's rows
+        start = w._sync_half("shared_memory").shared.tensor("model.layers.0.mlp.gate_proj.weight").data_ptr()  # TP rank 0's rows
 
         def copy(dst, src, n):
             real(dst, src, n)

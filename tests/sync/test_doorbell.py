@@ -1,4 +1,4 @@
-"""trainer/workers/doorbell.py against real worker processes (spawned, each serving a doorbell)."""
+"""trainer/sync/doorbell.py against real worker processes (spawned, each serving a doorbell)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from trainer.workers.doorbell import Doorbell, DoorbellError
+from trainer.sync.doorbell import Doorbell, DoorbellError
 
 
 class Target:
@@ -35,7 +35,7 @@ class Target:
 
 
 def _worker(rank: int, conn) -> None:
-    from trainer.workers.doorbell import serve
+    from trainer.sync.doorbell import serve
 
     server = serve(Target(rank), ("work", "fail", "fail_long"))
     conn.send((server.address, server.token))
@@ -162,7 +162,7 @@ def test_closing_a_doorbell_ends_its_accept_thread():
     """A replaced doorbell (a new shared-memory set-up) leaves no thread behind in the worker."""
     import threading
 
-    from trainer.workers.doorbell import serve
+    from trainer.sync.doorbell import serve
 
     def accepting() -> int:
         return sum(t.name == "coxswain-doorbell" and t.is_alive() for t in threading.enumerate())

@@ -1,6 +1,6 @@
 """A doorbell: the driver runs one named, small-argument method on its worker processes of the same node
 without a Ray round trip. Used for the one call whose latency is a large share of its cost: the
-shared-memory weight sync (trainer/workers/weight_shm.py), where every actor rank writes its own
+shared-memory weight sync (trainer/sync/shared_memory.py), where every actor rank writes its own
 blocks in a few milliseconds.
 
 Why not a Ray call: a Ray actor call to four workers on two busy cores costs 1.5-3 ms from submit to

@@ -1,9 +1,9 @@
-"""The shared-memory weight sync (trainer/workers/weight_shm.py), in one process: two "ranks" write
+"""The shared-memory weight sync (trainer/sync/shared_memory.py), in one process: two "ranks" write
 their TP shards' blocks straight into the weights of real native engines, which share one file. Every
 engine must end up with exactly the checkpoint (its own full checksum against the checkpoint's, cast
 to its dtype); a copy that lands wrong must be caught at its block and row; plans that do not
 partition the engine's tensors are refused. The Ray paths (hybrid engine, separate engine workers)
-run in tests/test_step_fast_paths.py and tests/test_controller.py."""
+run in tests/test_step_fast_paths.py, tests/test_controller.py and tests/sync/test_weight_group.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "megatron_bridge"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "megatron_bridge"))
 
 from bridge_tiny import make_case  # noqa: E402
 from megatron_bridge.convert import HFCheckpoint, hf_to_megatron_shards  # noqa: E402
@@ -24,8 +24,8 @@ from megatron_bridge.reshard import Block, blocks_for  # noqa: E402
 from trainer.rollout.engine import SamplingParams, checksum_named_tensors  # noqa: E402
 from trainer.rollout.native import NativeEngine  # noqa: E402
 from trainer.rollout.engine import WeightSyncError  # noqa: E402
-from trainer.workers import weight_shm  # noqa: E402
-from trainer.workers.weight_shm import SharedWeights, create_buffer, plan_layout, prepare_writes, write_blocks  # noqa: E402
+from trainer.sync import shared_memory as weight_shm  # noqa: E402
+from trainer.sync.shared_memory import SharedWeights, create_buffer, plan_layout, prepare_writes, write_blocks  # noqa: E402
 
 TP = 2
 
@@ -206,7 +206,7 @@ def test_the_kernel_catches_a_difference_in_any_piece_and_names_it():
 def test_writers_that_disagree_with_the_engines_layout_fail_the_end_to_end_check(ckpt):
     """A writer whose view of one tensor is off by one row (a layout bug) writes, and reads back, the
     wrong place, so its in-cache check passes; the end-to-end check of the first sync after set-up
-    (every engine's full checksum over its own views, ``_EngineCalls._shm_metrics``) catches it."""
+    (every engine's full checksum over its own views, ``trainer.sync.base.Link.check_once``) catches it."""
     name = "model.layers.0.self_attn.q_proj.weight"
 
     def shifted(entries):
@@ -257,7 +257,7 @@ def test_piece_size_follows_the_l2_cache(tmp_path):
     """A checked copy's piece is a quarter of the core's L2 (source + destination piece: half of it),
     the kernel's an eighth of L1, read from sysfs; sizes in sysfs's spellings parse, and an unreadable
     size falls back."""
-    from trainer.workers import weight_shm as ws
+    from trainer.sync import shared_memory as ws
 
     assert [ws._cache_size(t) for t in ("1024K\n", "2M", "65536", " 512k ")] == [1 << 20, 2 << 20, 65536, 512 << 10]
     with pytest.raises(ValueError):
