@@ -34,7 +34,7 @@ def test_the_choice_follows_the_engines_protocols_the_placement_and_weight_sync(
     assert choose(native, "workers", "object_store") == ("object_store",)
     # weight_sync=distributed_group: the native engines take every rank's blocks, SGLang a broadcast from rank 0
     assert choose(native, "workers", "distributed_group") == ("dist_group", "object_store")
-    assert choose(sglang, "workers", "distributed_group") == ("broadcast",)
+    assert choose(sglang, "workers", "distributed_group") == ("broadcast", "object_store")
     assert choose(("object_store",), "workers", "distributed_group") == ("object_store",)
     # the hybrid engine: shared memory, else a local copy; HTTP servers: the push
     assert choose(native, "hybrid", "auto") == ("shared_memory", "hybrid")
@@ -61,6 +61,7 @@ class FromDisk(Link):
 
     name = label = "from_disk"
     receiver = DiskReceiver
+    placements, weight_syncs, protocol = ("workers",), ("auto",), "from_disk"  # engines that declare "from_disk"
 
     def sync(self, path, verify: bool) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -85,6 +86,10 @@ class Never(Link):
 def test_a_registered_transport_is_enough_to_sync_real_engines(monkeypatch):
     monkeypatch.setitem(TRANSPORTS, "from_disk", FromDisk)
     monkeypatch.setitem(TRANSPORTS, "never", Never)
+    # the registration alone makes it a choice, where it says it applies and only for engines that accept it
+    assert choose(("object_store", "from_disk"), "workers", "auto") == ("object_store", "from_disk")
+    assert choose(("object_store", "from_disk"), "workers", "object_store") == ("object_store",)
+    assert choose(("object_store",), "workers", "auto") == ("object_store",)
     group = WorkerGroup("rollout", RolloutWorker, [dict(model_path=TINY, max_seq_len=64)] * 2, in_process=True)
     r = EngineRollout(group, free_cache=False, bucket_bytes=1 << 20, engine_dtype="float32",
                       transports=("never", "from_disk"))

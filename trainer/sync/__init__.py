@@ -3,8 +3,8 @@
 Each transport is one module here (its sender half on the actor ranks, its receiver half beside the
 engine, the driver's link, its verification and its metrics; the interface is :mod:`trainer.sync.base`).
 :data:`TRANSPORTS` maps a name to its link class; a new transport is its module plus one line here, and
-the engines that accept it name it in their ``capabilities.weight_protocols``
-(:mod:`trainer.rollout.registry`).
+each link class declares where it applies (``placements``, ``weight_syncs``, the ``protocol`` an engine must
+declare in its ``capabilities.weight_protocols``, :mod:`trainer.rollout.registry`).
 
 :func:`choose` makes the choice once, when the rollout is built, from what the engine accepts, where the
 engines run and ``actor_rollout_ref.rollout.weight_sync``: an ordered tuple of transports, the first
@@ -22,12 +22,13 @@ from trainer.sync.hybrid_copy import HybridCopy
 from trainer.sync.object_store import ObjectStore
 from trainer.sync.shared_memory import SharedMemory
 
+# in the order of preference: a rollout tries the transports that apply to it in this order
 TRANSPORTS: dict[str, type[Link]] = {
     "shared_memory": SharedMemory,  # one node: the actor ranks write their shards into the engines' shared weights
-    "object_store": ObjectStore,  # HF buckets through Ray's object store (every engine takes it)
-    "dist_group": DistributedGroup,  # every actor rank's own blocks over a gloo/NCCL group to every engine
     "broadcast": Broadcast,  # SGLang's distributed update: full tensors broadcast from actor rank 0
+    "dist_group": DistributedGroup,  # every actor rank's own blocks over a gloo/NCCL group to every engine
     "hybrid": HybridCopy,  # the engine in the actor rank's process: a local copy from the gathered stream
+    "object_store": ObjectStore,  # HF buckets through Ray's object store (every engine takes it)
     "http_push": HttpPush,  # HTTP engine servers: the fleet client's drained, checked push
 }
 
@@ -37,17 +38,10 @@ PLACEMENTS = ("workers", "hybrid", "server")  # engines in their own Ray workers
 def choose(protocols: tuple[str, ...], placement: str, weight_sync: str) -> tuple[str, ...]:
     """The transports a rollout tries, in order, for engines that accept ``protocols``
     (``capabilities.weight_protocols``) placed as ``placement`` (one of :data:`PLACEMENTS`), with
-    ``weight_sync`` = auto | distributed_group | object_store."""
-    if placement == "server":
-        return ("http_push",)
-    shm = ("shared_memory",) if weight_sync == "auto" and "shared_memory" in protocols else ()
-    if placement == "hybrid":
-        return shm + ("hybrid",)
-    if placement != "workers":
+    ``weight_sync`` = auto | distributed_group | object_store: every registered transport that declares
+    it serves them (``placements``, ``weight_syncs``, ``protocol``), in the order of :data:`TRANSPORTS`."""
+    if placement not in PLACEMENTS:
         raise ValueError(f"unknown rollout placement {placement!r}; one of {PLACEMENTS}")
-    if weight_sync == "distributed_group":
-        if "broadcast" in protocols:  # SGLang takes full tensors from one sender, and nothing else over a group
-            return ("broadcast",)
-        if "dist_group" in protocols:
-            return ("dist_group", "object_store")
-    return shm + ("object_store",)
+    return tuple(name for name, link in TRANSPORTS.items()
+                 if placement in link.placements and weight_sync in link.weight_syncs
+                 and (link.protocol is None or link.protocol in protocols))

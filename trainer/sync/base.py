@@ -64,6 +64,13 @@ class Link:
     label = ""
     sender: type | None = None
     receiver: type | None = None
+    # where it can be chosen (trainer.sync.choose): the engines' placements it serves ("workers": their own
+    # Ray workers, "hybrid": in the actor ranks' processes, "server": HTTP servers), the rollout.weight_sync
+    # values that select it, and the protocol an engine must declare in capabilities.weight_protocols (None:
+    # any engine)
+    placements: tuple[str, ...] = ()
+    weight_syncs: tuple[str, ...] = ("auto", "distributed_group", "object_store")
+    protocol: str | None = None
 
     def __init__(self, rollout):
         self.rollout = rollout
@@ -93,7 +100,10 @@ class Link:
 
 
 class Half:
-    """A sender or receiver half: ``owner`` is the worker it lives in (a training rank or a rollout worker)."""
+    """A sender or receiver half: ``owner`` is the worker it lives in (a training rank or a rollout worker).
+    ``resident_ops``: the sender's ops that read the rank's parameters (they run with them in device memory)."""
+
+    resident_ops: frozenset[str] = frozenset()
 
     def __init__(self, owner):
         self.owner = owner

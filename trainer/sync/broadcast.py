@@ -114,8 +114,6 @@ class BroadcastSender(Half):
     """An actor rank's half: rank 0 hosts and joins every broadcast group it sends to (one per rollout, by
     key ``ip:port``); every rank drains the collective stream."""
 
-    resident_ops = frozenset()
-
     def __init__(self, owner):
         super().__init__(owner)
         self.groups: dict[str, tuple] = {}  # key -> (store, process group or None while hosting)
@@ -210,6 +208,7 @@ class Broadcast(Link):
 
     name, label = "broadcast", "distributed_group"
     sender, receiver = BroadcastSender, BroadcastReceiver
+    placements, weight_syncs, protocol = ("workers",), ("distributed_group",), "broadcast"
 
     def __init__(self, rollout):
         super().__init__(rollout)

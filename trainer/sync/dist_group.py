@@ -438,6 +438,7 @@ class DistributedGroup(Link):
 
     name, label = "dist_group", "distributed_group"
     sender, receiver = GroupSender, GroupReceiver
+    placements, weight_syncs, protocol = ("workers",), ("distributed_group",), "dist_group"
 
     def __init__(self, rollout):
         super().__init__(rollout)

@@ -21,6 +21,7 @@ class HttpPush(Link):
     """The driver's side: the rollout's ``client`` receives the named tensors as the actor streams them."""
 
     name = label = "http_push"
+    placements = ("server",)
 
     def sync(self, actor, verify: bool) -> dict[str, float]:
         r = self.rollout

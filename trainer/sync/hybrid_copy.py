@@ -86,6 +86,7 @@ class HybridCopy(Link):
 
     name, label = "hybrid", "object_store"
     sender = CopySender
+    placements, weight_syncs, protocol = ("hybrid",), ("auto", "object_store"), "hybrid"
 
     def sync(self, actor, verify: bool) -> dict[str, float]:
         r = self.rollout

@@ -24,6 +24,7 @@ class ObjectStore(Link):
     """The driver's side: the fallback that always runs (any engine takes ``update_weights``)."""
 
     name = label = "object_store"
+    placements = ("workers",)
 
     def sync(self, actor, verify: bool) -> dict[str, float]:
         r = self.rollout

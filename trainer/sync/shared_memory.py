@@ -444,6 +444,7 @@ class SharedMemory(Link):
 
     name = label = "shared_memory"
     sender, receiver = Sender, Receiver
+    placements, weight_syncs, protocol = ("workers", "hybrid"), ("auto",), "shared_memory"
 
     def __init__(self, rollout):
         super().__init__(rollout)
