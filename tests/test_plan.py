@@ -4,8 +4,11 @@ saves and restores exactly what the loop carries."""
 import pickle
 
 import pytest
+import torch
 
 from tests.tiny import tiny_config
+from trainer.algos.losses import get_policy_loss_fn
+from trainer.config import ConfigError
 from trainer.plan import LoopState, Plan
 
 
@@ -82,3 +85,32 @@ def test_loop_state_round_trip():
     assert (t.step, t.next_group_id, t.last_eval, t.run_id, t.history) == (3, 21, 2, "abc", [{"step": 1}])
     assert t.kl_ctrl.value == s.kl_ctrl.value
     assert (t.sampler.next(5), random.random()) == want  # the same prompts and the same driver RNG draws
+
+
+def scaled_pg(old_log_prob, log_prob, advantages, response_mask, *, agg, rollout_is_weights=None, my_scale, **family):
+    """A plug-in loss with a hyper-parameter of its own: ``my_scale`` x the token mean of ``-A logp``."""
+    m = response_mask.to(log_prob.dtype)
+    return my_scale * (-(advantages * log_prob) * m).sum() / m.sum(), {}
+
+
+def test_policy_loss_kwargs_reach_a_plugin_loss_and_built_ins_refuse_them():
+    pl = plan("actor_rollout_ref.actor.policy_loss.loss_mode=tests.test_plan:scaled_pg",
+              "actor_rollout_ref.actor.policy_loss.kwargs={my_scale: 0.5}").actor_update.policy
+    assert pl.variant_kwargs["my_scale"] == 0.5
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -4.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    # called as the train worker calls every loss: the shared keywords plus the plan's variant keywords
+    loss, _ = get_policy_loss_fn(pl.loss_mode)(
+        old_log_prob=torch.zeros_like(lp), log_prob=lp, advantages=adv, response_mask=mask,
+        agg=pl.agg(global_num_tokens=3.0, global_num_seqs=2.0, dp_size=1), rollout_is_weights=None,
+        clip_ratio=pl.clip_ratio, clip_ratio_low=pl.clip_ratio_low, clip_ratio_high=pl.clip_ratio_high,
+        clip_ratio_c=pl.clip_ratio_c, **pl.variant_kwargs)
+    # -A logp on the 3 valid tokens: 1*1 + 1*2 + (-2)*0.5 = 2; mean 2/3; x my_scale 0.5 = 1/3
+    assert loss.item() == pytest.approx(1 / 3, abs=1e-12)
+
+    with pytest.raises(ConfigError, match=r"policy_loss.kwargs \['my_scale'\] are passed to a plug-in loss"):
+        plan("actor_rollout_ref.actor.policy_loss.kwargs={my_scale: 0.5}")  # vanilla: a built-in
+    with pytest.raises(ConfigError, match=r"policy_loss.kwargs \['clip_ratio'\] are keywords every policy loss"):
+        plan("actor_rollout_ref.actor.policy_loss.loss_mode=tests.test_plan:scaled_pg",
+             "actor_rollout_ref.actor.policy_loss.kwargs={clip_ratio: 0.1, my_scale: 1.0}")

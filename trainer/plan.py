@@ -222,7 +222,9 @@ class Plan:
                                 kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
                                 tau_pos=float(a.tau_pos), tau_neg=float(a.tau_neg),  # SAPO
                                 dro_beta=None if pl.dro_beta is None else float(pl.dro_beta),  # DRO
-                                policy_drift_coeff=float(a.policy_drift_coeff)))  # CPGD
+                                policy_drift_coeff=float(a.policy_drift_coeff),  # CPGD
+                                # a plug-in loss's own keywords (the config check keeps them to plug-ins)
+                                **OmegaConf.to_container(pl.kwargs, resolve=True)))
         ref = cfg.actor_rollout_ref.ref
         # packing is per megatron role (verl's megatron.use_remove_padding)
         packed, temp = bool(a.megatron.use_remove_padding), float(r.temperature)

@@ -812,15 +812,18 @@ def test_get_policy_loss_fn():
 
 
 def test_one_call_site_fits_all_losses():
-    # the worker passes every knob it has; each loss takes what it needs and ignores the rest
+    # the worker passes every knob the loss family has; each loss takes what it needs and ignores the rest of
+    # the family's keywords, but refuses one outside it by name (issue 37: verl's loss_agg_mode= was swallowed)
     old, lp, adv, mask, w = random_inputs(seed=1)
     n_tok, n_seq = batch_norm_counts(mask, "token-mean")
     agg = LossAgg("token-mean", global_num_tokens=n_tok, global_num_seqs=n_seq, dp_size=1, norm_constant=None)
-    kw = dict(LOSS_KW, agg=agg, rollout_is_weights=w, some_future_knob=123,
-              generator=torch.Generator().manual_seed(0))
+    kw = dict(LOSS_KW, agg=agg, rollout_is_weights=w, generator=torch.Generator().manual_seed(0))
     for name in ALL_LOSSES:
         loss, met = get_policy_loss_fn(name)(old, lp, adv, mask, **kw)
         assert loss.dim() == 0 and torch.isfinite(loss) and isinstance(met, dict)
+        for bad in ({"some_future_knob": 123}, {"loss_agg_mode": "seq-mean-token-sum"}):
+            with pytest.raises(TypeError, match=next(iter(bad))):
+                get_policy_loss_fn(name)(old, lp, adv, mask, **kw, **bad)
 
 
 def test_float32_inputs_work_and_match_float64():

@@ -141,6 +141,8 @@ sequence-level weights); ``pg_clipfrac`` keeps its meaning in every loss (Clip-C
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -338,6 +340,30 @@ def _log_ratio(old_log_prob, log_prob, m):
 # --------------------------------------------------------------------------------------------------
 
 
+def _refuse_unknown_keywords(fn: Callable) -> Callable:
+    """The policy losses share one calling convention: the train worker passes every loss the family's
+    keywords (:func:`loss_keywords`: the tensors, ``agg``, the clip bounds, each variant's hyper-parameters)
+    and each reads its own. A keyword outside the family is a mistake (verl's ``loss_agg_mode=``: the
+    aggregation here is ``agg``), refused with a ``TypeError`` naming it instead of being swallowed."""
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        unknown = sorted(set(kwargs) - loss_keywords())
+        if unknown:
+            raise TypeError(f"policy loss {fn.__name__}() got unknown keyword argument(s) {unknown}; the built-in "
+                            f"losses take {sorted(loss_keywords())}")
+        return fn(*args, **kwargs)
+    return checked
+
+
+@functools.cache
+def loss_keywords() -> frozenset:
+    """Every parameter name of the built-in policy losses (the family's keywords)."""
+    return frozenset(p.name for f in POLICY_LOSSES.values() for p in inspect.signature(f).parameters.values()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+
+@_refuse_unknown_keywords
 def vanilla(
     old_log_prob,
     log_prob,
@@ -382,6 +408,7 @@ def vanilla(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def gspo(
     old_log_prob,
     log_prob,
@@ -431,6 +458,7 @@ def gspo(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def gpg(
     old_log_prob,
     log_prob,
@@ -460,6 +488,7 @@ def _token_cov(advantages, log_prob, m):
     return (a - masked_mean(a, m)) * (lp - masked_mean(lp, m))  # [B, T]
 
 
+@_refuse_unknown_keywords
 def clip_cov(
     old_log_prob,
     log_prob,
@@ -519,6 +548,7 @@ def clip_cov(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def kl_cov(
     old_log_prob,
     log_prob,
@@ -561,6 +591,7 @@ def kl_cov(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def geo_mean(
     old_log_prob,
     log_prob,
@@ -603,6 +634,7 @@ def geo_mean(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def cispo(
     old_log_prob,
     log_prob,
@@ -636,6 +668,7 @@ def cispo(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def sapo(
     old_log_prob,
     log_prob,
@@ -669,6 +702,7 @@ def sapo(
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def dro(
     old_log_prob,
     log_prob,
@@ -729,6 +763,7 @@ def _dppo(divergence, old_log_prob, log_prob, advantages, response_mask, *, agg,
     return loss, metrics
 
 
+@_refuse_unknown_keywords
 def dppo_tv(old_log_prob, log_prob, advantages, response_mask, *, agg: LossAgg = LossAgg(), rollout_is_weights=None,
             clip_ratio: float | None = None, clip_ratio_low: float | None = None,
             clip_ratio_high: float | None = None, clip_ratio_c: float = 3.0, **kwargs):
@@ -738,6 +773,7 @@ def dppo_tv(old_log_prob, log_prob, advantages, response_mask, *, agg: LossAgg =
                  clip_ratio_c=clip_ratio_c)
 
 
+@_refuse_unknown_keywords
 def dppo_kl(old_log_prob, log_prob, advantages, response_mask, *, agg: LossAgg = LossAgg(), rollout_is_weights=None,
             clip_ratio: float | None = None, clip_ratio_low: float | None = None,
             clip_ratio_high: float | None = None, clip_ratio_c: float = 3.0, **kwargs):
@@ -747,6 +783,7 @@ def dppo_kl(old_log_prob, log_prob, advantages, response_mask, *, agg: LossAgg =
                  clip_ratio_c=clip_ratio_c)
 
 
+@_refuse_unknown_keywords
 def cpgd(
     old_log_prob,
     log_prob,

@@ -1,5 +1,8 @@
 """Coxswain's whole configuration: omegaconf structured dataclasses (:mod:`.schema`), CLI overrides and
-loading (:mod:`.load`), and cross-key validation (:mod:`.checks`).
+loading (:mod:`.load`), cross-key validation by section (:mod:`.checks`), what counts as a secret
+(:mod:`.secrets`), user plug-ins named as ``pkg.module:function`` (:mod:`.plugins`), and the hardware and
+environment checks run before any worker starts (:mod:`.preflight`, imported on its own: it needs torch and
+the reward and rollout modules).
 
 Entry point::
 

@@ -1,6 +1,16 @@
 """The cross-key checks of a loaded configuration: every problem of a command line is collected and
 reported at once, each naming the keys involved and the fix (features not built are refused here, with
-the reason), plus the settings derived from several keys (recompute, MoE, world size).
+the reason), plus the settings derived from several keys (recompute, MoE, world size, which roles run).
+
+One check function per schema section (``data_errors``, ``actor_errors``, ``megatron_errors``,
+``rollout_errors``, ``reward_errors``, ``algorithm_errors``, ``trainer_errors``, ...), listed in the schema's
+order in :data:`SECTION_CHECKS`; :func:`validation_errors` runs the choices and sizes first, then each
+section. They live here, one module beside :mod:`.schema`, rather than as ``__post_init__`` methods on the
+dataclasses (verl's way) because the loader checks an omegaconf ``DictConfig`` (interpolations resolved,
+overrides applied), never a dataclass instance, and most rules join keys of two or three sections; the
+schema stays declarative (its comments are ``--help-keys``). Every check only reads the config: what the
+loader normalises first is :func:`trainer.config.load.resolve`. Hardware and environment checks are
+:mod:`trainer.config.preflight`, at run time.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ import difflib
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.algos.correction import parse_is_threshold
+from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
 from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
@@ -485,7 +496,25 @@ def actor_errors(cfg: DictConfig) -> list[str]:
         errs.append(f"actor_rollout_ref.actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound of the ratio).")
     ck = cfg.actor_rollout_ref.actor.checkpoint
     errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
+    errs.extend(_policy_loss_kwargs_errors(a.policy_loss))
     return errs
+
+
+def _policy_loss_kwargs_errors(pl) -> list[str]:
+    """``policy_loss.kwargs`` go to a plug-in loss only, and may not shadow the losses' shared keywords
+    (each has its own config key, and the call passes it already)."""
+    kw = sorted(OmegaConf.to_container(pl.kwargs, resolve=True) or {})
+    if not kw:
+        return []
+    if ":" not in str(pl.loss_mode):
+        return [f"actor_rollout_ref.actor.policy_loss.kwargs {kw} are passed to a plug-in loss "
+                f"(loss_mode=pkg.module:function); the built-in loss_mode={pl.loss_mode} reads its hyper-parameters "
+                f"from their own keys (actor_rollout_ref.actor.policy_loss.*, actor.clip_ratio*, ...): remove them."]
+    shadow = sorted(set(kw) & loss_keywords())
+    if shadow:
+        return [f"actor_rollout_ref.actor.policy_loss.kwargs {shadow} are keywords every policy loss is already called "
+                f"with (set by their own config keys): give your loss's own hyper-parameters other names."]
+    return []
 
 
 def rollout_errors(cfg: DictConfig) -> list[str]:

@@ -1,6 +1,7 @@
 """Loading a configuration: YAML files, hydra-style ``--config-path/--config-name``, ``key=value``
-overrides (verl's legacy keys and aliases included), then the checks (:mod:`trainer.config.checks`);
-and writing one back out (``public_container``, ``to_yaml``, ``save_resolved``).
+overrides (verl's legacy keys and aliases included), the resolve step (:func:`resolve`, the one place a
+loaded config is normalised), then the checks (:mod:`trainer.config.checks`, which only read); and writing
+one back out (``public_container``, ``to_yaml``, ``save_resolved``).
 
 Errors are ``ConfigError`` with a message that names the key(s) at fault and the fix: unknown keys
 suggest the closest valid key, wrong types name the key, value and expected type, legacy verl keys name

@@ -138,6 +138,7 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0  # Clip-Cov: covariance upper bound
     kl_cov_ratio: float = 0.0002  # KL-Cov: fraction of tokens given the KL penalty
     ppo_kl_coef: float = 0.1  # KL-Cov: penalty coefficient
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # a plug-in loss's own keywords (loss_mode=pkg.module:function), passed to every call; built-in losses read the keys above
 
 
 @dataclass
