@@ -32,6 +32,7 @@ import time
 import tokenize
 from typing import Mapping
 
+import numpy as np
 from tqdm import tqdm
 
 from trainer.config import schema
@@ -51,6 +52,13 @@ def fmt_duration(s: float) -> str:
 
 def _g(x: float) -> str:
     return f"{x:.4g}"
+
+
+def val_core_acc(metrics: dict) -> float | None:
+    """The held-out accuracy of a step's metrics: the mean of its ``val-core/*/acc/mean@*`` values
+    (one per data source), None when the step did not validate."""
+    vals = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+    return float(np.mean(vals)) if vals else None
 
 
 class ConsoleLog:
@@ -91,8 +99,6 @@ class ConsoleLog:
 
     # -------------------------------------------------------------- line
     def line(self, m: Mapping[str, float], step: int) -> str:
-        from trainer.generation import val_core_acc
-
         parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
         val = val_core_acc(m)
         for label, v in (("score", m.get("critic/score/mean")), ("acc", m.get("reward/acc")), ("val", val),

@@ -20,6 +20,7 @@ import torch
 
 from trainer.algos.filtering import group_filter, overlong_reward_penalty, select_filter_metric
 from trainer.batch import RolloutBatch
+from trainer.console import val_core_acc  # noqa: F401  (read here by the loop, the report and tests)
 from trainer.rewards.reward_model import place_scores, rm_metrics
 from trainer.rollout.multi_turn import trajectories_to_batch
 from trainer.rollout.single_turn import outputs_to_batch
@@ -277,13 +278,6 @@ def val_metric_names(per: dict) -> dict[str, float]:
             if n_max > 1:
                 out[f"val-aux/{src}/{var}/std@{n_max}"] = float(np.mean([np.std(v) for v in vals]))
     return out
-
-
-def val_core_acc(metrics: dict) -> float | None:
-    """The held-out accuracy of a step's metrics: the mean of its ``val-core/*/acc/mean@*`` values
-    (one per data source), None when the step did not validate."""
-    vals = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
-    return float(np.mean(vals)) if vals else None
 
 
 class Generation:
