@@ -20,6 +20,7 @@ after a set-up, also end to end (:meth:`Link.check_once`).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from trainer.rollout.engine import WeightSyncError
 
@@ -97,6 +98,16 @@ class Link:
         if self._proven is not setup:
             self.rollout.verify(actor)
             self._proven = setup
+
+
+@contextmanager
+def params_resident(worker):
+    """The training worker's parameters in device memory for the block (whatever it offloads goes back after)."""
+    worker._load_state(("params",))
+    try:
+        yield
+    finally:
+        worker._offload_state()
 
 
 class Half:

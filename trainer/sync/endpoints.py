@@ -11,7 +11,6 @@ links (``trainer/sync/<transport>.py``) name the ops.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -19,16 +18,7 @@ import torch
 from trainer.rollout.engine import checksum_named_tensors, tensor_digest
 from trainer.rollout.sglang_engine import combine_digests
 from trainer.sync import TRANSPORTS
-
-
-@contextmanager
-def params_resident(worker):
-    """The worker's parameters in device memory for the block (whatever it offloads goes back after)."""
-    worker._load_state(("params",))
-    try:
-        yield
-    finally:
-        worker._offload_state()
+from trainer.sync.base import params_resident
 
 
 class SenderEndpoints:

@@ -55,7 +55,7 @@ import torch
 
 from megatron_bridge import cpu_shims
 from trainer.rollout.engine import WeightSyncError
-from trainer.sync.base import Half, Link, plan_of, reshard_plan, sync_metrics
+from trainer.sync.base import Half, Link, params_resident, plan_of, reshard_plan, sync_metrics
 from trainer.sync.doorbell import Doorbell, DoorbellError, serve
 
 HEADER = 64  # token (16 bytes), then padding: the weights start on a cache line
@@ -348,7 +348,7 @@ def write_blocks(shared: SharedWeights, writes: list[Write], get_param, verify: 
 class Sender(Half):
     """An actor rank's half: its blocks (planned once), its mapping of the file, its checked writes."""
 
-    resident_ops = frozenset({"write", "sync_engine_shm"})  # the ops that read the rank's parameters
+    resident_ops = frozenset({"write"})  # sync_engine_shm loads them itself: the doorbell calls it directly
 
     shared: SharedWeights | None = None
     _doorbell = None
@@ -384,7 +384,8 @@ class Sender(Half):
         which starts after the driver has every rank's result. A mismatch is returned, so the driver names
         the rank. Returns ``{"bytes", "buckets", "error"}``."""
         error = None
-        with cpu_shims.suspended():  # plain copies: megatron's CPU device shim would only add dispatch
+        # plain copies: megatron's CPU device shim would only add dispatch
+        with params_resident(self.owner), cpu_shims.suspended():
             try:
                 write_blocks(self.shared, self.writes, self.params.__getitem__, verify)
             except WeightSyncError as e:
