@@ -207,9 +207,30 @@ def serve_until_signal(server: EngineServer, host: str, port: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # command line: what both servers share
 # --------------------------------------------------------------------------------------------------
+def path_problem(value) -> str | None:
+    """What makes ``value`` unusable as a path before any look at the disk (None: nothing): not a string,
+    empty, or holding a NUL byte (every os call raises on one)."""
+    if not isinstance(value, str) or not value:
+        return f"must be a non-empty path string (got {type(value).__name__})"
+    if "\x00" in value:
+        return "holds a NUL byte; a path cannot"
+    return None
+
+
+def model_dir_arg(value: str) -> str:
+    """A directory flag (``--model``, ``--weights-root``): an existing directory (argparse prints the
+    reason as one line and exits 2)."""
+    problem = path_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
+    return value
+
+
 def add_engine_args(ap: argparse.ArgumentParser, *, port: int) -> None:
     """The model, bind address and engine flags (``--port`` defaults to ``port``)."""
-    ap.add_argument("--model", required=True, help="HF-format checkpoint dir (Llama / Qwen2 / Qwen3)")
+    ap.add_argument("--model", required=True, type=model_dir_arg, help="HF-format checkpoint dir (Llama / Qwen2 / Qwen3)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--port", type=int, default=port, help="0 = pick a free port (printed at start)")
     ap.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir's name)")
@@ -243,10 +264,18 @@ async def read_capped(request: web.Request, cap: int) -> bytes:
 
     if request.content_length is not None and request.content_length > cap:
         raise too_large()
-    raw = await request.content.read(cap + 1)
-    if len(raw) > cap:
+    # read(n) returns what has arrived so far, up to n bytes (one network chunk of a large body): read
+    # until the end of the body or one byte past the cap
+    parts, size = [], 0
+    while size <= cap:
+        chunk = await request.content.read(cap + 1 - size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    if size > cap:
         raise too_large()
-    return raw
+    return b"".join(parts)
 
 
 def parse_json_body(raw: bytes):

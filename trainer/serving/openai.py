@@ -88,6 +88,12 @@ DEFAULT_API_KEY_ENV = "COXSWAIN_API_KEY"
 # --------------------------------------------------------------------------------------------------
 # errors in the OpenAI shape
 # --------------------------------------------------------------------------------------------------
+# apply_chat_template's own keywords: a request's chat_template_kwargs are template variables only
+RENDER_ARGS = frozenset({"tokenize", "return_tensors", "return_dict", "padding", "truncation", "max_length",
+                         "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask",
+                         "tokenizer_kwargs"})
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
@@ -419,6 +425,10 @@ class ModelServer(EngineServer):
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        steering = sorted(k for k in kwargs if k in RENDER_ARGS)
+        if steering:  # these change what apply_chat_template returns (tensors, a dict, text), not the template
+            raise _bad(f"'chat_template_kwargs' may not set {steering}: they are the renderer's own arguments, "
+                       f"which the server sets; send template variables only", "chat_template_kwargs")
         if ("chat_template" in kwargs or "chat_template" in body) and not self.allow_request_chat_template:
             raise APIError(403, "this server renders only its model's own chat template; a template sent with the "
                            "request runs code on the server (the operator may allow it: --allow-request-chat-template)",
@@ -436,6 +446,8 @@ class ModelServer(EngineServer):
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise _bad(f"the chat template failed on these messages: {e}", "messages")
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        if not all(isinstance(t, int) for t in ids):  # a template variable that made the renderer return other than ids
+            raise _bad("the chat template with these 'chat_template_kwargs' did not give token ids", "chat_template_kwargs")
         self._check_prompt(ids, "the templated conversation")
         self._check_samples(1, p)
         sps, outs = await self._generate([ids], p)

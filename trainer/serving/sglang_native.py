@@ -118,8 +118,8 @@ import torch
 from aiohttp import web
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, error_body, json_error, load_engine, read_capped,
-                                 request_limits, serve, serve_until_signal, served_model_name)
+from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, error_body, json_error, load_engine,
+                                 model_dir_arg, path_problem, read_capped, request_limits, serve, serve_until_signal, served_model_name)
 from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
 from trainer.serving.wire import (WEIGHTS_CONTENT_TYPE, ProtocolError, parse_update_weights_from_tensor,
                                   flattened_bucket_to_tensors, safetensors_to_tensors, tensors_to_safetensors)
@@ -602,7 +602,11 @@ class NativeSGLangServer(EngineServer):
 
         body = await self._json(request)
         path = body.get("model_path") if isinstance(body, dict) else None
-        if isinstance(path, str) and os.path.commonpath([os.path.realpath(path), self.weights_root]) != self.weights_root:
+        problem = path_problem(path)
+        if problem:  # before any look at the file system (a NUL byte makes every os call raise)
+            return web.json_response({"success": False, "message": f"model_path {problem}", "num_paused_requests": 0},
+                                     status=400)
+        if os.path.commonpath([os.path.realpath(path), self.weights_root]) != self.weights_root:
             # said before any look at the path: the answer must not tell whether it exists
             return web.json_response({"success": False, "message": f"model_path is outside the allowed root "
                                       f"{self.weights_root} (--weights-root)", "num_paused_requests": 0}, status=403)
@@ -700,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--open-generation", action="store_true",
                     help="with a key, let generation and info requests through without it (the key still guards "
                          "the weight and control endpoints); the fleet uses it behind its router")
-    ap.add_argument("--weights-root", default=None,
+    ap.add_argument("--weights-root", default=None, type=model_dir_arg,
                     help="update_weights_from_disk reads only below this directory (default: the one holding --model)")
     return ap
 
