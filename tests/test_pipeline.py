@@ -229,3 +229,19 @@ def test_without_the_reference_the_kl_loss_is_refused_not_dropped():
     s._ran.update({"generate", "advantages"})
     with pytest.raises(PipelineError, match="use_kl_loss needs the reference log-probs.*kl_loss=False"):
         s.update_actor()
+
+
+def test_the_plan_resolves_what_the_step_and_the_loop_read():
+    """The step and the loop read these from the Plan, never from the raw config: each resolved once."""
+    from trainer.plan import Plan
+
+    plan = Plan.from_config(tiny_config(["trainer.debug.rollout_only=true", "trainer.debug.dump_batch_path=/tmp/dumps",
+                                         "trainer.n_gpus_per_node=4", "trainer.log_val_generations=5",
+                                         "attribution_driven_credit_assignment.enable=true",
+                                         "attribution_driven_credit_assignment.adca_grpo.alpha=0.25"]), total_steps=2)
+    assert plan.rollout_only and not plan.train_only and plan.dump_batch_path == "/tmp/dumps"
+    assert plan.rank_slots == 4 and plan.log_val_generations == 5  # 1 node x 4 slots: perf/throughput's divisor
+    assert plan.parallel_phases  # trainer.parallel_phases=null on CPU: on
+    assert plan.adca["adca_grpo"]["alpha"] == 0.25 and isinstance(plan.adca, dict)  # plain values, picklable
+    off = Plan.from_config(tiny_config(["trainer.parallel_phases=false"]), total_steps=2)
+    assert off.adca is None and not off.parallel_phases and not off.rollout_only

@@ -115,7 +115,7 @@ class Hooks:
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Runtime:
-    """What lives for the whole run and every step uses (built once by ``trainer.main.train``)."""
+    """What lives for the whole run and every step uses (built once by ``trainer.main.start``)."""
 
     plan: Any  # Plan: every setting the step reads
     cluster: Any
