@@ -18,6 +18,7 @@ import json
 import os
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from trainer.batch import FIELD_SPECS, RolloutBatch, make_meta
@@ -62,8 +63,6 @@ def dumped_steps(directory: str) -> list[str]:
 
 
 def load_batch(stem: str) -> RolloutBatch:
-    from safetensors import SafetensorError
-
     try:
         tensors = load_file(stem + ".safetensors")
         with open(stem + ".meta.json") as f:

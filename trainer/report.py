@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from trainer.generation import val_core_acc
+
 # (metric, title); "val-core acc" is the mean of the step's val-core/<data_source>/acc/mean@N values
 PANELS = [("val-core acc", "held-out accuracy (val-core/*/acc)"), ("critic/score/mean", "score (critic/score/mean)"),
           ("response_length/mean", "response length"),
@@ -14,8 +16,6 @@ PANELS = [("val-core acc", "held-out accuracy (val-core/*/acc)"), ("critic/score
 
 def _value(h: dict, key: str):
     if key == "val-core acc":
-        from trainer.generation import val_core_acc
-
         return val_core_acc(h)
     return h.get(key)
 
@@ -23,7 +23,7 @@ def _value(h: dict, key: str):
 def report_figure(history: list[dict]):
     """The report's figure. Tick labels are plain values: no offset ("+1e-3" above the axis) on
     flat series, which matplotlib would otherwise pick for e.g. an accuracy stuck near 1."""
-    import matplotlib
+    import matplotlib  # heavy (about a second) and only for the report's figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -395,7 +395,7 @@ def _ready(sharded):
     phase's time is the pass's own."""
     refs = [r for r in sharded.refs if r is not None]
     if refs and type(refs[0]).__name__ == "ObjectRef":
-        import ray  # heavy third-party; absent from the path only in-process (trainer.debug.in_process)
+        import ray  # heavy (about a second); in-process runs (trainer.debug.in_process) never import it
 
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
     return sharded

@@ -54,7 +54,7 @@ class Transport:
         if self.in_process:
             out = list(refs)
         else:
-            import ray
+            import ray  # heavy; see put
 
             out = ray.get(list(refs))
         self.bytes_in += _nbytes(out)
