@@ -22,6 +22,7 @@ from trainer.config import moe_settings, recompute_settings
 from trainer.config.preflight import check_node_layout
 from trainer.plan import need_critic, need_ref
 from trainer.rollout.registry import capabilities
+from trainer.serving.net import free_port
 from trainer.sync import choose
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
@@ -70,158 +71,182 @@ def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
 
 
 class Cluster:
-    def __init__(self, cfg, total_steps: int):
-        from megatron_bridge.launch import find_free_port
+    """Every role group and the rollout, placed: built in named steps (the Ray cluster and its slots, the
+    engines' settings, the trained and forward-only roles, the rollout with its weight transports)."""
 
+    def __init__(self, cfg, total_steps: int):
         check_node_layout(cfg)
-        t, a, r = cfg.trainer, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-        world = t.nnodes * t.n_gpus_per_node
+        t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
+        self.world = world = t.nnodes * t.n_gpus_per_node
         self.in_process = t.debug.in_process
         self.colocated = t.placement == "colocated"
-        use_gpu = t.device == "cuda"
-        model_path = cfg.actor_rollout_ref.model.path
-        placement = self.placement = None
-        self.owns_ray = False
+        self.device = t.device
+        self._compile = t.compile
         # rollout engines: 0 = one per device of a colocated placement (as verl's hybrid engine: world / rollout TP;
         # on CPU one per slot, so generation uses every core at one thread each), 1 in split placement
-        n_eng = self.num_engines = r.num_engines or (max(1, world // max(1, r.tensor_model_parallel_size))
-                                                     if self.colocated else 1)
+        self.num_engines = r.num_engines or (max(1, world // max(1, r.tensor_model_parallel_size))
+                                             if self.colocated else 1)
+        self.placement, self.owns_ray = self._start_ray(t)
+        self.rendezvous: dict[str, str] = {}
+        self.transport = Transport(self.in_process)
+        rkw = self._engine_kwargs(cfg)
+        # hybrid engine (verl's): each actor rank hosts its colocated engine, so a sync is a local copy
+        self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode == "sync"
+                       and "hybrid" in capabilities(r.name).weight_protocols and self.num_engines == world)
+        self._build_roles(cfg, total_steps, rkw)
+        self.rollout = self._build_rollout(cfg, rkw)
+        if self.placement is not None:
+            self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))
+
+    # ------------------------------------------------------------------ set-up steps
+    def _start_ray(self, t) -> tuple[Placement | None, bool]:
+        """The Ray cluster (embedded, or joined through ``RAY_ADDRESS``) and the placement of its slots; none in
+        process. Returns ``(placement, owns_ray)``."""
+        world = self.world
         if self.in_process:
             if world != 1:
                 raise ValueError(f"trainer.debug.in_process=true runs every worker inside the driver, which holds one "
                                  f"rank: set trainer.nnodes=1 trainer.n_gpus_per_node=1 (got a world of {world}).")
-        else:
-            n_slots = world + (0 if self.colocated else n_eng)
-            # an embedded cluster lives as long as this Cluster (a later one may need other resources)
-            self.owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
-            # an embedded cluster is one node, whatever trainer.nnodes says; a joined one is laid out node by node
-            placement = Placement(n_slots, use_gpu, nnodes=1 if self.owns_ray else t.nnodes, per_node=t.n_gpus_per_node,
-                                  joined=not self.owns_ray)
-        self.placement = placement
-        rollout_bundle = (lambda i: i) if self.colocated else (lambda i: world + i)
-        # CPU threads. A local CPU cluster runs one phase at a time (sync mode): the megatron ranks share
-        # the node's cores while they train. The engines keep one thread unless told otherwise: decode ops
-        # are too small to gain from a second one, and under contention an OpenMP team is many times
-        # slower (measured: 0.49 s -> 0.48 s best, 3-10 s when another job shares the cores).
-        local_cpu = not use_gpu and not self.in_process and not os.environ.get("RAY_ADDRESS")
+            return None, False
+        use_gpu = t.device == "cuda"
+        n_slots = world + (0 if self.colocated else self.num_engines)
+        # an embedded cluster lives as long as this Cluster (a later one may need other resources)
+        owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
+        # an embedded cluster is one node, whatever trainer.nnodes says; a joined one is laid out node by node
+        return Placement(n_slots, use_gpu, nnodes=1 if owns_ray else t.nnodes, per_node=t.n_gpus_per_node,
+                         joined=not owns_ray), owns_ray
+
+    def _threads(self, k: int) -> int:
+        """CPU threads for each of ``k`` ranks. A local CPU cluster runs one phase at a time (sync mode): the
+        megatron ranks share the node's cores while they train; elsewhere each rank has its own device."""
+        local_cpu = self.device != "cuda" and not self.in_process and not os.environ.get("RAY_ADDRESS")
+        if not local_cpu:
+            return 1
         n_cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        share = (lambda k: max(1, n_cpu // max(1, k))) if local_cpu else (lambda k: 1)
-        rendezvous = placement.rendezvous if placement is not None else (lambda: ("127.0.0.1", find_free_port()))
-        self.rendezvous: dict[str, str] = {}
+        return max(1, n_cpu // max(1, k))
 
-        self.transport = Transport(self.in_process)
+    def _rendezvous(self, name: str) -> tuple[str, int]:
+        """A torch.distributed rendezvous for group ``name``, on its rank 0's node."""
+        addr, port = self.placement.rendezvous() if self.placement is not None else ("127.0.0.1", free_port())
+        self.rendezvous[name] = f"{addr}:{port}"
+        return addr, port
 
-        def mgroup(kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker, extra=None,
-                   checkpointing: bool = False, routing_replay: bool = False):
-            addr, port = rendezvous()  # on rank 0's node
-            self.rendezvous[name] = f"{addr}:{port}"
-            rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
-            kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path, recompute=rc,
-                        tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
-                        vpp=mcfg.virtual_pipeline_model_parallel_size or 1, cp=mcfg.context_parallel_size,
-                        ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size,
-                        moe=moe_settings(mcfg),
-                        pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                        params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile or t.compile, optim=optim, seed=mcfg.seed,
-                        sequence_parallel=bool(mcfg.sequence_parallel), routing_replay=routing_replay,
-                        offload=dict(params=bool(mcfg.param_offload), grads=bool(mcfg.grad_offload),
-                                     optimizer=bool(mcfg.optimizer_offload)),
-                        num_threads=share(world), **(extra or {}))
-                   for i in range(world)]
-            return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
-                        self.transport)
+    def _rollout_bundle(self, i: int) -> int:
+        """Engine ``i``'s slot: its actor rank's (colocated) or one of its own after the actor's (split)."""
+        return i if self.colocated else self.world + i
 
-        def dsgroup(kind, name: str, rcfg, role: str, optim: dict | None, path: str, cls=DeepSpeedWorker, extra=None,
-                    checkpointing: bool = False):
-            """A role on the DeepSpeed strategy: ZeRO over all ``world`` ranks (data parallel only)."""
-            ds = rcfg.deepspeed_config
-            addr, port = rendezvous()  # on rank 0's node
-            self.rendezvous[name] = f"{addr}:{port}"
-            kws = [dict(role=role, rank=i, world_size=world, master_addr=addr, master_port=port, model_path=path,
-                        zero_stage=ds.zero_stage, params_dtype=ds.dtype or rcfg.megatron.dtype, optim=optim, seed=ds.seed,
-                        num_threads=share(world), gradient_checkpointing=checkpointing and optim is not None,
-                        offload_params=bool(ds.param_offload), offload_optimizer=bool(ds.optimizer_offload),
-                        **(extra or {}))
-                   for i in range(world)]
-            return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=placement, share=0.25),
-                        self.transport)
+    def _group(self, kind, name: str, cls, kws: list[dict]):
+        return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=self.placement, share=0.25),
+                    self.transport)
 
-        max_len = r.prompt_length + r.response_length  # the engines' context: prompt cap + response budget
-        rkw = dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs, max_seq_len=max_len,
-                   dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
-                   generate_threads=r.generate_threads or 1,
-                   engine_kwargs=compiled_engine_kwargs(_plain(r.engine_kwargs), name=r.name, device=t.device,
-                                                        model_path=model_path) if t.compile else _plain(r.engine_kwargs),
-                   tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
-                   settings=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
-                                 gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
-                                 max_num_batched_tokens=r.max_num_batched_tokens,
-                                 enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager))
-        # hybrid engine (verl's): each actor rank hosts its colocated engine, so a sync is a local copy
-        self.hybrid = (cfg.actor_rollout_ref.hybrid_engine and self.colocated and r.mode == "sync"
-                       and "hybrid" in capabilities(r.name).weight_protocols and n_eng == world)
+    def _megatron_group(self, kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker,
+                        extra=None, checkpointing: bool = False, routing_replay: bool = False):
+        """A role on the Megatron strategy over all ``world`` ranks (TP / PP / CP / EP from ``mcfg``)."""
+        addr, port = self._rendezvous(name)
+        rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
+        common = dict(role=role, world_size=self.world, master_addr=addr, master_port=port, model_path=path,
+                      recompute=rc, tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
+                      vpp=mcfg.virtual_pipeline_model_parallel_size or 1, cp=mcfg.context_parallel_size,
+                      ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size, moe=moe_settings(mcfg),
+                      pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
+                      params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile or self._compile, optim=optim,
+                      seed=mcfg.seed, sequence_parallel=bool(mcfg.sequence_parallel), routing_replay=routing_replay,
+                      offload=dict(params=bool(mcfg.param_offload), grads=bool(mcfg.grad_offload),
+                                   optimizer=bool(mcfg.optimizer_offload)),
+                      num_threads=self._threads(self.world), **(extra or {}))
+        return self._group(kind, name, cls, [dict(common, rank=i) for i in range(self.world)])
+
+    def _deepspeed_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, cls=DeepSpeedWorker,
+                         extra=None, checkpointing: bool = False):
+        """A role on the DeepSpeed strategy: ZeRO over all ``world`` ranks (data parallel only)."""
+        ds = rcfg.deepspeed_config
+        addr, port = self._rendezvous(name)
+        common = dict(role=role, world_size=self.world, master_addr=addr, master_port=port, model_path=path,
+                      zero_stage=ds.zero_stage, params_dtype=ds.dtype or rcfg.megatron.dtype, optim=optim, seed=ds.seed,
+                      num_threads=self._threads(self.world), gradient_checkpointing=checkpointing and optim is not None,
+                      offload_params=bool(ds.param_offload), offload_optimizer=bool(ds.optimizer_offload),
+                      **(extra or {}))
+        return self._group(kind, name, cls, [dict(common, rank=i) for i in range(self.world)])
+
+    def _role_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, *cls_extra, **kw):
+        """A role on its section's strategy (``rcfg.strategy``: megatron or deepspeed); ``cls_extra``: the worker
+        class and its extra kwargs where they are not the strategy's plain worker (the hybrid engine's)."""
+        if rcfg.strategy == "deepspeed":
+            kw.pop("routing_replay", None)  # R3 is refused with DeepSpeed at load time
+            return self._deepspeed_group(kind, name, rcfg, role, optim, path, *cls_extra, **kw)
+        return self._megatron_group(kind, name, rcfg.megatron, role, optim, path, *cls_extra, **kw)
+
+    def _engine_kwargs(self, cfg) -> dict:
+        """Every rollout engine's settings (the same for each engine)."""
+        r, t = cfg.actor_rollout_ref.rollout, cfg.trainer
+        model_path = cfg.actor_rollout_ref.model.path
+        return dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs,
+                    max_seq_len=r.prompt_length + r.response_length,  # the engines' context: prompt cap + response budget
+                    dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
+                    generate_threads=r.generate_threads or 1,
+                    engine_kwargs=compiled_engine_kwargs(_plain(r.engine_kwargs), name=r.name, device=t.device,
+                                                         model_path=model_path) if t.compile else _plain(r.engine_kwargs),
+                    tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
+                    settings=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
+                                  gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
+                                  max_num_batched_tokens=r.max_num_batched_tokens,
+                                  enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager))
+
+    def _build_roles(self, cfg, total_steps: int, rkw: dict) -> None:
+        """The actor (hosting the engines when hybrid), and the reference, critic and reward model where run."""
+        a, model_path = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model.path
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
         actor_optim = bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps,
                                    use_dist=a.megatron.use_distributed_optimizer)
-        ckpt_act = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
-        if a.strategy == "deepspeed":
-            self.actor = dsgroup(ActorGroup, "actor", a, "actor", actor_optim, model_path,
-                                 *((DeepSpeedHybridWorker, dict(rollout=rkw)) if self.hybrid else ()),
-                                 checkpointing=ckpt_act)
-        else:
-            self.actor = mgroup(ActorGroup, "actor", a.megatron, "actor", actor_optim, model_path,
-                                *((HybridWorker, dict(rollout=rkw)) if self.hybrid else ()), checkpointing=ckpt_act,
-                                routing_replay=a.router_replay.mode == "R3")
-        self.ref = None
+        hybrid_cls = DeepSpeedHybridWorker if a.strategy == "deepspeed" else HybridWorker
+        self.actor = self._role_group(ActorGroup, "actor", a, "actor", actor_optim, model_path,
+                                      *((hybrid_cls, dict(rollout=rkw)) if self.hybrid else ()),
+                                      checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+                                      routing_replay=a.router_replay.mode == "R3")
+        self.ref = self.critic = self.reward_model = None
         if need_ref(cfg):
             rf = cfg.actor_rollout_ref.ref
-            self.ref = (dsgroup(RefGroup, "ref", rf, "ref", None, model_path) if rf.strategy == "deepspeed" else
-                        mgroup(RefGroup, "ref", rf.megatron, "ref", None, model_path,
-                               routing_replay=rf.router_replay.mode == "R3"))
-        self.critic = None
+            self.ref = self._role_group(RefGroup, "ref", rf, "ref", None, model_path,
+                                        routing_replay=rf.router_replay.mode == "R3")
         if need_critic(cfg):
             c = cfg.critic
             c_optim = bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
                                    use_dist=c.megatron.use_distributed_optimizer)
-            make = dsgroup if c.strategy == "deepspeed" else mgroup
-            self.critic = make(CriticGroup, "critic", c if c.strategy == "deepspeed" else c.megatron, "critic", c_optim,
-                               c.model.path or model_path, checkpointing=c.model.enable_gradient_checkpointing)
-        self.reward_model = None
+            self.critic = self._role_group(CriticGroup, "critic", c, "critic", c_optim, c.model.path or model_path,
+                                           checkpointing=c.model.enable_gradient_checkpointing)
         if cfg.reward_model.enable:  # forward-only, like the reference (trainer/rewards/reward_model.py)
             rm = cfg.reward_model
-            self.reward_model = (dsgroup(RewardModelGroup, "reward_model", rm, "reward", None, rm.model.path)
-                                 if rm.strategy == "deepspeed" else
-                                 mgroup(RewardModelGroup, "reward_model", rm.megatron, "reward", None, rm.model.path))
+            self.reward_model = self._role_group(RewardModelGroup, "reward_model", rm, "reward", None, rm.model.path)
+
+    def _build_rollout(self, cfg, rkw: dict):
+        """The rollout (HTTP fleet, hybrid engine or engine workers) with its weight transports, chosen once from
+        what the engine accepts, where it runs and ``rollout.weight_sync``."""
+        r, n_eng = cfg.actor_rollout_ref.rollout, self.num_engines
         bucket = r.update_weights_bucket_megabytes << 20
-        # colocated engines give their memory back while the trainer runs
-        free = self.colocated and r.free_cache_engine
-        # the weight transports, chosen once from what the engine accepts, where it runs and rollout.weight_sync
+        free = self.colocated and r.free_cache_engine  # colocated engines give their memory back while the trainer runs
         server = r.mode in ("server", "async")
         transports = choose(capabilities(r.name).weight_protocols,
                             "server" if server else "hybrid" if self.hybrid else "workers", r.weight_sync)
         if server:  # verl's async mode: HTTP engine servers behind sglang-router, outside Ray
             # on a joined cluster each server runs on its slot's node (a host actor there); embedded: local processes
-            hosts = ([placement.options(rollout_bundle(i), 0.25) for i in range(n_eng)]
-                     if placement is not None and not self.owns_ray else None)
-            self.rollout = FleetRollout(model_path, num_servers=n_eng, threads_per_server=rkw["generate_threads"],
-                                        max_batch_size=r.max_num_seqs, max_seq_len=max_len, dtype=r.dtype,
-                                        tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
-                                        log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts,
-                                        backend=r.name, device=cfg.trainer.device, transports=transports)
-        elif self.hybrid:
-            self.rollout = HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
-                                         transports=transports)
-        else:
-            streams = 2 if capabilities(r.name).concurrent_generate else 1  # a call joins the engine's running loop
-            self.rollout = EngineRollout(
-                WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=placement,
-                            bundle_of=rollout_bundle, share=0.25, max_concurrency=streams + 1),
-                free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams,
-                transports=transports)
+            hosts = ([self.placement.options(self._rollout_bundle(i), 0.25) for i in range(n_eng)]
+                     if self.placement is not None and not self.owns_ray else None)
+            return FleetRollout(rkw["model_path"], num_servers=n_eng, threads_per_server=rkw["generate_threads"],
+                                max_batch_size=r.max_num_seqs, max_seq_len=rkw["max_seq_len"], dtype=r.dtype,
+                                tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
+                                log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts,
+                                backend=r.name, device=cfg.trainer.device, transports=transports)
+        if self.hybrid:
+            return HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
+                                 transports=transports)
+        streams = 2 if capabilities(r.name).concurrent_generate else 1  # a call joins the engine's running loop
+        return EngineRollout(
+            WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=self.placement,
+                        bundle_of=self._rollout_bundle, share=0.25, max_concurrency=streams + 1),
+            free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams,
+            transports=transports)
 
-        if placement is not None:
-            self.write_placement(os.path.join(cfg.trainer.default_local_dir, "placement.json"))
-
+    # ------------------------------------------------------------------ views
     def groups(self) -> dict:
         """The Ray worker groups by name (a hybrid rollout lives in the actor's processes)."""
         out = {n: g.group for n, g in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
