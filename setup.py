@@ -52,8 +52,8 @@ setup(
     install_requires=install_requires,
     extras_require=extras,
     entry_points={"console_scripts": ["coxswain=trainer.main:cli"]},
-    # the weight sync's checked copy (trainer/workers/_copycheck.c, called through ctypes). optional: without a
-    # C compiler the install goes on and the sync checks its copies in Python, slower (weight_shm.KERNEL is None)
-    ext_modules=[Extension("trainer.workers._copycheck", ["trainer/workers/_copycheck.c"], extra_compile_args=["-O2"],
+    # the weight sync's checked copy (trainer/sync/_copycheck.c, called through ctypes). optional: without a
+    # C compiler the install goes on and the sync checks its copies in Python, slower (trainer.sync.shared_memory.KERNEL is None)
+    ext_modules=[Extension("trainer.sync._copycheck", ["trainer/sync/_copycheck.c"], extra_compile_args=["-O2"],
                            optional=True)],
 )

@@ -1,6 +1,6 @@
 """The driver's per-step cost on a cluster of 1, 2 and 3 Ray nodes: what grows with the node count?
 
-A real Ray cluster of three nodes on this machine (``tests/ray_nodes.py``: separate raylets, 2 CPU slots
+A real Ray cluster of three nodes on this machine (``tests/support/ray_nodes.py``: separate raylets, 2 CPU slots
 each, distinct IPs); the driver on the head node. For k = 1, 2, 3 nodes the run's ranks are laid out as a
 real run lays them out (``trainer.workers.group.Placement``: one ``STRICT_PACK`` placement group per node,
 ``2 k`` ranks, DP = ``2 k``), and one training step's driver work is done for a FIXED batch:

@@ -4,7 +4,7 @@ The gather path (:func:`megatron_bridge.export.iter_hf_param`) all-gathers each 
 parameter, merges it (``tp_merge``), converts it to HF tensors (``canonical_to_hf``) and ships the
 full tensors from one rank: every byte crosses gloo once and funnels through rank 0. Here nothing is
 gathered: each rank copies its own shard's pieces to their final places in a shared HF-layout buffer
-(``trainer/workers/weight_shm.py``), in parallel with the other ranks.
+(``trainer/sync/shared_memory.py``), in parallel with the other ranks.
 
 The plan. For one canonical parameter split over ``tp`` ranks, the map from element ``j`` of rank
 ``r``'s local shard to its position in the HF tensors is a fixed permutation. We obtain it by running

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny import checkpoint_history, rollout_logp_under, start_driver, tiny_config
+from tests.support.tiny import checkpoint_history, rollout_logp_under, start_driver, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import ROOT, checkpoint_history, rollout_logp_under, start_driver, tiny_config
+from tests.support.tiny import ROOT, checkpoint_history, rollout_logp_under, start_driver, tiny_config
 
 TINY = str(Path(ROOT) / "recipes" / "cpu" / "tiny_model")
 BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -108,7 +108,7 @@ def test_sigkill_then_resume_loses_no_prompt_and_trains_none_twice(tmp_path):
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", COXSWAIN_TEST_SLOW_TRAINER_S="0.25",
                MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db",  # the hooks' module as a user's would be:
-               PYTHONPATH=os.pathsep.join([str(Path(ROOT) / "tests"), os.environ.get("PYTHONPATH", "")]))  # importable
+               PYTHONPATH=os.pathsep.join([str(Path(ROOT) / "tests" / "support"), os.environ.get("PYTHONPATH", "")]))  # importable
     common = BASE + ["trainer.total_training_steps=6", "trainer.save_freq=3", "async_training.staleness_threshold=1",
                      "async_training.trigger_parameter_sync_step=1",
                      "trainer.hooks.after_update=[async_hooks:slow_trainer,async_hooks:record_trained]"]
@@ -155,7 +155,7 @@ def test_samples_beyond_the_bound_are_dropped_and_counted(tmp_path, _mlflow, mon
     monkeypatch.setenv("COXSWAIN_TEST_SLOW_TRAINER_S", "0.3")
     h = run(tmp_path, "trainer.total_training_steps=3", "async_training.trigger_parameter_sync_step=1",
             "async_training.staleness_threshold=0.5", "async_training.partial_rollout=false",
-            "trainer.pipeline=tests.async_hooks:double_push", "trainer.hooks.after_update=[tests.async_hooks:slow_trainer]",
+            "trainer.pipeline=tests.support.async_hooks:double_push", "trainer.hooks.after_update=[tests.support.async_hooks:slow_trainer]",
             name="drop")["history"]
     assert [x["step"] for x in h] == [1, 2, 3]
     assert h[-1]["async/dropped_for_staleness"] > 0

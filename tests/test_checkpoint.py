@@ -81,7 +81,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
 
 
 def test_save_and_load_contents_refused_with_the_reason():
-    from tests.tiny import tiny_config
+    from tests.support.tiny import tiny_config
     from trainer.config import ConfigError
 
     ok = tiny_config(["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from tests.tiny import checkpoint_history, start_driver, tiny_config
+from tests.support.batches import random_batch
+from tests.support.tiny import checkpoint_history, start_driver, tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
@@ -94,7 +94,7 @@ def test_shipped_recipe_learns_in_bf16(tmp_path):
     from trainer.config import load_config
     from trainer.main import train
 
-    from tests.tiny import TINY_YAML
+    from tests.support.tiny import TINY_YAML
 
     cfg = load_config(["--config", TINY_YAML, "trainer.total_training_steps=5", "trainer.logger=[console]",
                        f"trainer.default_local_dir={tmp_path / 'run'}"])
@@ -115,7 +115,7 @@ def test_tp2_actor_split_placement_and_critic(tmp_path, monkeypatch):
               "algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.ppo_micro_batch_size_per_gpu=16")
     h = out["history"][-1]
     assert h["sync/verified"] == 1.0 and "critic/vf_loss" in h and "critic/grad_norm" in h
-    # one node: the TP ranks wrote their shards into shared memory for the engine's worker (weight_shm.py)
+    # one node: the TP ranks wrote their shards into shared memory for the engine's worker (trainer/sync/shared_memory.py)
     assert h["sync/shared_memory"] == 1.0
 
 

@@ -1,7 +1,7 @@
 """ADCA-GRPO in the loop (trainer/credit.py): which samples the judge is asked about, what it is shown,
 where its flags land, the outcome-only fallback, and 3-step runs with a real judge server.
 
-The judge is a real JudgeClient over HTTP: the scripted OpenAI-compatible server (tests/scripted_judge.py,
+The judge is a real JudgeClient over HTTP: the scripted OpenAI-compatible server (tests/support/scripted_judge.py,
 standing in for the paid API) or ``python -m trainer.serve`` on the shipped tiny model."""
 
 import json
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripted_judge import ScriptedServer, correct_answer, expected_flags
+from tests.support.scripted_judge import ScriptedServer, correct_answer, expected_flags
 from trainer.algos.adca import compute_adca_grpo_advantage
 from trainer.generation import val_core_acc
 from trainer.batch import RolloutBatch
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.credit import adca_advantages, steps_from_messages
 from trainer.rewards.judge import JudgeClient
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.batch import RolloutBatch
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.debug import dump_batch, dumped_steps, load_batch, replay_batch
 
 ROOT = Path(__file__).resolve().parents[1]

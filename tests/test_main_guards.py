@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny import TINY_ARGS
+from tests.support.tiny import TINY_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from tests import pipeline_hooks as H
-from tests.tiny import tiny_config
+from tests.support.batches import random_batch
+from tests.support import pipeline_hooks as H
+from tests.support.tiny import tiny_config
 from trainer.config import ConfigError
 from trainer.generation import PipelineError, fit_rows
 from trainer.step import Hooks, run_concurrently
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------------- contract
 @pytest.mark.parametrize("key,spec,needle", [
-    ("trainer.hooks.after_reward", "tests.pipeline_hooks:nope", "has no function 'nope'"),
+    ("trainer.hooks.after_reward", "tests.support.pipeline_hooks:nope", "has no function 'nope'"),
     ("trainer.hooks.after_update", "no_such_pkg.mod:f", "cannot import module 'no_such_pkg.mod'"),
-    ("trainer.hooks.after_filter", "tests.pipeline_hooks", "not of the form 'pkg.module:function'"),
-    ("trainer.pipeline", "tests.pipeline_hooks:missing", "has no function 'missing'"),
+    ("trainer.hooks.after_filter", "tests.support.pipeline_hooks", "not of the form 'pkg.module:function'"),
+    ("trainer.pipeline", "tests.support.pipeline_hooks:missing", "has no function 'missing'"),
 ])
 def test_bad_hook_specs_are_refused_at_load(key, spec, needle):
     val = f"[{spec}]" if key.startswith("trainer.hooks") else spec
@@ -37,9 +37,9 @@ def test_bad_hook_specs_are_refused_at_load(key, spec, needle):
 
 def test_an_unknown_hook_point_is_refused():
     with pytest.raises(ConfigError, match="after_everything"):
-        tiny_config(["+trainer.hooks.after_everything=[tests.pipeline_hooks:observe]"])
+        tiny_config(["+trainer.hooks.after_everything=[tests.support.pipeline_hooks:observe]"])
     with pytest.raises(ValueError, match="no point"):
-        Hooks({"after_everything": ["tests.pipeline_hooks:observe"]})
+        Hooks({"after_everything": ["tests.support.pipeline_hooks:observe"]})
 
 
 def test_hooks_run_in_order_count_drops_and_guard_late_points():
@@ -47,7 +47,7 @@ def test_hooks_run_in_order_count_drops_and_guard_late_points():
     b.scores = torch.arange(12, dtype=torch.float32)
     b.token_level_scores = torch.zeros(12, 5)
     b.group_ids = torch.arange(12) // 4
-    hooks = Hooks({"after_reward": ["tests.pipeline_hooks:scale_rewards", "tests.pipeline_hooks:drop_named"]})
+    hooks = Hooks({"after_reward": ["tests.support.pipeline_hooks:scale_rewards", "tests.support.pipeline_hooks:drop_named"]})
     m = {}
     H.DROP, saved = ((0, 1), (2, 3)), H.DROP
     try:
@@ -57,7 +57,7 @@ def test_hooks_run_in_order_count_drops_and_guard_late_points():
     # scaled first (x3), then rows 1 (group 0, second) and 11 (group 2, fourth) dropped
     assert out.num_samples == 10 and m["pipeline/after_reward/dropped_samples"] == 2.0
     assert out.scores.tolist() == [3.0 * i for i in range(12) if i not in (1, 11)]
-    late = Hooks({"before_advantages": ["tests.pipeline_hooks:bad_drop_late"]})
+    late = Hooks({"before_advantages": ["tests.support.pipeline_hooks:bad_drop_late"]})
     with pytest.raises(PipelineError, match="before_advantages.*from 12 to 10"):
         late.run("before_advantages", b, {})
 
@@ -139,9 +139,9 @@ def baseline(tmp_path_factory):
     """Two steps of the default pipeline, observed after each update and after the eval at step 2."""
     H.SEEN.clear(), H.EVALS.clear()
     hist = run(tmp_path_factory.mktemp("pipe"), "base", "trainer.total_training_steps=2", "trainer.test_freq=2",
-               "trainer.hooks.after_rollout=[tests.pipeline_hooks:tag_samples]",
-               "trainer.hooks.after_update=[tests.pipeline_hooks:observe]",
-               "trainer.hooks.after_eval=[tests.pipeline_hooks:observe_eval]")
+               "trainer.hooks.after_rollout=[tests.support.pipeline_hooks:tag_samples]",
+               "trainer.hooks.after_update=[tests.support.pipeline_hooks:observe]",
+               "trainer.hooks.after_eval=[tests.support.pipeline_hooks:observe_eval]")
     return hist, list(H.SEEN), list(H.EVALS)
 
 
@@ -172,8 +172,8 @@ def test_a_reward_scaling_hook_scales_the_advantages_exactly(baseline, tmp_path)
     _, seen, _ = baseline
     H.SEEN.clear()
     hist = run(tmp_path, "scaled", "trainer.total_training_steps=1", "trainer.test_freq=-1",
-               "trainer.hooks.after_reward=[tests.pipeline_hooks:scale_rewards]",
-               "trainer.hooks.after_update=[tests.pipeline_hooks:observe]")
+               "trainer.hooks.after_reward=[tests.support.pipeline_hooks:scale_rewards]",
+               "trainer.hooks.after_update=[tests.support.pipeline_hooks:observe]")
     got, ref = H.SEEN[0], seen[0]
     assert torch.equal(got["scores"], ref["scores"] * H.SCALE)  # same samples (step 1, same seed), rewards x3
     assert float(ref["advantages"].abs().max()) > 0
@@ -186,8 +186,8 @@ def test_a_filter_hook_drops_the_samples_it_names(baseline, tmp_path):
     _, seen, _ = baseline
     H.SEEN.clear()
     hist = run(tmp_path, "dropped", "trainer.total_training_steps=1", "trainer.test_freq=-1",
-               "trainer.hooks.after_reward=[tests.pipeline_hooks:drop_named]",
-               "trainer.hooks.after_update=[tests.pipeline_hooks:observe]")
+               "trainer.hooks.after_reward=[tests.support.pipeline_hooks:drop_named]",
+               "trainer.hooks.after_update=[tests.support.pipeline_hooks:observe]")
     got, ref = H.SEEN[0], seen[0]
     # 128 - 3 named = 125, trimmed to 124 to split over DP=2 (the last row of the last group)
     assert hist[0]["pipeline/after_reward/dropped_samples"] == 3.0 and hist[0]["pipeline/trimmed_samples"] == 1.0
@@ -206,8 +206,8 @@ def test_a_user_pipeline_without_the_reference_trains_as_the_default_without_kl(
     H.SEEN.clear()
     hist = run(tmp_path, "noref", "trainer.total_training_steps=2", "trainer.test_freq=2",
                "actor_rollout_ref.actor.use_kl_loss=true",  # a reference group exists ...
-               "trainer.pipeline=tests.pipeline_hooks:no_reference",  # ... and the user's step never calls it
-               "trainer.hooks.after_update=[tests.pipeline_hooks:observe]")
+               "trainer.pipeline=tests.support.pipeline_hooks:no_reference",  # ... and the user's step never calls it
+               "trainer.hooks.after_update=[tests.support.pipeline_hooks:observe]")
     assert all("timing_s/ref" not in h for h in hist) and all(h["pipeline/kl_loss_off"] == 1.0 for h in hist)
     skip = ("timing", "perf/", "pipeline/", "sync/seconds", "sync/gbps", "reward/time_s")
     for h, h0 in zip(hist, hist0):

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.algos.losses import get_policy_loss_fn
 from trainer.config import ConfigError
 from trainer.plan import LoopState, Plan

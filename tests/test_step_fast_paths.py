@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from tests.tiny import tiny_config
+from tests.support.batches import random_batch
+from tests.support.tiny import tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed

@@ -109,7 +109,7 @@ def test_two_step_run_writes_all_four_trackers_alike(tmp_path, offline, capsys):
     the same metric names, steps and values (tensorboard stores float32)."""
     from mlflow.tracking import MlflowClient
 
-    from tests.tiny import tiny_config
+    from tests.support.tiny import tiny_config
     from trainer.main import train
 
     run_dir = tmp_path / "run"

@@ -409,7 +409,7 @@ def test_config_names_reach_the_estimator(name, extra):
     plan = Plan.from_config(_cfg(f"algorithm.adv_estimator={name}", *extra), total_steps=1)
     tlr, mask, index, _ = _rand_case(7, holes=False)
     comps = {"fmt": [float(i % 2) for i in range(len(index))], "acc": [float(i % 3) for i in range(len(index))]}
-    # the driver's call (trainer/phases.driver_math)
+    # the driver's call (trainer/step.driver_math)
     kw = dict(token_level_rewards=tlr, response_mask=mask, index=torch.as_tensor(index), values=None, gamma=plan.gamma,
               lam=plan.lam, norm_adv_by_std_in_grpo=plan.norm_adv_by_std_in_grpo, **plan.adv_kwargs)
     if plan.reward_keys:

@@ -4,7 +4,7 @@ in the megatron worker: between its methods the role's parameters, gradient buff
 bytes, every view intact) and come back for the methods that use them. Two updates, log-probs, a weight
 stream and a checkpoint round trip with everything offloaded give bit-identical results to the same
 worker without offload, in fp32 and in bf16 mixed precision. The mechanism is device-agnostic; the keys
-are refused with trainer.device=cpu, where nothing is saved (tests/test_config.py), and the GPU test
+are refused with trainer.device=cpu, where nothing is saved (tests/config/test_config.py), and the GPU test
 checks the device memory it frees."""
 
 import pytest

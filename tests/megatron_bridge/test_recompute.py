@@ -62,7 +62,7 @@ def test_recompute_gives_the_same_gradients(tmp_path):
 
 def test_recompute_settings_resolve_like_verl():
     from trainer.config import recompute_settings
-    from tests.tiny import tiny_config
+    from tests.support.tiny import tiny_config
 
     c = tiny_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
     m = c.actor_rollout_ref.actor.megatron

@@ -86,7 +86,7 @@ def retok_job(src, tok_dir, port, tp=1):
     from trainer.rewards.reward_model import RMInputs
     from trainer.workers.dataplane import StepData, Transport
     from trainer.workers.megatron_worker import MegatronWorker
-    from rm_tokenizer import ANSWERS, PROMPTS, TINY, generated as _generated
+    from tests.support.rm_tokenizer import ANSWERS, PROMPTS, TINY, generated as _generated
 
     actor = AutoTokenizer.from_pretrained(TINY)
     rm_batch = RMInputs(actor, AutoTokenizer.from_pretrained(tok_dir))(_generated(actor, PROMPTS, ANSWERS))
@@ -100,8 +100,8 @@ def retok_job(src, tok_dir, port, tp=1):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_retokenised_inputs_score_as_transformers_on_the_rm_template(tmp_path, tp):
     from megatron_bridge.launch import find_free_port, spawn
-    from rm_tokenizer import VOCAB as RM_VOCAB, by_hand, make_rm_tokenizer
-    from rm_tokenizer import ANSWERS, PROMPTS
+    from tests.support.rm_tokenizer import VOCAB as RM_VOCAB, by_hand, make_rm_tokenizer
+    from tests.support.rm_tokenizer import ANSWERS, PROMPTS
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     tok_dir, src = str(tmp_path / "tok"), str(tmp_path / "rm")

@@ -41,7 +41,7 @@ SLACK = 2.0  # upper tolerance (s) for waits on a loaded 2-core machine
 # --------------------------------------------------------------------------------------------------
 # a scripted server
 # --------------------------------------------------------------------------------------------------
-from scripted_judge import ScriptedServer, _completion, correct_answer, expected_flags  # noqa: E402 (tests/ is on sys.path)
+from tests.support.scripted_judge import ScriptedServer, _completion, correct_answer, expected_flags
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.rewards.manager import RewardError, RewardManager
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -294,7 +294,7 @@ def test_a_run_with_code_data_refuses_to_start_on_a_host_that_cannot_contain_it(
     import types
 
     import trainer.rewards.sandbox as sb
-    from tests.tiny import tiny_config
+    from tests.support.tiny import tiny_config
     from trainer.config import ConfigError
     from trainer.main import check_code_sandbox
 

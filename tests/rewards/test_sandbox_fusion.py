@@ -121,7 +121,7 @@ def test_compute_score_routes_code_to_the_service(service):
 
 
 def test_config_keys_reach_the_scorer(service, monkeypatch):
-    from tests.tiny import tiny_config
+    from tests.support.tiny import tiny_config
     from trainer.rewards.manager import RewardManager
     from trainer.rewards.sandbox import ALLOW_WEAK_ENV
 

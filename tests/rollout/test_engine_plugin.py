@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.hf_io import iter_safetensors
 from trainer.rollout.engine import checksum_named_tensors
 

@@ -30,7 +30,9 @@ def test_real_sglang_modules_in_the_sglang_venv():
         if in_ci():
             pytest.fail(f"CI runs the real SGLang tests, but there is {why}; .ci/run installs it")
         pytest.skip(why)
-    modules = [m for m in SGLANG_MODULES if os.path.exists(os.path.join(ROOT, m))]
+    modules = list(SGLANG_MODULES)
+    gone = [m for m in modules if not os.path.exists(os.path.join(ROOT, m))]
+    assert not gone, f"SGLANG_MODULES names test modules that do not exist: {gone}"
     t = time.monotonic()
     proc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=ROOT,
                           capture_output=True, text=True, timeout=870)

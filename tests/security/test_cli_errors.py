@@ -3,7 +3,7 @@ directory's ``error.log``, and a resume hint that states only what is on disk.""
 
 import os
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.checkpoint import CheckpointManager
 from trainer.main import report_failure
 from trainer.workers.group import WorkerDiedError

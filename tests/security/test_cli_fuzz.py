@@ -14,7 +14,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from tests.tiny import TINY_YAML
+from tests.support.tiny import TINY_YAML
 from trainer.config import all_keys
 from trainer.main import cli
 

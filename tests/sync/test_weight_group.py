@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.rollout.engine import WeightSyncError
 
 ROOT = Path(__file__).resolve().parents[2]

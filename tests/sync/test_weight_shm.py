@@ -107,7 +107,7 @@ def test_engines_end_with_exactly_the_checkpoint(ckpt, dtype):
 def _kernel_modes():
     """The C checked copy (built by ``pip install``; CI must have it) and the Python fallback."""
     if weight_shm.KERNEL is None and os.environ.get("CI"):
-        pytest.fail("trainer/workers/_copycheck.c was not built: `pip install -e .` builds it (needs a C compiler)")
+        pytest.fail("trainer/sync/_copycheck.c was not built: `pip install -e .` builds it (needs a C compiler)")
     return ["kernel", "python"] if weight_shm.KERNEL is not None else ["python"]
 
 

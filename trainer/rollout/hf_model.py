@@ -308,7 +308,7 @@ class CausalLM:
             L.packed = (None, None, None, None)
         self._repack()
 
-    # ---- the weights in one flat storage (a shared-memory weight sync: trainer/workers/weight_shm.py)
+    # ---- the weights in one flat storage (a shared-memory weight sync: trainer/sync/shared_memory.py)
     _ALIGN = 64  # bytes: every weight starts on a cache line
 
     def _weight_bases(self) -> list[tuple[object, str, torch.Tensor]]:

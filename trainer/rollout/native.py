@@ -392,7 +392,7 @@ class NativeEngine(RolloutEngine):
 
     def share_weights(self, storage: torch.Tensor) -> None:
         """Hold the weights in ``storage`` from now on (a shared-memory weight sync maps it in every
-        engine of the node and the actor ranks write into it: trainer/workers/weight_shm.py)."""
+        engine of the node and the actor ranks write into it: trainer/sync/shared_memory.py)."""
         self.model.move_weights(storage)
 
     def weights_changed(self) -> None:

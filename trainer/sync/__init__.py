@@ -10,6 +10,10 @@ declare in its ``capabilities.weight_protocols``, :mod:`trainer.rollout.registry
 engines run and ``actor_rollout_ref.rollout.weight_sync``: an ordered tuple of transports, the first
 that can run for an actor taking each sync (shared memory declines where the actor and the engines share
 no ``/dev/shm``, for instance, and the next one runs).
+
+The transports: ``shared_memory``, ``object_store``, ``dist_group``, ``broadcast`` (SGLang's), ``hybrid_copy``,
+``http_push``. Shared by them: ``base`` (the halves' interface), ``endpoints`` (the workers' one generic entry on
+each side) and ``doorbell`` (a same-node call without a Ray round trip, for the shared-memory write).
 """
 
 from __future__ import annotations

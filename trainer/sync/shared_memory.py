@@ -92,10 +92,10 @@ def _l1d_bytes(default: int = 32 << 10, path: str = "/sys/devices/system/cpu/cpu
 
 
 def _load_kernel():
-    """The C checked copy (``trainer/workers/_copycheck.c``, built by ``pip install``) through ctypes, or
+    """The C checked copy (``trainer/sync/_copycheck.c``, built by ``pip install``) through ctypes, or
     None where it was not built (no C compiler at install time): the sync then checks in Python."""
     try:
-        spec = importlib.util.find_spec("trainer.workers._copycheck")
+        spec = importlib.util.find_spec("trainer.sync._copycheck")
         lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
     except (ImportError, OSError):
         return None

@@ -6,6 +6,8 @@
 * ``dataplane``: the step's batch, sharded once per DP size and shipped by object reference;
 * ``cluster``: builds them from the config on a Ray placement (or in the driver, for debugging);
 * ``group``: N Ray actors (or in-process objects) of one worker class, and placement;
-* ``megatron_worker`` / ``hybrid_worker`` / ``rollout_worker``: one rank of each kind (the strategy
-  behind a role group, and the engine).
+* ``train_worker``: one rank of a role, strategy-neutral (batches, micro-batches, losses, metrics), holding
+  its training strategy (:mod:`trainer.strategies`); ``megatron_worker`` / ``deepspeed_worker`` only name theirs;
+  ``hybrid_worker``: a rank that also hosts its engine; ``rollout_worker``: one engine in its own process;
+* ``metrics``: per-rank partial metrics combined over the data-parallel ranks by the driver.
 """

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def test_sigkill_mid_step_then_resume_is_identical_with_a_deepspeed_actor(tmp_pa
 
     import torch
 
-    from tests.tiny import checkpoint_history, start_driver
+    from tests.support.tiny import checkpoint_history, start_driver
 
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
     common = BASE + ["trainer.total_training_steps=3", "trainer.save_freq=1", "actor_rollout_ref.actor.strategy=deepspeed",

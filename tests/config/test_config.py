@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.tiny import TINY_YAML, tiny_config
+from tests.support.tiny import TINY_YAML, tiny_config
 from trainer.config import ConfigError, all_keys, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Every key the foundation issue lists, with a value a verl script would pass.
 REQUIRED = [

@@ -34,7 +34,7 @@ def by_hand(messages: list[dict], response: str) -> list[int]:
 
 
 PROMPTS, ANSWERS = ["12+34=", "7*8=", "99-1="], ["46", "56", "9"]
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "cpu", "tiny_model")
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes", "cpu", "tiny_model")
 
 
 def generated(tok, prompts, answers):

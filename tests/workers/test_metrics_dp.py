@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
-from tests.tiny import tiny_config
+from tests.support.batches import random_batch
+from tests.support.tiny import tiny_config
 from trainer.plan import ForwardSettings
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 
 

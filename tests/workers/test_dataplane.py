@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
+from tests.support.batches import random_batch
 from trainer.algos.losses import batch_norm_counts
 from trainer.batch import RolloutBatch
 from trainer.plan import UpdateSettings

@@ -1,5 +1,5 @@
 """``launch/slurm/ray_cluster.sbatch`` under a real Slurm: Debian's slurm-wlm (munged, slurmctld and two
-slurmd nodes on this host, ``tests/slurm_local.py``).
+slurmd nodes on this host, ``tests/support/slurm_local.py``).
 
 * ``sbatch --nodes=2`` of the tiny recipe: the template starts Ray on both nodes (waiting on the GCS, not
   sleeping), runs ``recipes/cpu/run_tiny_grpo.sh`` on the head with ``trainer.nnodes=2``; the job
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_nodes import free_port
-from tests.slurm_local import LocalSlurm, missing
+from tests.support.ray_nodes import free_port
+from tests.support.slurm_local import LocalSlurm, missing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 SBATCH = "launch/slurm/ray_cluster.sbatch"
 RECIPE_ARGS = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -70,7 +70,7 @@ def sbatch(slurm: LocalSlurm, tmp: Path, env: dict, *args, timeout_s=420) -> tup
 
 
 def ray_left(slurm: LocalSlurm) -> list[str]:
-    from tests.ray_nodes import _cmdline
+    from tests.support.ray_nodes import _cmdline
 
     return [_cmdline(p)[:100] for p in slurm.own_pids() if "ray" in _cmdline(p).lower()]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from trainer.config import all_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_key_has_its_default_and_description():

@@ -10,7 +10,7 @@ import torch
 
 from trainer.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_YAML = os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml")
 # the recipe keeps verl's bf16 defaults; the tests' references are fp32 (recipes/cpu/fp32.yaml)
 FP32_YAML = os.path.join(ROOT, "recipes", "cpu", "fp32.yaml")

@@ -1,5 +1,5 @@
 """User pipeline stages for tests/test_pipeline.py, loaded by name as a user's package would be
-(``trainer.hooks.<point>=[tests.pipeline_hooks:fn]``, ``trainer.pipeline=tests.pipeline_hooks:fn``)."""
+(``trainer.hooks.<point>=[tests.support.pipeline_hooks:fn]``, ``trainer.pipeline=tests.support.pipeline_hooks:fn``)."""
 
 import torch
 

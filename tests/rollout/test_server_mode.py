@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.generation import val_core_acc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from batches import random_batch  # noqa: E402 (tests/ is on sys.path)
+from tests.support.batches import random_batch
 from trainer.generation import val_core_acc, val_metric_names
 from trainer.step import batch_metrics, timing_metrics
 from trainer.workers.metrics import (MAX, MEAN, MIN, SUM, Partials, entropy_from_summary, entropy_summary,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Coxswain on a Ray cluster of two nodes (two raylets on this machine, 2 CPU slots each: see
-``tests/ray_nodes.py``), with ``trainer.nnodes=2 trainer.n_gpus_per_node=2``: the actor at TP=2 x DP=2 and
+``tests/support/ray_nodes.py``), with ``trainer.nnodes=2 trainer.n_gpus_per_node=2``: the actor at TP=2 x DP=2 and
 four colocated engines (not hybrid: each engine is its own process, so the weight sync crosses nodes
 through the object store, by reference).
 
@@ -30,10 +30,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.ray_nodes import RayNodes, _cmdline
-from tests.tiny import checkpoint_history
+from tests.support.ray_nodes import RayNodes, _cmdline
+from tests.support.tiny import checkpoint_history
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 STEPS = 2
@@ -217,7 +217,7 @@ def test_too_few_nodes_fail_fast_with_the_cluster_listed(nodes, tmp_path):
 
 
 def test_a_tp_group_that_would_span_nodes_is_refused():
-    from tests.tiny import tiny_config
+    from tests.support.tiny import tiny_config
     from trainer.config import ConfigError
     from trainer.workers.cluster import check_node_layout
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.rollout.plugin_engine import TinyEngine
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.config import ConfigError
 from trainer.rollout.fleet import Fleet, NativeServers, SGLangServers
 from trainer.rollout.native import NativeEngine

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import tiny_config
+from tests.support.tiny import tiny_config
 from trainer.config import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
 RM_ON = ["reward_model.enable=true", "reward_model.model.path=/some/rm", "reward_model.micro_batch_size_per_gpu=8"]
 
@@ -84,7 +84,7 @@ def test_unbuilt_reward_model_keys_are_refused_with_the_reason(line, why):
 def test_rm_inputs_are_the_rm_templates_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    from rm_tokenizer import ANSWERS, PROMPTS, by_hand, generated as _generated, make_rm_tokenizer
+    from tests.support.rm_tokenizer import ANSWERS, PROMPTS, by_hand, generated as _generated, make_rm_tokenizer
     from trainer.rewards.reward_model import RMInputs
 
     actor = AutoTokenizer.from_pretrained(TINY)

@@ -21,7 +21,7 @@ import aiohttp
 
 from trainer.rewards.judge import ChatClient, JudgeClient, Trajectory, build_judge_messages
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "cpu" / "tiny_model"
 KEY_ENV = "COXSWAIN_TEST_SERVE_KEY"
 KEY = "serve-test-key-31415"

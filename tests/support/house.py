@@ -1,4 +1,4 @@
-"""The shape of the house, measured from the source (``python -m tests.house`` prints it).
+"""The shape of the house, measured from the source (``python -m tests.support.house`` prints it).
 
 Reads every ``.py`` file under ``trainer/`` and ``megatron_bridge/`` with :mod:`ast` (nothing is imported)
 and reports:
@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("trainer", "megatron_bridge")
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.tiny import TINY_YAML, tiny_config
+from tests.support.tiny import TINY_YAML, tiny_config
 from trainer.config import CoxswainConfig, ConfigError, flatten_keys, LEAVES, load_config
 from trainer.verl_compat import VERL_MEGATRON, refused_keys, same_value
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(glob.glob(str(ROOT / "tests" / "data" / "verl_scripts" / "*.json")))
 
 # schema keys read through a helper in trainer/config/: key leaf -> the helper the code calls
@@ -250,7 +250,7 @@ def test_adca_seed_recommended_yaml_resolves():
     scales at the top level), prm_epoch, api_max_retries; no problem, no note, every value lands."""
     import trainer.config as tc
 
-    path = os.path.join(os.path.dirname(__file__), "data", "adca_recommended.yaml")
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "adca_recommended.yaml")
     c = tiny_config(["--config", path])
     assert tc.LAST_LOAD_NOTES == []
     a = c.attribution_driven_credit_assignment

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 
-from tests.ray_nodes import descendants, free_port
+from tests.support.ray_nodes import descendants, free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo")
 
