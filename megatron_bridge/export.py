@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.fsutil import replace_dir
+from megatron_bridge.fsutil import bucketed, replace_dir, tmp_dir_beside
 
 from megatron_bridge.convert import (canonical_names, canonical_to_hf, expert_index, is_expert, local_name, tp_kind,
                                     tp_merge)
@@ -163,15 +162,7 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple
     no TP merge or re-layout (TP=1, own stage) is a view of the live parameter, valid until the next
     optimizer step; clone what you keep.
     """
-    bucket, size = [], 0
-    for name, t in iter_hf_param(model):
-        bucket.append((name, t.contiguous()))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+    yield from bucketed(iter_hf_param(model), bucket_bytes)
 
 
 def _hf_config_json(hf: HFModelConfig, dtype: torch.dtype, critic: bool) -> dict:
@@ -198,10 +189,7 @@ def export_hf(model, out_dir: str, *, source_dir: str | None = None, max_shard_b
     writer = dist.get_rank() == 0
     tmp = None
     if writer:
-        parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
+        tmp = tmp_dir_beside(out_dir)
     try:
         shard, shard_size, shards, weight_map = {}, 0, [], {}
         dtype = next(m.parameters()).dtype

@@ -1,9 +1,13 @@
-"""Filesystem helpers shared by checkpoints and exports (no megatron import: the trainer uses them too)."""
+"""Filesystem and stream helpers shared by checkpoints and exports (no megatron import: the trainer uses them too)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
+from typing import Iterable, Iterator
+
+import torch
 
 
 def replace_dir(tmp: str, final: str) -> None:
@@ -16,3 +20,27 @@ def replace_dir(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def tmp_dir_beside(final: str) -> str:
+    """A new empty directory next to ``final`` (same filesystem, so :func:`replace_dir` is a rename), hidden
+    by a leading dot and unique to this writer."""
+    parent = os.path.dirname(os.path.abspath(final)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(name, tensor)`` pairs grouped into buckets of at least ``bucket_bytes`` (the last may be smaller; a
+    tensor larger than ``bucket_bytes`` is a bucket by itself), each tensor made contiguous."""
+    bucket, size = [], 0
+    for name, t in named:
+        bucket.append((name, t.contiguous()))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_bridge.fsutil import bucketed
 from trainer.checkpoint import capture_rng, restore_rng
 
 # Loaded lazily by name (importlib), never imported here: importing megatron-core or DeepSpeed costs a
@@ -96,15 +97,7 @@ class Strategy(abc.ABC):
 
     def hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named weight buckets of about ``bucket_bytes``, collective (every rank sees full tensors)."""
-        bucket, size = [], 0
-        for name, t in self.hf_params():
-            bucket.append((name, t.contiguous()))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        yield from bucketed(self.hf_params(), bucket_bytes)
 
     def reshard_blocks(self) -> list | None:
         """This rank's blocks of the HF tensors (``megatron_bridge.reshard``); None: not supported."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from contextlib import contextmanager
 
 import torch
@@ -46,7 +45,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
-from megatron_bridge.fsutil import replace_dir
+from megatron_bridge.fsutil import replace_dir, tmp_dir_beside
 from megatron_bridge.train import OptimConfig, make_scheduler
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
@@ -280,10 +279,7 @@ class DeepSpeedStrategy(Strategy):
             if writer:
                 state[n] = t.cpu().contiguous()
         if writer:
-            parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-            os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
-            os.makedirs(tmp)
+            tmp = tmp_dir_beside(out_dir)
             try:
                 save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
                 cfg = self.module().config.to_dict()
