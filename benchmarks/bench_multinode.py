@@ -76,7 +76,7 @@ def data_plane_step(actor, ref, transport, batch, settings) -> int:
 
 
 def _ray_nodes_module():
-    spec = importlib.util.spec_from_file_location("coxswain_ray_nodes", os.path.join(ROOT, "tests", "ray_nodes.py"))
+    spec = importlib.util.spec_from_file_location("coxswain_ray_nodes", os.path.join(ROOT, "tests", "support", "ray_nodes.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -130,7 +130,7 @@ def test_nan_loss_stops_the_run_with_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="NaN/inf.*lower actor_rollout_ref.actor.optim.lr") as e:
         run(tmp_path, "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
             "algorithm.adv_estimator=test_controller:nan_estimator")
-    assert e.value.coxswain_where == "step 1 of 1"  # the CLI names it (tests/test_cli_errors.py)
+    assert e.value.coxswain_where == "step 1 of 1"  # the CLI names it (tests/security/test_cli_errors.py)
 
 
 def test_should_eval_once_per_boundary():

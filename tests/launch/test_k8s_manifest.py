@@ -60,7 +60,7 @@ def test_ray_start_params_are_ray_start_flags(job):
         unknown = set(group["rayStartParams"]) - flags
         assert not unknown, unknown
     # the multi-node test starts its nodes with the same slot flags
-    nodes_src = (ROOT / "tests" / "ray_nodes.py").read_text()
+    nodes_src = (ROOT / "tests" / "support" / "ray_nodes.py").read_text()
     assert '"--num-cpus"' in nodes_src and '"start", "--head"' in nodes_src and '"start", "--address"' in nodes_src
 
 

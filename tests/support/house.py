@@ -11,7 +11,7 @@ and reports:
   only optional or heavy third parties belong inside functions);
 * every function of 100 lines or more.
 
-``tests/test_house.py`` holds the tree to these numbers.
+``tests/test_layout.py`` holds the tree to these numbers.
 """
 
 from __future__ import annotations
