@@ -22,11 +22,6 @@ from __future__ import annotations
 import pkgutil
 from dataclasses import dataclass
 
-# the weight transports an engine may accept (trainer/sync/): shared memory (the engine's weights in one
-# flat storage the actor ranks write), a torch.distributed group (blocks into the engine's own views),
-# SGLang's distributed broadcast, the hybrid engine's local copy (the engine in the actor's process),
-# the object store (buckets through Ray: every engine takes it)
-WEIGHT_PROTOCOLS = ("shared_memory", "dist_group", "broadcast", "hybrid", "object_store")
 DEVICES = ("cpu", "cuda")
 
 
@@ -35,7 +30,9 @@ class Capabilities:
     """What a rollout engine can do; the defaults are what any engine that follows
     :class:`~trainer.rollout.engine.RolloutEngine` gets without more work."""
 
-    # weight transports it accepts (of WEIGHT_PROTOCOLS); the object store needs only update_weights
+    # weight transports it accepts, by the protocol names trainer/sync's transports declare (checked against
+    # them when the transports are chosen, so a new transport needs no line here); the object store needs only
+    # update_weights, so every engine takes it
     weight_protocols: tuple[str, ...] = ("object_store",)
     partial_rollout: bool = False  # abort keeps the tokens sampled so far, so a response can resume
     routing_replay: bool = False  # SamplingParams.return_routed_experts: MoE experts per token (R3)
@@ -52,10 +49,9 @@ class Capabilities:
     concurrent_generate: bool = False
 
     def __post_init__(self):
-        bad = [p for p in self.weight_protocols if p not in WEIGHT_PROTOCOLS]
-        if bad or "object_store" not in self.weight_protocols:
-            raise ValueError(f"Capabilities.weight_protocols={self.weight_protocols}: each one of {WEIGHT_PROTOCOLS}, "
-                             "and object_store always (the transport every engine takes)")
+        if "object_store" not in self.weight_protocols:
+            raise ValueError(f"Capabilities.weight_protocols={self.weight_protocols}: object_store always (the "
+                             "transport every engine takes)")
         if not self.devices or any(d not in DEVICES for d in self.devices):
             raise ValueError(f"Capabilities.devices={self.devices}: one or more of {DEVICES}")
 

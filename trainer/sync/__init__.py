@@ -46,6 +46,12 @@ def choose(protocols: tuple[str, ...], placement: str, weight_sync: str) -> tupl
     it serves them (``placements``, ``weight_syncs``, ``protocol``), in the order of :data:`TRANSPORTS`."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown rollout placement {placement!r}; one of {PLACEMENTS}")
+    known = {link.protocol for link in TRANSPORTS.values() if link.protocol is not None} | set(TRANSPORTS)
+    unknown = sorted(set(protocols) - known)
+    if unknown:
+        raise ValueError(f"the rollout engine declares weight protocol(s) {unknown} that no registered transport "
+                         f"serves (capabilities.weight_protocols; known: {sorted(known)}): register the transport in "
+                         f"trainer.sync.TRANSPORTS or correct the engine's capabilities")
     return tuple(name for name, link in TRANSPORTS.items()
                  if placement in link.placements and weight_sync in link.weight_syncs
                  and (link.protocol is None or link.protocol in protocols))
