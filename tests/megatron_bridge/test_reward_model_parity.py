@@ -18,12 +18,21 @@ tokenizer and chat template scores what the actor generated; the worker's scores
 hand from the template's definition.
 """
 
+import os
+import sys
+
 import pytest
 import torch
 # imported before a spawned rank initialises megatron (see test_deepspeed_parity.py)
 import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
 from bridge_tiny import VOCAB, make_hf, random_seqs
+
+# the spawned megatron ranks re-import this module and take rm_tokenizer by its bare name: outside pytest the name
+# ``tests`` is verl's wheel's package, so ``tests.support`` does not resolve there
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +95,7 @@ def retok_job(src, tok_dir, port, tp=1):
     from trainer.rewards.reward_model import RMInputs
     from trainer.workers.dataplane import StepData, Transport
     from trainer.workers.megatron_worker import MegatronWorker
-    from tests.support.rm_tokenizer import ANSWERS, PROMPTS, TINY, generated as _generated
+    from rm_tokenizer import ANSWERS, PROMPTS, TINY, generated as _generated
 
     actor = AutoTokenizer.from_pretrained(TINY)
     rm_batch = RMInputs(actor, AutoTokenizer.from_pretrained(tok_dir))(_generated(actor, PROMPTS, ANSWERS))
