@@ -45,7 +45,7 @@ BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
 MULTI = ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
 SINGLE = ["trainer.nnodes=1", "trainer.n_gpus_per_node=4"]
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
-WORKER_TITLES = ("ray::MegatronWorker", "ray::RolloutWorker", "ray::HybridWorker")
+WORKER_TITLES = ("ray::TrainWorker", "ray::RolloutWorker", "ray::HybridWorker")
 
 
 def driver(args, env, log) -> subprocess.Popen:

@@ -25,9 +25,12 @@ from trainer.checkpoint import contents_errors
 from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
 from trainer.rollout.registry import Capabilities, engine_class
+from trainer.strategies import load_strategy
 from trainer.verl_compat import parse_rejection, refusals
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+                 "reward_model.strategy")
 DAPO_KWARGS = ("max_resp_len", "overlong_buffer_cfg")
 OVERLONG_FIELDS = ("enable", "len", "penalty_factor", "log")
 
@@ -330,6 +333,12 @@ def choice_errors(cfg: DictConfig) -> list[str]:
             engine_class(r0.name)
         except ValueError as e:
             errs.append(str(e))
+    for key in STRATEGY_KEYS:  # a user's strategy: it must import and be a Strategy subclass
+        if ":" in str(OmegaConf.select(cfg, key)):
+            try:
+                load_strategy(OmegaConf.select(cfg, key))
+            except ValueError as e:
+                errs.append(f"{key}: {e}")
     for key, (allowed, pluggable) in CHOICES.items():
         val = OmegaConf.select(cfg, key)
         if key == "actor_rollout_ref.rollout.name" and val in OTHER_ENGINES:
@@ -337,7 +346,8 @@ def choice_errors(cfg: DictConfig) -> list[str]:
         if val is None or val in allowed or (pluggable and ":" in str(val)):
             continue
         guess = difflib.get_close_matches(str(val), allowed, n=1)
-        extra = " or 'pkg.module:function'" if pluggable else ""
+        extra = (" or 'pkg.module:Class'" if key in STRATEGY_KEYS or key.endswith("rollout.name")
+                 else " or 'pkg.module:function'") if pluggable else ""
         errs.append(f"{key}='{val}' is not one of {list(allowed)}{extra}."
                     + (f" Did you mean '{guess[0]}'?" if guess else ""))
     return errs

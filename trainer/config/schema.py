@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.rollout.registry import ENGINES
+from trainer.strategies import STRATEGIES
 from trainer.verl_compat import VERL_MEGATRON
 
 
@@ -156,7 +157,7 @@ class RouterReplayConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "megatron"  # megatron | deepspeed
+    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies)
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size: Optional[int] = None  # legacy global micro-batch; use ppo_micro_batch_size_per_gpu
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per forward/backward on one DP rank (required unless use_dynamic_bsz)
@@ -189,7 +190,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    strategy: str = "megatron"  # megatron | deepspeed
+    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per reference forward on one rank (required unless log_prob_use_dynamic_bsz)
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack reference micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per reference micro-batch
@@ -274,7 +275,7 @@ class CriticModelConfig:
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # None = on exactly when algorithm.adv_estimator is gae
-    strategy: str = "megatron"  # megatron | deepspeed
+    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # value model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # critic optimizer
     ppo_mini_batch_size: int = "${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}"  # prompts per critic optimizer step
@@ -330,7 +331,7 @@ class RewardModelMegatronConfig(MegatronConfig):
 @dataclass
 class RewardModelConfig:
     enable: bool = False  # score responses with a learned reward model: its score is the reward (verl's rule); the rule-based scorer still gives reward/acc
-    strategy: str = "megatron"  # megatron | deepspeed: how the reward model's forward is sharded
+    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies): how the reward model's forward is sharded
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)  # the reward model's checkpoint
     micro_batch_size: Optional[int] = None  # legacy global micro-batch; use micro_batch_size_per_gpu
     micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward on one rank (required unless use_dynamic_bsz)
@@ -548,10 +549,10 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": (
         ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl",
          "cpgd", "bypass_mode"), True),
-    "actor_rollout_ref.actor.strategy": (("megatron", "deepspeed"), False),
-    "actor_rollout_ref.ref.strategy": (("megatron", "deepspeed"), False),
-    "critic.strategy": (("megatron", "deepspeed"), False),
-    "reward_model.strategy": (("megatron", "deepspeed"), False),
+    "actor_rollout_ref.actor.strategy": (tuple(STRATEGIES), True),  # or a user's Strategy class, pkg.module:Class
+    "actor_rollout_ref.ref.strategy": (tuple(STRATEGIES), True),  # or a user's Strategy class, pkg.module:Class
+    "critic.strategy": (tuple(STRATEGIES), True),  # or a user's Strategy class, pkg.module:Class
+    "reward_model.strategy": (tuple(STRATEGIES), True),  # or a user's Strategy class, pkg.module:Class
     "actor_rollout_ref.rollout.name": (tuple(ENGINES), True),  # or a user's engine class, pkg.module:Class
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
     "async_training.mode": (("sync", "one_step_off", "fully_async"), False),

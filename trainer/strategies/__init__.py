@@ -17,10 +17,15 @@ holds one :class:`Strategy`, which does the rest:
   kept in host memory between calls); ``rng_state`` / ``set_rng_state``; ``mesh``, the rank's
   coordinates (``dp_rank``, ``dp_size``, ``tp_*``, ``pp_*``, ``vpp_size``, ``cp_*``, ``ep_*``).
 
+* ``from_section(section, ...)`` (a classmethod): the strategy's own keywords from its role's config
+  section (``actor_rollout_ref.actor``, ``critic``, ...). It runs in the worker process, so the driver
+  passes every role the same way (its section, its optimizer, the launch settings) and never reads a
+  strategy's keys itself.
+
 The registry is a plain dict from a strategy's name (``*.strategy`` in the config) to
 ``"pkg.module:Class"``; ``"pkg.module:Class"`` itself names a user's own. A new strategy is one module
-with a :class:`Strategy` subclass plus one line in :data:`STRATEGIES` (and a ``TrainWorker`` subclass
-naming it where the cluster should start it by name).
+with a :class:`Strategy` subclass plus one line in :data:`STRATEGIES` (or none: name it as
+``*.strategy=pkg.module:Class``).
 """
 
 from __future__ import annotations
@@ -45,13 +50,27 @@ STRATEGIES: dict[str, str] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_strategy(name: str) -> type[Strategy]:
-    """The strategy class registered as ``name``, or the class ``"pkg.module:Class"`` names."""
+def strategy_spec(name: str) -> str:
+    """The ``"pkg.module:Class"`` of strategy ``name`` (a registered name or such a spec itself); checked
+    without importing it (the driver validates every role's strategy at load time)."""
     target = STRATEGIES.get(name, name)
     if ":" not in target:
         raise ValueError(f"unknown training strategy {name!r}: use one of {sorted(STRATEGIES)} or 'pkg.module:Class'")
-    module, cls = target.split(":", 1)
-    return getattr(importlib.import_module(module), cls)
+    return target
+
+
+def load_strategy(name: str) -> type[Strategy]:
+    """The strategy class registered as ``name``, or the class ``"pkg.module:Class"`` names."""
+    module, cls = strategy_spec(name).split(":", 1)
+    try:
+        found = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"training strategy {name!r}: cannot load {cls} from {module} ({e}); check the module is "
+                         f"importable in the worker processes (PYTHONPATH) and the class name") from e
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ValueError(f"training strategy {name!r} names {found!r}, which is not a trainer.strategies.Strategy "
+                         f"subclass")
+    return found
 
 
 class Strategy(abc.ABC):
@@ -63,6 +82,15 @@ class Strategy(abc.ABC):
     model: Any
     routing_replay: bool = False  # R3: micro-batches carry the rollout's routed experts
     packs: bool = False  # micro-batches may be packed THD rows (``pack`` / ``unpack``); else padded rows
+
+    @classmethod
+    def from_section(cls, section, *, optim: dict | None, checkpointing: bool, routing_replay: bool,
+                     compile: bool) -> dict:
+        """This strategy's keywords from its role's config section (``section``: e.g. ``actor_rollout_ref.actor``,
+        resolved, as an omegaconf ``DictConfig``): ``optim`` is None for a forward-only role, ``checkpointing`` verl's
+        ``enable_gradient_checkpointing``, ``routing_replay`` R3, ``compile`` ``trainer.compile``."""
+        raise NotImplementedError(f"{cls.__name__} does not read a role's config section: give it its keywords "
+                                  f"directly, or define from_section")
 
     # ------------------------------------------------------------------ model and micro-batches
     def module(self):

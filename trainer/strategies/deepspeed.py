@@ -87,6 +87,16 @@ def _import_deepspeed(use_cuda: bool):
 
 
 class DeepSpeedStrategy(Strategy):
+    @classmethod
+    def from_section(cls, section, *, optim, checkpointing, routing_replay, compile) -> dict:
+        """The role's ``deepspeed_config`` section (its precision falls back to ``megatron.dtype``, the role's
+        precision key before DeepSpeed existed here). R3 routing replay is refused with DeepSpeed at load time;
+        ``trainer.compile`` does not apply (the HF model runs eagerly)."""
+        ds = section.deepspeed_config
+        return dict(zero_stage=ds.zero_stage, params_dtype=ds.dtype or section.megatron.dtype, optim=optim,
+                    seed=ds.seed, gradient_checkpointing=bool(checkpointing and optim is not None),
+                    offload_params=bool(ds.param_offload), offload_optimizer=bool(ds.optimizer_offload))
+
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, zero_stage: int = 2, params_dtype: str = "float32", optim: dict | None = None,
                  seed: int = 1, gradient_checkpointing: bool = False, offload_params: bool = False,

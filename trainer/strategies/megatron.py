@@ -24,12 +24,29 @@ from megatron_bridge.logprobs import compute_logprobs, pack_padded, unpack_padde
 from megatron_bridge.model import build_model, compile_model
 from megatron_bridge.reshard import local_blocks
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
+from trainer.config import moe_settings, recompute_settings
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
 
 
 class MegatronStrategy(Strategy):
     packs = True
+
+    @classmethod
+    def from_section(cls, section, *, optim, checkpointing, routing_replay, compile) -> dict:
+        """The role's ``megatron`` section: TP / PP / VPP / CP / EP, the layer split, precision, offload, and
+        the recompute and MoE settings of its ``override_transformer_config``."""
+        m = section.megatron
+        return dict(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                    vpp=m.virtual_pipeline_model_parallel_size or 1, cp=m.context_parallel_size,
+                    ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, moe=moe_settings(m),
+                    pp_layers=list(m.pipeline_layer_split) if m.pipeline_layer_split else None,
+                    # nothing to recompute without a backward
+                    recompute=recompute_settings(checkpointing, m) if optim is not None else None,
+                    params_dtype=m.dtype, compile=bool(m.use_torch_compile or compile), optim=optim, seed=m.seed,
+                    sequence_parallel=bool(m.sequence_parallel), routing_replay=routing_replay,
+                    offload=dict(params=bool(m.param_offload), grads=bool(m.grad_offload),
+                                 optimizer=bool(m.optimizer_offload)))
 
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 
-from trainer.config import moe_settings, recompute_settings
 from trainer.config.preflight import check_node_layout
 from trainer.plan import need_critic, need_ref
 from trainer.rollout.registry import capabilities
@@ -26,12 +25,11 @@ from trainer.serving.net import free_port
 from trainer.sync import choose
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
-from trainer.workers.deepspeed_worker import DeepSpeedWorker
-from trainer.workers.hybrid_worker import DeepSpeedHybridWorker, HybridWorker
-from trainer.workers.megatron_worker import MegatronWorker
+from trainer.workers.hybrid_worker import HybridWorker
 from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup, RewardModelGroup
 from trainer.workers.rollout_worker import RolloutWorker
 from trainer.workers.rollouts import EngineRollout, FleetRollout, HybridRollout
+from trainer.workers.train_worker import TrainWorker
 
 
 def _plain(d) -> dict:
@@ -139,42 +137,20 @@ class Cluster:
         return kind(WorkerGroup(name, cls, kws, in_process=self.in_process, placement=self.placement, share=0.25),
                     self.transport)
 
-    def _megatron_group(self, kind, name: str, mcfg, role: str, optim: dict | None, path: str, cls=MegatronWorker,
-                        extra=None, checkpointing: bool = False, routing_replay: bool = False):
-        """A role on the Megatron strategy over all ``world`` ranks (TP / PP / CP / EP from ``mcfg``)."""
-        addr, port = self._rendezvous(name)
-        rc = recompute_settings(checkpointing, mcfg) if optim is not None else None  # nothing to recompute without a backward
-        common = dict(role=role, world_size=self.world, master_addr=addr, master_port=port, model_path=path,
-                      recompute=rc, tp=mcfg.tensor_model_parallel_size, pp=mcfg.pipeline_model_parallel_size,
-                      vpp=mcfg.virtual_pipeline_model_parallel_size or 1, cp=mcfg.context_parallel_size,
-                      ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size, moe=moe_settings(mcfg),
-                      pp_layers=list(mcfg.pipeline_layer_split) if mcfg.pipeline_layer_split else None,
-                      params_dtype=mcfg.dtype, compile=mcfg.use_torch_compile or self._compile, optim=optim,
-                      seed=mcfg.seed, sequence_parallel=bool(mcfg.sequence_parallel), routing_replay=routing_replay,
-                      offload=dict(params=bool(mcfg.param_offload), grads=bool(mcfg.grad_offload),
-                                   optimizer=bool(mcfg.optimizer_offload)),
-                      num_threads=self._threads(self.world), **(extra or {}))
-        return self._group(kind, name, cls, [dict(common, rank=i) for i in range(self.world)])
-
-    def _deepspeed_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, cls=DeepSpeedWorker,
-                         extra=None, checkpointing: bool = False):
-        """A role on the DeepSpeed strategy: ZeRO over all ``world`` ranks (data parallel only)."""
-        ds = rcfg.deepspeed_config
+    def _role_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, *, rollout: dict | None = None,
+                    checkpointing: bool = False, routing_replay: bool = False):
+        """A role on its section's strategy (``rcfg.strategy``: a registered name or ``pkg.module:Class``) over all
+        ``world`` ranks. The driver hands every strategy the same things (its role's config section, the optimizer,
+        the launch settings, the rendezvous) and the strategy reads its own keys in the worker
+        (``Strategy.from_section``). ``rollout``: the engine settings of a hybrid rank, which hosts its engine."""
         addr, port = self._rendezvous(name)
         common = dict(role=role, world_size=self.world, master_addr=addr, master_port=port, model_path=path,
-                      zero_stage=ds.zero_stage, params_dtype=ds.dtype or rcfg.megatron.dtype, optim=optim, seed=ds.seed,
-                      num_threads=self._threads(self.world), gradient_checkpointing=checkpointing and optim is not None,
-                      offload_params=bool(ds.param_offload), offload_optimizer=bool(ds.optimizer_offload),
-                      **(extra or {}))
+                      strategy=rcfg.strategy, section=_plain(rcfg), num_threads=self._threads(self.world),
+                      launch=dict(optim=optim, checkpointing=bool(checkpointing), routing_replay=bool(routing_replay),
+                                  compile=bool(self._compile)),
+                      **({"rollout": rollout} if rollout is not None else {}))
+        cls = HybridWorker if rollout is not None else TrainWorker
         return self._group(kind, name, cls, [dict(common, rank=i) for i in range(self.world)])
-
-    def _role_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, *cls_extra, **kw):
-        """A role on its section's strategy (``rcfg.strategy``: megatron or deepspeed); ``cls_extra``: the worker
-        class and its extra kwargs where they are not the strategy's plain worker (the hybrid engine's)."""
-        if rcfg.strategy == "deepspeed":
-            kw.pop("routing_replay", None)  # R3 is refused with DeepSpeed at load time
-            return self._deepspeed_group(kind, name, rcfg, role, optim, path, *cls_extra, **kw)
-        return self._megatron_group(kind, name, rcfg.megatron, role, optim, path, *cls_extra, **kw)
 
     def _engine_kwargs(self, cfg) -> dict:
         """Every rollout engine's settings (the same for each engine)."""
@@ -198,9 +174,8 @@ class Cluster:
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
         actor_optim = bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps,
                                    use_dist=a.megatron.use_distributed_optimizer)
-        hybrid_cls = DeepSpeedHybridWorker if a.strategy == "deepspeed" else HybridWorker
         self.actor = self._role_group(ActorGroup, "actor", a, "actor", actor_optim, model_path,
-                                      *((hybrid_cls, dict(rollout=rkw)) if self.hybrid else ()),
+                                      rollout=rkw if self.hybrid else None,
                                       checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
                                       routing_replay=a.router_replay.mode == "R3")
         self.ref = self.critic = self.reward_model = None

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 
 from megatron_bridge import cpu_shims
-from trainer.workers.deepspeed_worker import DeepSpeedWorker
-from trainer.workers.megatron_worker import MegatronWorker
 from trainer.workers.rollout_worker import RolloutWorker
+from trainer.workers.train_worker import TrainWorker
 
 
 class HybridMixin:
@@ -39,9 +38,6 @@ class HybridMixin:
             return getattr(self.engine_worker, method)(*args, **kwargs)
 
 
-class HybridWorker(HybridMixin, MegatronWorker):
-    """A megatron actor rank with its colocated engine."""
-
-
-class DeepSpeedHybridWorker(HybridMixin, DeepSpeedWorker):
-    """A DeepSpeed actor rank with its colocated engine (ZeRO-3 gathers each parameter for the copy)."""
+class HybridWorker(HybridMixin, TrainWorker):
+    """An actor rank on any strategy with its colocated engine (on DeepSpeed ZeRO-3 the weight copy gathers
+    each parameter)."""

@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from trainer.algos.kl import kl_penalty
 from trainer.algos.losses import LossAgg, agg_loss, get_policy_loss_fn, value_loss
@@ -65,16 +66,22 @@ def resident(*parts: str):
 
 class TrainWorker(SenderEndpoints):
     """A rank: ``strategy`` (or the class's ``strategy_name``: a key of ``trainer.strategies.STRATEGIES`` or
-    ``"pkg.module:Class"``) picks the strategy; every other keyword but ``role``, ``rank`` and
-    ``num_threads`` is the strategy's. The weight transports' sender ends (``sync_send``,
+    ``"pkg.module:Class"``) picks the strategy. Its keywords come from the role's config ``section`` (read by
+    the strategy's ``from_section`` with the ``launch`` settings: ``optim``, ``checkpointing``,
+    ``routing_replay``, ``compile``) and from every other keyword but ``role``, ``rank`` and ``num_threads``
+    (the rendezvous, the model path; a test's explicit options). The weight transports' sender ends (``sync_send``,
     ``weight_buckets``, checksums) come with every strategy (:class:`trainer.sync.endpoints.SenderEndpoints`)."""
 
     strategy_name: str = ""
 
-    def __init__(self, *, role: str, rank: int, num_threads: int = 1, strategy: str | None = None, **options):
+    def __init__(self, *, role: str, rank: int, num_threads: int = 1, strategy: str | None = None,
+                 section: dict | None = None, launch: dict | None = None, **options):
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
-        self.strategy: Strategy = load_strategy(strategy or self.strategy_name)(role=role, rank=rank, **options)
+        cls = load_strategy(strategy or self.strategy_name)
+        if section is not None:  # the role's config section: the strategy reads its own keys (Strategy.from_section)
+            options = {**cls.from_section(OmegaConf.create(section), **(launch or {})), **options}
+        self.strategy: Strategy = cls(role=role, rank=rank, **options)
         self.mesh = self.strategy.mesh
 
     @property
