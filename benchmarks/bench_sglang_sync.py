@@ -62,6 +62,7 @@ def run(a) -> dict:
 
     from _common import machine, summary, table, write_json
     from trainer.rollout import sglang_engine as se
+    from trainer.rollout import weights as wf
     from trainer.rollout.engine import checksum_named_tensors
     from trainer.sync import broadcast as wb
 
@@ -90,7 +91,7 @@ def run(a) -> dict:
         eng.update_weights(list(w.items()))
 
     def broadcast_sync(w):
-        buckets = list(se.iter_cast_buckets(list(w.items()), torch.float32, bucket))
+        buckets = list(wf.iter_cast_buckets(list(w.items()), torch.float32, bucket))
         packed = [None] * len(buckets)
 
         def sender():  # packs bucket b + 1 while the engine receives b

@@ -270,7 +270,7 @@ def test_weight_check_names_a_bad_engine_and_diverged_replicas():
 
 def test_combine_digests_is_checksum_named_tensors():
     from trainer.rollout.engine import checksum_named_tensors, tensor_digest
-    from trainer.workers.megatron_worker import combine_digests
+    from trainer.rollout.weights import combine_digests
 
     g = torch.Generator().manual_seed(0)
     pairs = [(f"w{i}", torch.randn(3, i + 1, generator=g)) for i in range(5)]

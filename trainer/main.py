@@ -304,9 +304,7 @@ def run_step(rt: Runtime, pipeline: Callable[[Step], None], step: int, first_syn
     if s.batch is None:
         raise PipelineError(f"the pipeline {pipeline.__module__}:{pipeline.__name__} did not call Step.generate(): "
                             f"a step needs a batch.")
-    rollout = rt.cluster.rollout
-    if hasattr(rollout, "metrics"):  # the HTTP fleet's running counters: fleet/{retries,restarts,dropped,...}
-        s.metrics.update(rollout.metrics())
+    s.metrics.update(rt.cluster.rollout.metrics())  # e.g. an HTTP fleet's counters: fleet/{retries,restarts,dropped,...}
     return s
 
 

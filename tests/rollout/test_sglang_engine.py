@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from trainer.rollout.engine import GenerationOutput, SamplingParams, checksum_named_tensors, iter_buckets
 from trainer.rollout import sglang_engine as se
+from trainer.rollout import weights as wf
 
 from .conftest import make_hf_model, save_model
 
@@ -270,7 +271,7 @@ def hf_weights(hf, tied: bool) -> dict[str, torch.Tensor]:
 def test_read_checkpoint_index(ckpts):
     for arch, tied in (("qwen2", True), ("llama", False)):
         hf, path = ckpts[arch]
-        specs, skip = se.read_checkpoint_index(path)
+        specs, skip = wf.read_checkpoint_index(path)
         want = hf_weights(hf, tied)
         assert {n: s.shape for n, s in specs.items()} == {n: tuple(t.shape) for n, t in want.items()}
         assert ("lm_head.weight" in skip) == tied
@@ -278,19 +279,19 @@ def test_read_checkpoint_index(ckpts):
 
 def test_validate_named_tensors(ckpts):
     hf, path = ckpts["qwen2"]
-    specs, skip = se.read_checkpoint_index(path)
+    specs, skip = wf.read_checkpoint_index(path)
     w = hf_weights(hf, tied=False)  # includes the tied lm_head: skipped like the native engine does
-    got = se.validate_named_tensors(w.items(), specs, skip)
+    got = wf.validate_named_tensors(w.items(), specs, skip)
     assert [n for n, _ in got] == [n for n in w if n != "lm_head.weight"]
     with pytest.raises(KeyError, match="unknown weight 'model.nope'"):
-        se.validate_named_tensors([("model.nope", torch.zeros(1))], specs, skip)
+        wf.validate_named_tensors([("model.nope", torch.zeros(1))], specs, skip)
     name = "model.layers.0.self_attn.k_proj.weight"  # [32, 64] (GQA): its transpose is a wrong shape
     with pytest.raises(ValueError, match=r"shape \(64, 32\) != expected \(32, 64\)"):
-        se.validate_named_tensors([(name, w[name].T)], specs, skip)
+        wf.validate_named_tensors([(name, w[name].T)], specs, skip)
     with pytest.raises(ValueError, match="twice"):
-        se.validate_named_tensors([(name, w[name]), (name, w[name])], specs, skip)
+        wf.validate_named_tensors([(name, w[name]), (name, w[name])], specs, skip)
     with pytest.raises(ValueError, match="floating"):
-        se.validate_named_tensors([(name, w[name].long())], specs, skip)
+        wf.validate_named_tensors([(name, w[name].long())], specs, skip)
 
 
 def test_bucket_sizes_are_measured_after_the_cast():
@@ -298,7 +299,7 @@ def test_bucket_sizes_are_measured_after_the_cast():
     # a+b+c = 54 <= 64, +d would be 254 -> [a,b,c]; d alone (200 > 64, a lone larger tensor); d+e -> [d]; [e].
     # Measured in fp32 (40, 48, ...) a+b = 88 > 64 would already split: the cast halves what is sent.
     ts = [(n, torch.randn(k)) for n, k in (("a", 10), ("b", 12), ("c", 5), ("d", 100), ("e", 2))]
-    got = [[n for n, _ in b] for b in se.iter_cast_buckets(ts, torch.bfloat16, 64)]
+    got = [[n for n, _ in b] for b in wf.iter_cast_buckets(ts, torch.bfloat16, 64)]
     assert got == [["a", "b", "c"], ["d"], ["e"]]
     assert [[n for n, _ in b] for b in iter_buckets(ts, 64)][0] == ["a"]  # the fp32-measured grouping differs
 
@@ -308,7 +309,7 @@ def test_buckets_cover_stream_in_order_and_bound_the_peak(seed):
     g = torch.Generator().manual_seed(seed)
     ts = [(f"t{k}", torch.randn(int(torch.randint(1, 300, (1,), generator=g)), generator=g)) for k in range(40)]
     limit = int(torch.randint(50, 400, (1,), generator=g))
-    buckets = list(se.iter_cast_buckets(ts, torch.float16, limit))
+    buckets = list(wf.iter_cast_buckets(ts, torch.float16, limit))
     assert [n for b in buckets for n, _ in b] == [n for n, _ in ts]
     sizes = [sum(2 * t.numel() for _, t in b) for b in buckets]
     for b, s in zip(buckets, sizes):
@@ -324,7 +325,7 @@ def test_flatten_bucket_matches_sglang_layout(dtype):
     g = torch.Generator().manual_seed(0)
     named = [("w", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g)),  # odd element count
              ("e", torch.randn(0, 4, generator=g)), ("x", torch.randn(2, 2, 3, generator=g).double())]
-    flat, metas = se.flatten_bucket(named, dtype)
+    flat, metas = wf.flatten_bucket(named, dtype)
     # SGLang's FlattenedTensorBucket (weight_sync/tensor_bucket.py): each tensor's .flatten().view(uint8),
     # concatenated; metadata offsets in bytes. Reference built that way from independently cast tensors.
     ref = torch.cat([t.to(dtype).flatten().view(torch.uint8) for _, t in named])
@@ -335,10 +336,10 @@ def test_flatten_bucket_matches_sglang_layout(dtype):
         assert (m.name, m.shape, m.dtype, m.start_idx, m.numel) == (name, tuple(t.shape), dtype, off, t.numel() * size)
         assert m.end_idx == off + m.numel and m.start_idx % size == 0  # aligned, so .view(dtype) can read it back
         off = m.end_idx
-    for (name, t), (n2, back) in zip(named, se.unflatten_bucket(flat, metas)):
+    for (name, t), (n2, back) in zip(named, wf.unflatten_bucket(flat, metas)):
         assert n2 == name and back.dtype == dtype and torch.equal(back, t.to(dtype))
     with pytest.raises(ValueError, match="empty"):
-        se.flatten_bucket([], dtype)
+        wf.flatten_bucket([], dtype)
 
 
 def test_combine_digests_equals_checksum_named_tensors():
@@ -348,12 +349,12 @@ def test_combine_digests_equals_checksum_named_tensors():
     named = [(f"p{k}", torch.randn(k + 1, 3, generator=g)) for k in range(6)]
     for dt in (None, torch.bfloat16):
         digests = {n: tensor_digest(n, t, dt) for n, t in reversed(named)}
-        assert se.combine_digests(digests) == checksum_named_tensors(named, dtype=dt)
+        assert wf.combine_digests(digests) == checksum_named_tensors(named, dtype=dt)
 
 
 def test_default_probe_names(ckpts):
-    specs, _ = se.read_checkpoint_index(ckpts["llama"][1])
-    assert se.default_probe_names(specs) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+    specs, _ = wf.read_checkpoint_index(ckpts["llama"][1])
+    assert wf.default_probe_names(specs) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                                              "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
 
 
@@ -818,7 +819,7 @@ def test_cpu_update_weights_bucketed_verified_and_restored(gpu_models, cpu_engin
     greedy = SamplingParams(temperature=0, max_new_tokens=10)
     before = cpu_engine.generate(prompts, greedy)  # also fills the prefix cache with A's keys/values
     w_a, w_b = hf_weights(hf_a, tied=False), hf_weights(hf_b, tied=False)
-    assert len(list(se.iter_cast_buckets(list(w_b.items()), torch.float32, cpu_engine.bucket_bytes))) >= 3
+    assert len(list(wf.iter_cast_buckets(list(w_b.items()), torch.float32, cpu_engine.bucket_bytes))) >= 3
     written = cpu_engine.update_weights(list(w_b.items()))
     assert sorted(written) == sorted(w_b)
     assert cpu_engine.weights_checksum() == checksum_named_tensors(w_b.items(), dtype=torch.float32)
@@ -863,7 +864,7 @@ def test_cpu_distributed_update_from_the_trainers_sender(gpu_models, cpu_engine)
     pg = joined["pg"]
 
     def push(weights, corrupt=None):
-        buckets = list(se.iter_cast_buckets(list(weights.items()), torch.float32, cpu_engine.bucket_bytes))
+        buckets = list(wf.iter_cast_buckets(list(weights.items()), torch.float32, cpu_engine.bucket_bytes))
         for bucket in buckets:
             flat, desc = wb.pack(bucket, torch.float32, digests=True)
             if corrupt is not None and corrupt in desc["digests"]:

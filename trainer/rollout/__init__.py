@@ -1,7 +1,8 @@
 """Rollout engines and the loops that drive them.
 
 * ``engine``: the interface every engine promises (generate with log-probs, weights in, sleep / wake);
-  ``registry``: engines by ``rollout.name`` (or a user's ``pkg.module:Class``), each declaring its capabilities.
+  ``registry``: engines by ``rollout.name`` (or a user's ``pkg.module:Class``), each declaring its capabilities;
+  ``weights``: the weights' wire format every engine and transport shares (flat buckets, digests, probes).
 * ``native``: the pure-torch engine over ``hf_model`` (a plain-torch Llama / Qwen decoder); ``async_engine``:
   its asyncio front for many callers; ``generate``: a jsonl generation CLI.
 * ``sglang_engine``: one ``sglang.Engine`` behind the interface; ``sglang_cpu``: SGLang's CPU install and

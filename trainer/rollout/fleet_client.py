@@ -86,15 +86,14 @@ import torch
 from trainer.hf_io import iter_safetensors
 from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError,
                                     checksum_named_tensors, iter_buckets, tensor_digest)
-from trainer.rollout.sglang_engine import (combine_digests, default_probe_names, flatten_bucket, iter_cast_buckets,
-                                           probe_rows, unflatten_bucket)
 from trainer.rollout.sglang_http import serialize_flat
+from trainer.rollout.weights import (PROBE_SUFFIXES, combine_digests, default_probe_names, flatten_bucket,
+                                     iter_cast_buckets, probe_rows, unflatten_bucket)
 from trainer.serving.wire import WEIGHTS_CONTENT_TYPE, tensors_to_safetensors
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-PROBE_SUFFIXES = ("embed_tokens.weight", "q_proj.weight", "down_proj.weight", "norm.weight")  # default_probe_names' picks
 
 
 class FleetError(RuntimeError):

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.rollout.sglang_engine import FlatMeta
+from trainer.rollout.weights import FlatMeta
 
 
 class SGLangServerError(RuntimeError):

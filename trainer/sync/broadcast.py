@@ -14,7 +14,7 @@ SGLang's protocol (0.5.21: ``entrypoints/engine.py`` ``init_weights_update_group
   (:func:`join`: the trainer's rank 0 runs exactly that sequence, with the store it hosts, so both ends
   derive the same keys; gloo on CPU, NCCL on GPU, same code);
 * per bucket, every engine is told ``(names, dtypes, shapes)`` in buffer order and receives ONE
-  ``broadcast`` from rank 0 of the flat buffer :func:`trainer.rollout.sglang_engine.flatten_bucket`
+  ``broadcast`` from rank 0 of the flat buffer :func:`trainer.rollout.weights.flatten_bucket`
   lays out (SGLang's ``FlattenedTensorBucket``: the tensors' bytes back to back, one dtype), then loads
   the views it cuts from it (``load_weights``: SGLang fuses q/k/v and gate/up and shards for its TP).
 
@@ -60,8 +60,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from trainer.rollout.engine import WeightSyncError, tensor_digest
-from trainer.rollout.fleet_client import PROBE_SUFFIXES
-from trainer.rollout.sglang_engine import flatten_bucket, probe_rows, unflatten_bucket
+from trainer.rollout.weights import PROBE_SUFFIXES, flatten_bucket, probe_rows, unflatten_bucket
 from trainer.sync.base import Half, Link, sync_metrics
 from trainer.sync.dist_group import backend_for
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from trainer.rollout.engine import checksum_named_tensors, tensor_digest
-from trainer.rollout.sglang_engine import combine_digests
+from trainer.rollout.weights import combine_digests
 from trainer.sync import TRANSPORTS
 from trainer.sync.base import params_resident
 

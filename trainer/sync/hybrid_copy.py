@@ -25,7 +25,7 @@ import torch
 
 from megatron_bridge import cpu_shims
 from trainer.rollout.engine import checksum_named_tensors, tensor_digest
-from trainer.rollout.sglang_engine import combine_digests
+from trainer.rollout.weights import combine_digests
 from trainer.sync.base import Half, Link, check_checksums, sync_metrics
 
 

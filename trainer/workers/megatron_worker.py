@@ -9,7 +9,6 @@ The strategy-neutral :class:`~trainer.workers.train_worker.TrainWorker` on the `
 
 from __future__ import annotations
 
-from trainer.rollout.sglang_engine import combine_digests  # noqa: F401 (tests import it from here)
 from trainer.workers.train_worker import TrainWorker
 
 

@@ -57,6 +57,8 @@ class Rollout(Protocol):
 
     def pids(self) -> list[int]: ...
 
+    def metrics(self) -> dict[str, float]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -162,6 +164,10 @@ class _EngineCalls:
     def load_bucket(self, buckets_per_engine: list) -> None:
         """Load ``(name, tensor)`` lists into the engines as they are, unverified (tests corrupt one)."""
         self._call("update_weights", [(b,) for b in buckets_per_engine])
+
+    def metrics(self) -> dict[str, float]:
+        """Running counters of the rollout (an HTTP fleet's retries, restarts, drops); engine workers have none."""
+        return {}
 
     def pids(self) -> list[int]:
         return self._call("ping")
