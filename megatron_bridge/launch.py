@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge import cpu_shims
-from trainer.serving.net import free_port
+from trainer.net import free_port
 
 
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (``trainer.serving.net.free_port``)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (``trainer.net.free_port``)."""
     return free_port()
 
 

@@ -374,3 +374,36 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--regenerate":
         sys.exit("usage: python -m trainer.verl_compat --regenerate VERL_CHECKOUT")
     print("keys: megatron %d, FSDP-only %d" % regenerate(sys.argv[2]))
+
+
+# megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+# megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
+MOE_KEYS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff")
+MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+
+
+def moe_settings(mcfg) -> dict:
+    """The MoE loss settings of a role's ``override_transformer_config`` (megatron TransformerConfig
+    fields; the load-balancing loss is on only with a positive coefficient)."""
+    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in MOE_KEYS}
+    if float(over.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in over:
+        over["moe_router_load_balancing_type"] = "aux_loss"  # megatron's default type, verl's too
+    return over
+
+
+def recompute_settings(enable: bool, mcfg) -> dict | None:
+    """megatron's recompute settings of a role: verl's ``enable_gradient_checkpointing`` gives full
+    recompute of every layer (``full`` / ``uniform`` / 1 layer per checkpoint), and the
+    ``override_transformer_config`` recompute keys refine or replace it. None: no recompute."""
+    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in RECOMPUTE_KEYS}
+    if not enable and not over.get("recompute_granularity"):
+        return None
+    base = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    out = {**base, **over}
+    if out["recompute_granularity"] == "selective":  # megatron: method / num_layers are for full recompute
+        out.pop("recompute_method"), out.pop("recompute_num_layers")
+    if "recompute_modules" in out:
+        out["recompute_modules"] = list(out["recompute_modules"])
+    return out
+

@@ -269,7 +269,7 @@ def test_sglang_weight_protocol_drives_native_servers_too(fleet, engine, tmp_pat
     buckets in shared memory / end / flush, read back through /get_weights_by_name) lands in the native
     servers, whose own checksum then equals the stream's."""
     from trainer.rollout.fleet import FleetClient
-    from trainer.serving.wire import ProtocolError, flattened_bucket_to_tensors
+    from trainer.wire import ProtocolError, flattened_bucket_to_tensors
 
     new = _random_weights(engine, seed=9)
     sg = FleetClient(fleet.router_url, fleet.server_urls, api_key=fleet.api_key, weight_protocol="sglang",
@@ -338,7 +338,7 @@ def test_close_leaves_no_process(fleet):
 
 def _hand_started(*args: str):
     """A native_server started by hand (no fleet, no key unless given), and its URL."""
-    from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX, ready_url
+    from trainer.net import SGLANG_NATIVE_READY_PREFIX, ready_url
 
     p = subprocess.Popen([sys.executable, "-m", "trainer.rollout.native_server", "--model", str(MODEL), "--port", "0",
                           "--skip-tokenizer-init", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,5 +1,5 @@
 """The SGLang-protocol pure functions, both sides: the server's request parsing and response building
-(``trainer.serving.sglang_native``, the weight codec ``trainer.serving.wire``) and the fleet client's
+(``trainer.serving.sglang_native``, the weight codec ``trainer.wire``) and the fleet client's
 payloads and response parsing (``trainer.rollout.fleet``), against the shapes of SGLang v0.5.8 written out by hand here (from
 ``io_struct.GenerateReqInput``, ``sampling_params.SamplingParams``, ``schedule_batch`` finish reasons and
 ``tokenizer_manager``'s meta_info), and against each other. No process, no model.
@@ -20,7 +20,7 @@ from trainer.rollout.fleet_client import (FleetError, generate_payload, parse_ge
                                    sglang_sampling_params)
 from trainer.serving.sglang_native import (ProtocolError, finish_reason_json, generate_response, output_json,
                                            parse_generate_request, parse_sampling_params)
-from trainer.serving.wire import parse_update_weights_from_tensor, safetensors_to_tensors, tensors_to_safetensors
+from trainer.wire import parse_update_weights_from_tensor, safetensors_to_tensors, tensors_to_safetensors
 
 V, SEQ, EOS = 16, 64, (1,)
 

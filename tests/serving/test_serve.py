@@ -436,7 +436,7 @@ def test_free_ports_lie_outside_the_ephemeral_range():
     no bind(port 0) by another process can take them in between, and they are free."""
     import socket
 
-    from trainer.serving.net import _ephemeral_low, free_port
+    from trainer.net import _ephemeral_low, free_port
 
     low = _ephemeral_low()
     for _ in range(20):

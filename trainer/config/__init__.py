@@ -23,10 +23,10 @@ from trainer.config.schema import (
     SandboxFusionConfig, TrainerConfig, ValKwargs, LEAVES, flatten_keys, all_keys, closest_key,
 )
 from trainer.config.checks import (
-    DAPO_KWARGS, LOGGERS, MOE_BALANCING, MOE_KEYS, OTHER_ENGINES, OVERLONG_FIELDS, RECOMPUTE_KEYS,
-    deepspeed_errors, deepspeed_roles, error_report, moe_settings, need_critic, need_ref, recompute_settings,
-    validate, validation_errors, world_size,
+    DAPO_KWARGS, LOGGERS, OTHER_ENGINES, OVERLONG_FIELDS, deepspeed_errors, deepspeed_roles, error_report,
+    need_critic, need_ref, validate, validation_errors, world_size,
 )
+from trainer.verl_compat import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS, moe_settings, recompute_settings
 from trainer.config.load import (
     KEY_ALIASES, LAST_LOAD_NOTES, LEGACY_KEYS, VERL_BASES, load_config, parse_overrides, public_container,
     save_resolved, to_yaml,

@@ -26,7 +26,7 @@ from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
-from trainer.verl_compat import parse_rejection, refusals
+from trainer.verl_compat import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS, parse_rejection, refusals
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
@@ -170,38 +170,6 @@ def deepspeed_errors(cfg) -> list[str]:
             errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy=deepspeed: the DeepSpeed strategy "
                         f"trains with AdamW (optimizer=adam).")
     return errs
-
-
-# megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
-RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-# megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
-MOE_KEYS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff")
-MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-
-
-def moe_settings(mcfg) -> dict:
-    """The MoE loss settings of a role's ``override_transformer_config`` (megatron TransformerConfig
-    fields; the load-balancing loss is on only with a positive coefficient)."""
-    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in MOE_KEYS}
-    if float(over.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in over:
-        over["moe_router_load_balancing_type"] = "aux_loss"  # megatron's default type, verl's too
-    return over
-
-
-def recompute_settings(enable: bool, mcfg) -> dict | None:
-    """megatron's recompute settings of a role: verl's ``enable_gradient_checkpointing`` gives full
-    recompute of every layer (``full`` / ``uniform`` / 1 layer per checkpoint), and the
-    ``override_transformer_config`` recompute keys refine or replace it. None: no recompute."""
-    over = {k: v for k, v in dict(mcfg.override_transformer_config).items() if k in RECOMPUTE_KEYS}
-    if not enable and not over.get("recompute_granularity"):
-        return None
-    base = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    out = {**base, **over}
-    if out["recompute_granularity"] == "selective":  # megatron: method / num_layers are for full recompute
-        out.pop("recompute_method"), out.pop("recompute_num_layers")
-    if "recompute_modules" in out:
-        out["recompute_modules"] = list(out["recompute_modules"])
-    return out
 
 
 def world_size(cfg: DictConfig) -> int:

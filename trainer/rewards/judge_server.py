@@ -2,7 +2,7 @@
 a subprocess on 127.0.0.1, for ADCA's ``evaluation_type=local``.
 
 :class:`LocalJudgeServer` starts it on a free port (``--port 0``), waits for its ready line
-(:data:`trainer.serving.net.OPENAI_READY_PREFIX`) and exposes ``base_url`` (``http://127.0.0.1:PORT/v1``)
+(:data:`trainer.net.OPENAI_READY_PREFIX`) and exposes ``base_url`` (``http://127.0.0.1:PORT/v1``)
 for :class:`trainer.rewards.judge.JudgeClient`. The server runs without a key (``COXSWAIN_API_KEY`` is
 removed from its environment) and bound to loopback only. :func:`trainer.credit.make_judge` starts one
 before the first step; ``close()`` (or the ``with`` block) terminates it.
@@ -17,7 +17,7 @@ import threading
 import time
 
 from trainer.orphans import supervised
-from trainer.serving.net import OPENAI_READY_PREFIX, ready_url
+from trainer.net import OPENAI_READY_PREFIX, ready_url
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

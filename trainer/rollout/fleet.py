@@ -73,9 +73,9 @@ from trainer.rollout.fleet_client import (FleetClient, FleetError, FleetStats, g
                                           parse_generate_response, parse_output, prompt_seed)
 from trainer.rollout.registry import server_adapter
 from trainer.rollout.sglang_http import server_command
-from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as SERVER_READY_PREFIX
-from trainer.serving.net import free_port, ready_url
-from trainer.serving.wire import WEIGHTS_CONTENT_TYPE
+from trainer.net import SGLANG_NATIVE_READY_PREFIX as SERVER_READY_PREFIX
+from trainer.net import free_port, ready_url
+from trainer.wire import WEIGHTS_CONTENT_TYPE
 
 __all__ = ["Fleet", "FleetClient", "FleetError", "FleetStats", "ServerHost", "RemoteProc", "WeightSyncError",
            "NativeServers", "SGLangServers", "generate_payload", "parse_generate_response", "parse_output", "prompt_seed"]

@@ -16,7 +16,7 @@ weight_protocol="coxswain", retain_push=True, model_dir=None, model_dtype=float3
     * ``update_weights(named_tensors, *, dtype=None, ignore=None, weight_version=None)``: drain (new
       requests wait, in-flight ones finish), push the (HF name, tensor) stream in buckets of
       ``bucket_bytes`` to every worker (``POST /update_weights_from_tensor``, a safetensors blob:
-      :mod:`trainer.serving.wire`), then
+      :mod:`trainer.wire`), then
       check that every worker's ``GET /weights_checksum`` equals :func:`checksum_named_tensors` of the
       stream (cast to the workers' dtype; ``lm_head.weight`` ignored for tied models); raises
       :class:`~trainer.rollout.engine.WeightSyncError` (a ``RuntimeError``, not a :class:`FleetError`)
@@ -89,7 +89,7 @@ from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingPar
 from trainer.rollout.sglang_http import serialize_flat
 from trainer.rollout.weights import (PROBE_SUFFIXES, combine_digests, default_probe_names, flatten_bucket,
                                      iter_cast_buckets, probe_rows, unflatten_bucket)
-from trainer.serving.wire import WEIGHTS_CONTENT_TYPE, tensors_to_safetensors
+from trainer.wire import WEIGHTS_CONTENT_TYPE, tensors_to_safetensors
 
 log = logging.getLogger(__name__)
 

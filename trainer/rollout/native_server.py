@@ -1,13 +1,11 @@
 """``python -m trainer.rollout.native_server``: the native engine behind SGLang's native HTTP protocol.
 
-A command-line shim (the fleet spawns it); the server is :mod:`trainer.serving.sglang_native` (every
-public name re-exported here).
+A command-line alias kept for the commands that name it; the server is :mod:`trainer.serving.sglang_native`
+(``python -m trainer.serving.sglang_native``, which the fleet starts). Run as a module, not imported: the
+rollout package sits below the servers.
 """
 
-import sys
-
-from trainer.serving.sglang_native import *  # noqa: F401,F403 - the public names, for `from trainer.rollout.native_server import ...`
-from trainer.serving.sglang_native import main
+import runpy
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("trainer.serving.sglang_native", run_name="__main__", alter_sys=True)

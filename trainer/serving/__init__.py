@@ -5,10 +5,8 @@
 * :mod:`trainer.serving.openai`: the OpenAI-compatible protocol (``python -m trainer.serve``).
 * :mod:`trainer.serving.sglang_native`: SGLang's native protocol, ``/generate`` and weight updates
   (``python -m trainer.rollout.native_server``; the rollout fleet's servers).
-* :mod:`trainer.serving.wire`: the weight wire codec (named tensors <-> safetensors blobs), used by
-  the native server and the fleet client (:mod:`trainer.rollout.fleet`).
-* :mod:`trainer.serving.net`: free ports and the servers' ready lines (no heavy imports), for the
-  launchers (the fleet, :mod:`trainer.rewards.judge_server`).
 
-Nothing is imported here, so ``trainer.serving.net`` and ``trainer.serving.wire`` stay light.
+The weight wire codec (:mod:`trainer.wire`) and the free ports and ready lines (:mod:`trainer.net`) that the
+servers share with the code that launches and calls them (the rollout fleet, the judge server) sit one floor
+below, at the top level of ``trainer``, so the fleet never imports the servers.
 """

@@ -12,7 +12,7 @@ the server stays up either way.
 A protocol adapter subclasses it and fills in the hooks: :meth:`~EngineServer.add_routes`,
 :meth:`~EngineServer.needs_auth`, :meth:`~EngineServer.unauthorized`, :meth:`~EngineServer.error_response`,
 :meth:`~EngineServer.internal_error`, and the class attributes ``ready_prefix`` (the ready line,
-:mod:`trainer.serving.net`), ``url_path`` (appended to ``http://HOST:PORT``) and ``client_max_size``.
+:mod:`trainer.net`), ``url_path`` (appended to ``http://HOST:PORT``) and ``client_max_size``.
 The adapters: :mod:`trainer.serving.openai` (OpenAI-compatible, ``python -m trainer.serve``) and
 :mod:`trainer.serving.sglang_native` (SGLang's native protocol, ``python -m trainer.rollout.native_server``).
 
@@ -64,7 +64,7 @@ def json_error(status: int, message: str, **fields: Any) -> web.Response:
 class EngineServer:
     """Engine, batcher, counters and key behind one aiohttp app; see the module docstring."""
 
-    ready_prefix: str = ""  # the ready line's prefix (trainer.serving.net)
+    ready_prefix: str = ""  # the ready line's prefix (trainer.net)
     url_path: str = ""  # server.url = f"http://{host}:{port}{url_path}"
     client_max_size: int = 64 * 1024 * 1024  # the largest request body (of any route)
 

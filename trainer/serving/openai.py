@@ -76,7 +76,7 @@ from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.rollout.generate import eos_token_ids
 from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, bearer_ok, json_error, load_engine, run_app,
                                  run_until_signal, serve, serve_until_signal, served_model_name, read_capped, request_limits)
-from trainer.serving.net import OPENAI_READY_PREFIX as READY_PREFIX
+from trainer.net import OPENAI_READY_PREFIX as READY_PREFIX
 
 __all__ = ["DEFAULT_API_KEY_ENV", "READY_PREFIX", "APIError", "RequestParams", "parse_params", "parse_messages",
            "token_pieces", "apply_stop_strings", "ModelServer", "ServerStats", "build_parser", "build_server",

@@ -5,7 +5,7 @@
         [--dtype float32] [--device cpu] [--skip-tokenizer-init] [--api-key-env NAME]
 
 The SGLang protocol adapter on the shared skeleton (:mod:`trainer.serving.app`);
-``python -m trainer.rollout.native_server`` is its command line (that module re-exports this one).
+``python -m trainer.rollout.native_server`` is its command line (an alias that runs this module).
 Prints one line ``coxswain-native-server: listening on http://HOST:PORT (model NAME)`` once it accepts
 requests (``--port 0`` binds a free port). ``sglang-router`` can route to it like to any SGLang worker.
 
@@ -28,7 +28,7 @@ v0.5.21 (the ``[sglang]`` extra's pin): the same shapes, except that its meta_in
   POST /abort_request                   {"rid": ID} or {"abort_all": true}
   POST /pause_generation                {"mode": "abort" | "retract" | "in_place"}; /continue_generation
   POST /update_weights_from_tensor      SGLang's same-host form: {"serialized_named_tensors": [payload],
-                                        "load_format": "flattened_bucket"} (trainer.serving.wire), so that one
+                                        "load_format": "flattened_bucket"} (trainer.wire), so that one
                                         fleet client pushes to real SGLang servers and to these alike
   POST /begin_weight_update, /end_weight_update   SGLang 0.5.21's bracket around a push (acknowledged)
   POST /get_weights_by_name             {"name", "truncate_size"} -> the first rows (float32 lists) or null
@@ -89,7 +89,7 @@ multiprocessing reductions (CUDA IPC handles), so it only works between processe
 the same endpoint carries tensor BYTES as safetensors: either the raw blob as the body with
 ``Content-Type: application/octet-stream`` (optional query ``?weight_version=V``), or SGLang's JSON
 shape ``{"serialized_named_tensors": [base64 safetensors blob, ...], "load_format": "safetensors",
-"weight_version"?}`` (the codec: :mod:`trainer.serving.wire`). Names are HF names; a blob may hold any subset (a bucket). Another
+"weight_version"?}`` (the codec: :mod:`trainer.wire`). Names are HF names; a blob may hold any subset (a bucket). Another
 ``load_format`` is a 400 saying so. Weight updates and checksums wait for the running engine call and
 run between calls, so no call sees a half-applied bucket; a fleet drains requests before a multi-bucket
 push (``trainer.rollout.fleet``).
@@ -120,8 +120,8 @@ from aiohttp import web
 from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, error_body, json_error, load_engine,
                                  model_dir_arg, path_problem, read_capped, request_limits, serve, serve_until_signal, served_model_name)
-from trainer.serving.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
-from trainer.serving.wire import (WEIGHTS_CONTENT_TYPE, ProtocolError, parse_update_weights_from_tensor,
+from trainer.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
+from trainer.wire import (WEIGHTS_CONTENT_TYPE, ProtocolError, parse_update_weights_from_tensor,
                                   flattened_bucket_to_tensors, safetensors_to_tensors, tensors_to_safetensors)
 
 __all__ = ["READY_PREFIX", "SGLANG_PROTOCOL_VERSION", "DEFAULT_MAX_NEW_TOKENS", "ProtocolError",

@@ -24,9 +24,9 @@ from megatron_bridge.logprobs import compute_logprobs, pack_padded, unpack_padde
 from megatron_bridge.model import build_model, compile_model
 from megatron_bridge.reshard import local_blocks
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
-from trainer.config import moe_settings, recompute_settings
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
+from trainer.verl_compat import moe_settings, recompute_settings
 
 
 class MegatronStrategy(Strategy):

@@ -21,7 +21,7 @@ import os
 from trainer.config.preflight import check_node_layout
 from trainer.plan import need_critic, need_ref
 from trainer.rollout.registry import capabilities
-from trainer.serving.net import free_port
+from trainer.net import free_port
 from trainer.sync import choose
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, init_ray
