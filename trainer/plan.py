@@ -191,71 +191,10 @@ class Plan:
 
     @classmethod
     def from_config(cls, cfg, *, total_steps: int, stop_token_ids=()) -> "Plan":
-        a, r, al, c = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm, cfg.critic
-        width = int(r.response_length)
+        r, al = cfg.actor_rollout_ref.rollout, cfg.algorithm
+        mt = multi_turn_settings(cfg)
+        turn_tokens = int((mt is not None and r.multi_turn.max_tokens_per_turn) or r.response_length)
         stops = tuple(int(t) for t in stop_token_ids)
-        mt = None
-        if r.multi_turn.enable:
-            total = cfg.data.max_prompt_length + width
-            mt = dict(environment=r.multi_turn.environment, max_assistant_turns=r.multi_turn.max_assistant_turns,
-                      max_user_turns=r.multi_turn.max_user_turns,
-                      max_tokens_per_trajectory=min(r.multi_turn.max_tokens_per_trajectory or total, total),
-                      concurrency=r.multi_turn.concurrency, max_response_length=width)
-        turn_tokens = int((mt is not None and r.multi_turn.max_tokens_per_turn) or width)
-
-        def sampling(src, n: int, routes: bool = False) -> Sampling:
-            greedy = (not src.do_sample) or src.temperature == 0
-            return Sampling(n=int(n), temperature=0.0 if greedy else float(src.temperature), top_p=float(src.top_p),
-                            top_k=src.top_k if src.top_k and src.top_k > 0 else None, max_new_tokens=turn_tokens,
-                            stop_token_ids=stops, seed=int(r.seed), return_routed_experts=routes)
-
-        pl = a.policy_loss
-        policy = PolicyLoss(
-            # verl's "bypass_mode" loss name is its rollout_correction.bypass_mode (required by the config check):
-            # the worker's bypass branch computes IS / rejection around vanilla PPO (ppo_clip) or gpg (reinforce)
-            loss_mode="vanilla" if pl.loss_mode == "bypass_mode" else pl.loss_mode, agg_mode=a.loss_agg_mode,
-            norm_constant=float(a.loss_scale_factor if a.loss_scale_factor is not None else width),
-            clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c, entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss),
-            kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=a.kl_loss_type,
-            variant_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                                kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
-                                tau_pos=float(a.tau_pos), tau_neg=float(a.tau_neg),  # SAPO
-                                dro_beta=None if pl.dro_beta is None else float(pl.dro_beta),  # DRO
-                                policy_drift_coeff=float(a.policy_drift_coeff),  # CPGD
-                                # a plug-in loss's own keywords (the config check keeps them to plug-ins)
-                                **OmegaConf.to_container(pl.kwargs, resolve=True)))
-        ref = cfg.actor_rollout_ref.ref
-        # packing is per megatron role (verl's megatron.use_remove_padding)
-        packed, temp = bool(a.megatron.use_remove_padding), float(r.temperature)
-        c_packed = bool(c.megatron.use_remove_padding)
-
-        def budget(on: bool, n: int):
-            return int(n) if on else None
-
-        actor_update = UpdateSettings(mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
-                                      micro_batch_size=a.ppo_micro_batch_size_per_gpu, temperature=temp, policy=policy,
-                                      max_token_len=budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu), packed=packed,
-                                      budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
-        critic_update = UpdateSettings(mini_batch_size=c.ppo_mini_batch_size * r.n,
-                                       epochs=c.ppo_epochs, shuffle=a.shuffle,
-                                       micro_batch_size=c.ppo_micro_batch_size_per_gpu,
-                                       value=ValueLoss(cliprange_value=c.cliprange_value, agg_mode=c.loss_agg_mode),
-                                       max_token_len=budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
-                                       packed=c_packed, budget_key="critic.ppo_max_token_len_per_gpu")
-        actor_log_prob = ForwardSettings(
-            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
-            max_token_len=budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
-            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-            with_sum_pi_squared=bool(a.calculate_sum_pi_squared))
-        ref_log_prob = ForwardSettings(
-            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=bool(ref.megatron.use_remove_padding), temperature=temp,
-            max_token_len=budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
-            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
-        critic_values = ForwardSettings(
-            micro_batch_size=c.ppo_micro_batch_size_per_gpu, packed=c_packed,
-            max_token_len=budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
-            budget_key="critic.forward_max_token_len_per_gpu")
         is_, rej = rollout_correction(al)
         if is_ is None and r.calculate_log_probs:  # the sampler's log-probs asked for with IS off: mismatch metrics only
             is_ = RolloutIS(rollout_is_level="token", rollout_is_mode="truncate", rollout_is_threshold=2.0,
@@ -263,16 +202,16 @@ class Plan:
         return cls(
             total_steps=int(total_steps), train_batch_size=cfg.data.train_batch_size,
             gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size, n=r.n,
-            max_prompt_length=cfg.data.max_prompt_length, response_width=width, val_batch_size=cfg.data.val_batch_size,
-            sampling=sampling(r, r.n, routes=bool(r.enable_rollout_routing_replay)), val_sampling=sampling(r.val_kwargs, r.val_kwargs.n), multi_turn=mt,
+            max_prompt_length=cfg.data.max_prompt_length, response_width=int(r.response_length),
+            val_batch_size=cfg.data.val_batch_size,
+            sampling=sampling_settings(r, r, r.n, turn_tokens, stops, routes=bool(r.enable_rollout_routing_replay)),
+            val_sampling=sampling_settings(r, r.val_kwargs, r.val_kwargs.n, turn_tokens, stops), multi_turn=mt,
             filter_groups=OmegaConf.to_container(al.filter_groups), overlong=overlong_shaping(cfg),
-            actor_update=actor_update, critic_update=critic_update, actor_log_prob=actor_log_prob,
-            ref_log_prob=ref_log_prob, critic_values=critic_values,
-            rollout_is=is_, rejection=rej, bypass=bypass_loss(al),
-            is_batch_normalize=bool(al.rollout_correction.rollout_is_batch_normalize), adv_estimator=al.adv_estimator, gamma=al.gamma, lam=al.lam,
-            norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, use_kl_in_reward=bool(al.use_kl_in_reward),
-            kl_penalty=al.kl_penalty, need_ref=need_ref(cfg), need_critic=need_critic(cfg),
-            critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
+            **role_settings(cfg), rollout_is=is_, rejection=rej, bypass=bypass_loss(al),
+            is_batch_normalize=bool(al.rollout_correction.rollout_is_batch_normalize), adv_estimator=al.adv_estimator,
+            gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo,
+            use_kl_in_reward=bool(al.use_kl_in_reward), kl_penalty=al.kl_penalty, need_ref=need_ref(cfg),
+            need_critic=need_critic(cfg), critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
             val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
             one_step_off=cfg.async_training.mode == "one_step_off", fully_async=async_settings(cfg), adv_kwargs=adv_kwargs(al),
             reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else (),
@@ -450,3 +389,83 @@ def overlong_shaping(cfg) -> dict:
     if ob is not None and (ob.get("enable") or not out["enable"]):
         out = {**asdict(OverlongBufferConfig()), **ob, "max_resp_len": kw.get("max_resp_len")}
     return out
+
+
+def multi_turn_settings(cfg) -> dict | None:
+    """The agent loop's settings (``rollout.multi_turn``), or None for single-turn generation; a trajectory's
+    tokens are capped by the prompt cap plus the response budget."""
+    r = cfg.actor_rollout_ref.rollout
+    if not r.multi_turn.enable:
+        return None
+    width, total = int(r.response_length), cfg.data.max_prompt_length + int(r.response_length)
+    return dict(environment=r.multi_turn.environment, max_assistant_turns=r.multi_turn.max_assistant_turns,
+                max_user_turns=r.multi_turn.max_user_turns,
+                max_tokens_per_trajectory=min(r.multi_turn.max_tokens_per_trajectory or total, total),
+                concurrency=r.multi_turn.concurrency, max_response_length=width)
+
+
+def sampling_settings(r, src, n: int, turn_tokens: int, stops: tuple, routes: bool = False) -> Sampling:
+    """Sampling from ``src`` (``rollout`` or its ``val_kwargs``); ``do_sample=false`` or temperature 0 is greedy."""
+    greedy = (not src.do_sample) or src.temperature == 0
+    return Sampling(n=int(n), temperature=0.0 if greedy else float(src.temperature), top_p=float(src.top_p),
+                    top_k=src.top_k if src.top_k and src.top_k > 0 else None, max_new_tokens=turn_tokens,
+                    stop_token_ids=stops, seed=int(r.seed), return_routed_experts=routes)
+
+
+def policy_loss_settings(cfg) -> PolicyLoss:
+    """The actor's loss: verl's keys, and each variant's own keywords (a plug-in loss's from ``policy_loss.kwargs``)."""
+    a = cfg.actor_rollout_ref.actor
+    pl = a.policy_loss
+    return PolicyLoss(
+        # verl's "bypass_mode" loss name is its rollout_correction.bypass_mode (required by the config check):
+        # the worker's bypass branch computes IS / rejection around vanilla PPO (ppo_clip) or gpg (reinforce)
+        loss_mode="vanilla" if pl.loss_mode == "bypass_mode" else pl.loss_mode, agg_mode=a.loss_agg_mode,
+        norm_constant=float(a.loss_scale_factor if a.loss_scale_factor is not None
+                            else cfg.actor_rollout_ref.rollout.response_length),
+        clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c, entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss),
+        kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=a.kl_loss_type,
+        variant_kwargs=dict(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                            kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+                            tau_pos=float(a.tau_pos), tau_neg=float(a.tau_neg),  # SAPO
+                            dro_beta=None if pl.dro_beta is None else float(pl.dro_beta),  # DRO
+                            policy_drift_coeff=float(a.policy_drift_coeff),  # CPGD
+                            # a plug-in loss's own keywords (the config check keeps them to plug-ins)
+                            **OmegaConf.to_container(pl.kwargs, resolve=True)))
+
+
+def _budget(on: bool, n: int) -> int | None:
+    """A dynamic batch's token budget per rank (verl's ``use_dynamic_bsz``), or None for fixed micro-batches."""
+    return int(n) if on else None
+
+
+def role_settings(cfg) -> dict:
+    """Each role's update and forward settings: ``actor_update``, ``critic_update``, ``actor_log_prob``,
+    ``ref_log_prob``, ``critic_values``. Packing is per megatron role (verl's ``megatron.use_remove_padding``)."""
+    a, r, c, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.critic, cfg.actor_rollout_ref.ref
+    packed, c_packed, temp = bool(a.megatron.use_remove_padding), bool(c.megatron.use_remove_padding), float(r.temperature)
+    return dict(
+        actor_update=UpdateSettings(
+            mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
+            micro_batch_size=a.ppo_micro_batch_size_per_gpu, temperature=temp, policy=policy_loss_settings(cfg),
+            max_token_len=_budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu), packed=packed,
+            budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+        critic_update=UpdateSettings(
+            mini_batch_size=c.ppo_mini_batch_size * r.n, epochs=c.ppo_epochs, shuffle=a.shuffle,
+            micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+            value=ValueLoss(cliprange_value=c.cliprange_value, agg_mode=c.loss_agg_mode),
+            max_token_len=_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu), packed=c_packed,
+            budget_key="critic.ppo_max_token_len_per_gpu"),
+        actor_log_prob=ForwardSettings(
+            micro_batch_size=r.log_prob_micro_batch_size_per_gpu, packed=packed, temperature=temp,
+            max_token_len=_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
+            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            with_sum_pi_squared=bool(a.calculate_sum_pi_squared)),
+        ref_log_prob=ForwardSettings(
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=bool(ref.megatron.use_remove_padding),
+            temperature=temp, max_token_len=_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+        critic_values=ForwardSettings(
+            micro_batch_size=c.ppo_micro_batch_size_per_gpu, packed=c_packed,
+            max_token_len=_budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
+            budget_key="critic.forward_max_token_len_per_gpu"))
