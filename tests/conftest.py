@@ -1,7 +1,10 @@
 import os
 import sys
+import time
 import types
+import uuid
 
+import psutil
 import pytest
 import torch
 
@@ -29,3 +32,69 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# ---- nothing a test starts outlives the suite ---------------------------------------------------------
+# Every process a test starts inherits this marker (tests pass os.environ along, or a copy of it); at the
+# end of the session any process still carrying it fails the suite, named, after a grace period for
+# processes that are on their way out. A nested pytest (the SGLang venv's suite) marks and checks its own.
+SESSION_MARKER = "COXSWAIN_TEST_SESSION"
+STRAY_GRACE_S = float(os.environ.get("COXSWAIN_STRAY_GRACE_S", "20"))
+
+
+def pytest_configure(config):
+    os.environ[SESSION_MARKER] = uuid.uuid4().hex
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    me, out = os.getpid(), []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(SESSION_MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid}: {' '.join(p.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {p.pid}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    marker = os.environ.get(SESSION_MARKER)
+    if not marker:
+        return
+    try:  # an embedded Ray cluster of this process (a test that left ray.init() on) is the suite's to stop
+        import ray  # only to stop a cluster the tests left running in this process
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except ImportError:
+        pass
+    deadline = time.monotonic() + STRAY_GRACE_S
+    strays = _marked(marker)
+    while strays and time.monotonic() < deadline:
+        time.sleep(0.5)
+        strays = _marked(marker)
+    if strays:
+        names = "\n  ".join(_describe(p) for p in strays)
+        session.config.stray_report = f"{len(strays)} process(es) started by the tests outlived the suite:\n  {names}"
+        for p in strays:  # report, then leave nothing behind on the machine
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    report = getattr(config, "stray_report", None)
+    if report:
+        terminalreporter.section("processes left behind", sep="=", red=True)
+        terminalreporter.write_line(report)

@@ -1,0 +1,52 @@
+"""The suite checks itself: a process a test starts and leaves running fails the suite, named (the session
+marker in ``tests/conftest.py``). Checked with a real nested pytest whose one test starts a detached sleeper
+(its own session, so no process-group clean-up can take it) and returns: the nested suite must fail, name the
+sleeper's command, and kill it; the same suite with the sleeper stopped passes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+
+CONFTEST = Path(__file__).resolve().parent / "conftest.py"
+
+TEST = textwrap.dedent('''
+    import subprocess, sys
+    from pathlib import Path
+
+    def test_starts_a_sleeper(tmp_path):
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # hygiene-sleeper"],
+                             start_new_session=True)
+        Path(__file__).with_name("sleeper.pid").write_text(str(p.pid))
+        if {stop}:
+            p.kill(); p.wait()
+''')
+
+
+def _nested(tmp_path: Path, stop: bool) -> tuple[subprocess.CompletedProcess, int]:
+    d = tmp_path / ("stopped" if stop else "left")
+    d.mkdir()
+    (d / "conftest.py").write_text(CONFTEST.read_text())
+    (d / "test_one.py").write_text(TEST.format(stop=stop))
+    env = {k: v for k, v in os.environ.items() if k != "COXSWAIN_TEST_SESSION"}
+    env["COXSWAIN_STRAY_GRACE_S"] = "1"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(d)], cwd=d,
+                         env=env, capture_output=True, text=True, timeout=120)
+    return out, int((d / "sleeper.pid").read_text())
+
+
+def test_a_process_left_running_fails_the_suite_and_is_named(tmp_path):
+    out, pid = _nested(tmp_path, stop=False)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert "1 passed" in text and "outlived the suite" in text and "hygiene-sleeper" in text and f"pid {pid}" in text
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # and it is gone
+
+
+def test_a_clean_suite_passes(tmp_path):
+    out, _ = _nested(tmp_path, stop=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "outlived the suite" not in out.stdout
