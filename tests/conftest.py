@@ -8,6 +8,8 @@ import psutil
 import pytest
 import torch
 
+from trainer.orphans import REAPER
+
 # ``tests`` is this directory. A package installed into site-packages may ship its own top-level ``tests``
 # package (verl's wheel does, and requirements-peers.txt installs verl), and a regular package found
 # anywhere on sys.path beats this namespace directory; pin the name to this directory instead.
@@ -52,7 +54,8 @@ def _marked(marker: str) -> list[psutil.Process]:
         if p.pid == me:
             continue
         try:
-            if p.environ().get(SESSION_MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE:
+            if (p.environ().get(SESSION_MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE
+                    and REAPER not in p.cmdline()):  # a driver's reaper waits for this process to end, by design
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -50,6 +50,7 @@ from trainer.data.dataset import BadRowError, PromptSampler, build_dataset
 from trainer.envs import task_maker
 from trainer.generation import DynamicSamplingError, Generation, PipelineError, timer
 from trainer.hf_io import stop_token_ids
+from trainer.orphans import start_reaper
 from trainer.plan import LoopState, Plan
 from trainer.report import write_report
 from trainer.rewards.manager import RewardError, RewardManager
@@ -173,6 +174,7 @@ def set_up(cfg) -> Run:
     from trainer.workers.cluster import Cluster  # heavy: imports Ray (about 2 s)
 
     t_start = time.time()
+    start_reaper()  # every process this run starts carries its marker, and none outlives the driver (trainer.orphans)
     resolve_model_paths(cfg)
     check_supported(cfg)
     check_model(cfg)

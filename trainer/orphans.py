@@ -14,14 +14,21 @@ may be the prefetch thread):
   as its child, forwards SIGTERM, and kills it when the wrapper's own parent goes away. The command also
   dies with the wrapper (``PR_SET_PDEATHSIG`` in the command's process, on Linux): a wrapper SIGKILLed on
   its own, by a clean-up that kills by pid, would otherwise leave the command reparented to init.
+* :func:`mark_run` / :func:`start_reaper`: every process a run starts inherits the run's marker
+  (``COXSWAIN_RUN`` in its environment); a reaper process, started once per driver, waits for the driver
+  to end and then SIGKILLs whatever still carries the marker. This catches what the two mechanisms above
+  cannot: processes that are not ours to instrument, such as the daemons of the Ray cluster the driver
+  embedded (Ray's dashboard and runtime-env agents outlive a SIGKILLed driver on their own).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
+import uuid
 
 SUPERVISOR = r"""
 import ctypes, os, signal, subprocess, sys, time
@@ -45,7 +52,53 @@ while child.poll() is None:
 sys.exit(child.wait())
 """
 
+RUN_MARKER = "COXSWAIN_RUN"
+
+REAPER = r"""
+import os, signal, sys, time
+driver, marker, me = int(sys.argv[1]), sys.argv[2].encode(), os.getpid()
+want = b"COXSWAIN_RUN=" + marker + b"\0"
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (its parent has not reaped it yet) is gone for our purpose
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+def marked():
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in (me, driver):
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if want in f.read() + b"\0":
+                    out.append(int(d))
+        except OSError:
+            continue
+    return out
+while alive(driver):
+    time.sleep(0.5)
+time.sleep(1.0)  # processes that leave on their own (they watch their parent) go first
+for _ in range(20):  # a few rounds: a dying daemon may start another process on its way out
+    pids = marked()
+    if not pids:
+        break
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.25)
+"""
+
 _watching = False
+_reaper: subprocess.Popen | None = None
 
 
 def watch_parent(interval: float = 0.5) -> None:
@@ -79,3 +132,28 @@ def supervised(cmd: list[str]) -> list[str]:
     the wrapper's first argument, so a starter that dies before the wrapper first looks is noticed too), or
     when the wrapper itself dies."""
     return [sys.executable, "-c", SUPERVISOR, str(os.getpid()), *cmd]
+
+
+def mark_run() -> str:
+    """This process's run marker, ``"<pid>-<random>"``, set in ``os.environ`` so that every process started from
+    here on inherits it. A marker inherited from another process (a driver started by a test, or by another
+    driver) is replaced: each driver reaps only what it started."""
+    mine = f"{os.getpid()}-"
+    if not os.environ.get(RUN_MARKER, "").startswith(mine):
+        os.environ[RUN_MARKER] = mine + uuid.uuid4().hex
+    return os.environ[RUN_MARKER]
+
+
+def start_reaper() -> str:
+    """Mark the run (:func:`mark_run`) and start, once per process, the reaper that SIGKILLs every process
+    carrying the marker after this process ends (a SIGKILL of the driver included). Linux only (it reads
+    ``/proc``); elsewhere only the marker is set. Returns the marker."""
+    global _reaper
+    marker = mark_run()
+    if (_reaper is None or _reaper.poll() is not None) and os.path.isdir("/proc"):
+        env = {k: v for k, v in os.environ.items() if k != RUN_MARKER}  # the reaper does not reap itself
+        _reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(os.getpid()), marker], env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+    return marker
+

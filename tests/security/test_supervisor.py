@@ -103,3 +103,62 @@ def test_the_command_dies_with_its_wrapper(tmp_path):
 @pytest.mark.parametrize("argv", [["true"], [sys.executable, "-c", "import sys; sys.exit(3)"]])
 def test_the_wrapper_exits_with_the_command(argv):
     assert subprocess.run(supervised(argv)).returncode == (0 if argv == ["true"] else 3)
+
+
+# ---- the run's marker and its reaper (trainer.orphans.start_reaper) -------------------------------------
+DRIVER = """
+import json, os, subprocess, sys, time
+from trainer.orphans import RUN_MARKER, start_reaper
+from trainer.workers.group import init_ray
+marker = start_reaper()
+if sys.argv[1] == "ray":
+    init_ray(num_cpus=1)  # an embedded cluster: its daemons inherit the marker
+else:  # a detached process that watches nothing and ignores SIGTERM: only the reaper can end it
+    subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "time.sleep(300)"], start_new_session=True)
+print(json.dumps({"marker": marker}), flush=True)
+time.sleep(300)
+"""
+
+
+def _marked(marker: str) -> dict[int, str]:
+    out = {}
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("COXSWAIN_RUN") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                out[p.pid] = " ".join(p.cmdline())[:100] or p.name()
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.parametrize("what", ["detached", pytest.param("ray", marks=pytest.mark.slow)])
+def test_nothing_a_sigkilled_driver_started_outlives_it(tmp_path, what):
+    """``detached``: a process in its own session that ignores SIGTERM (fails without the reaper: it lives on).
+    ``ray``: the driver's embedded Ray cluster (GCS, raylet, the dashboard and runtime-env agents, which an
+    adversarial check saw outlive a SIGKILLed driver; on this machine they also end within 10 s without the
+    reaper, so this case guards, it does not prove the fix). Each process is found by the run's marker in its
+    environment, not by name."""
+    drv = subprocess.Popen([sys.executable, "-c", DRIVER, what], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        line = drv.stdout.readline()
+        while line and not line.startswith('{"marker"'):  # init_ray prints a start-up line first
+            line = drv.stdout.readline()
+        marker = json.loads(line)["marker"]
+        assert marker.startswith(f"{drv.pid}-")
+        deadline = time.monotonic() + 30
+        while len(started := _marked(marker)) < (4 if what == "ray" else 1):
+            assert time.monotonic() < deadline, started
+            time.sleep(0.2)
+        if what == "ray":
+            assert any("raylet" in c for c in started.values()) and any("gcs_server" in c for c in started.values())
+        os.kill(drv.pid, signal.SIGKILL)
+        drv.wait()
+        deadline = time.monotonic() + 10
+        while (left := _marked(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"alive 10 s after the driver's SIGKILL: {left}"
+    finally:
+        if drv.poll() is None:
+            drv.kill()

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from trainer.orphans import start_reaper
+
 # Torch tensors cross Ray without pickling (numpy-backed, zero copy) in the driver too; Ray reads the
 # flag when it is first imported, so it is set at import time of this module.
 os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
@@ -123,6 +125,7 @@ def init_ray(num_cpus: int | None = None) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=env, log_to_driver=True)
     else:
+        start_reaper()  # the embedded cluster's daemons inherit the run's marker and end with this driver
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  configure_logging=True, logging_level="WARNING")
         line = startup_summary()
