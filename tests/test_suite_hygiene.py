@@ -33,6 +33,7 @@ def _nested(tmp_path: Path, stop: bool) -> tuple[subprocess.CompletedProcess, in
     (d / "test_one.py").write_text(TEST.format(stop=stop))
     env = {k: v for k, v in os.environ.items() if k != "COXSWAIN_TEST_SESSION"}
     env["COXSWAIN_STRAY_GRACE_S"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(CONFTEST.parents[1]), env.get("PYTHONPATH", "")])  # this checkout's trainer
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(d)], cwd=d,
                          env=env, capture_output=True, text=True, timeout=120)
     return out, int((d / "sleeper.pid").read_text())
