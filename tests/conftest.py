@@ -38,8 +38,10 @@ def _seed():
 
 # ---- nothing a test starts outlives the suite ---------------------------------------------------------
 # Every process a test starts inherits this marker (tests pass os.environ along, or a copy of it); at the
-# end of the session any process still carrying it fails the suite, named, after a grace period for
-# processes that are on their way out. A nested pytest (the SGLang venv's suite) marks and checks its own.
+# end of the session any such process that no longer descends from this one (reparented to init: nothing
+# will end it when the suite does) fails the suite, named, after a grace period for processes on their way
+# out. Descendants of this process (multiprocessing's fork server, a Ray cluster left on) end with it, each
+# watching its parent. A nested pytest (the SGLang venv's suite) marks and checks its own.
 SESSION_MARKER = "COXSWAIN_TEST_SESSION"
 STRAY_GRACE_S = float(os.environ.get("COXSWAIN_STRAY_GRACE_S", "20"))
 
@@ -55,7 +57,8 @@ def _marked(marker: str) -> list[psutil.Process]:
             continue
         try:
             if (p.environ().get(SESSION_MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE
-                    and REAPER not in p.cmdline()):  # a driver's reaper waits for this process to end, by design
+                    and REAPER not in p.cmdline()  # a driver's reaper waits for this process to end, by design
+                    and me not in {a.pid for a in p.parents()}):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -87,7 +90,7 @@ def pytest_sessionfinish(session, exitstatus):
         strays = _marked(marker)
     if strays:
         names = "\n  ".join(_describe(p) for p in strays)
-        session.config.stray_report = f"{len(strays)} process(es) started by the tests outlived the suite:\n  {names}"
+        session.config.stray_report = f"{len(strays)} process(es) started by the tests outlived the suite (orphaned):\n  {names}"
         for p in strays:  # report, then leave nothing behind on the machine
             try:
                 p.kill()

@@ -1,7 +1,7 @@
 """The suite checks itself: a process a test starts and leaves running fails the suite, named (the session
-marker in ``tests/conftest.py``). Checked with a real nested pytest whose one test starts a detached sleeper
-(its own session, so no process-group clean-up can take it) and returns: the nested suite must fail, name the
-sleeper's command, and kill it; the same suite with the sleeper stopped passes."""
+marker in ``tests/conftest.py``). Checked with a real nested pytest whose one test leaves an orphaned sleeper
+behind (reparented to init) and returns: the nested suite must fail, name the sleeper's command, and kill it;
+the same suite with the sleeper stopped passes."""
 
 import os
 import subprocess
@@ -14,15 +14,21 @@ import psutil
 CONFTEST = Path(__file__).resolve().parent / "conftest.py"
 
 TEST = textwrap.dedent('''
-    import subprocess, sys
+    import os, signal, subprocess, sys
     from pathlib import Path
 
+    SLEEPER = "import time; time.sleep(300)  # hygiene-sleeper"
+    # started through an intermediate process that exits at once: the sleeper is orphaned (reparented to
+    # init), as a server whose supervisor was killed was
+    LAUNCH = ("import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+
     def test_starts_a_sleeper(tmp_path):
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # hygiene-sleeper"],
-                             start_new_session=True)
-        Path(__file__).with_name("sleeper.pid").write_text(str(p.pid))
+        out = subprocess.run([sys.executable, "-c", LAUNCH, SLEEPER], capture_output=True, text=True, check=True)
+        pid = int(out.stdout)
+        Path(__file__).with_name("sleeper.pid").write_text(str(pid))
         if {stop}:
-            p.kill(); p.wait()
+            os.kill(pid, signal.SIGKILL)
 ''')
 
 
