@@ -9,6 +9,7 @@ from trainer.algos.advantages import compute_grpo_outcome_advantage
 from trainer.algos.losses import vanilla
 from trainer.envs.base import Environment, StepResult
 from trainer.pipeline import Step, default_pipeline
+from trainer.rollout.native import NativeEngine
 
 
 def clipped_grpo(*, token_level_rewards, response_mask, index, **kwargs):
@@ -51,6 +52,20 @@ def no_reference(s: Step) -> None:
 def default_step(s: Step) -> None:
     """The default pipeline, named explicitly: the place to start a pipeline of your own."""
     default_pipeline(s)
+
+
+class CountingEngine(NativeEngine):
+    """A rollout engine (``actor_rollout_ref.rollout.name``): the native engine, counting the prompts it was
+    given. Its ``capabilities`` (what the config checks, the cluster and the fleet ask) are the native engine's;
+    an engine of its own would declare its own ``Capabilities``."""
+
+    prompts_seen = 0
+
+    def generate(self, prompt_token_ids, params=None, *args, **kwargs):
+        self.prompts_seen += len(prompt_token_ids)
+        if params is None:
+            return super().generate(prompt_token_ids, *args, **kwargs)
+        return super().generate(prompt_token_ids, params, *args, **kwargs)
 
 
 class Countdown(Environment):
