@@ -31,7 +31,8 @@ install_requires = [
 ]
 
 extras = {
-    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "wandb>=0.19", "tensorboard>=2.14"],
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "wandb>=0.19", "tensorboard>=2.14",
+            "mkdocs-material==9.6.23"],  # the docs site (mkdocs.yml), built in strict mode by tests/test_docs.py; no torch
     "trackers": ["wandb>=0.19", "tensorboard>=2.14"],  # trainer.logger wandb (offline without WANDB_API_KEY) and tensorboard; no torch
     "gpu": ["transformer-engine[pytorch]"],
     # exact API of trainer/rollout/sglang_engine.py; the newest release pinning torch==2.13.0. GPU only: its dependencies

@@ -1,4 +1,4 @@
-"""The README's layout and the packages' own module lists are checked against the tree, and the shape of the
+"""The Layout table of the architecture page (docs/architecture.md) and the packages' own module lists are checked against the tree, and the shape of the
 house is held: no import circles, few imports inside functions, no function of 100 lines or more
 (``python tests/support/house.py`` prints the figures)."""
 
@@ -7,12 +7,12 @@ import re
 
 from tests.support.house import ROOT, measure
 
-README = os.path.join(ROOT, "README.md")
+LAYOUT_PAGE = os.path.join(ROOT, "docs", "architecture.md")
 
 
 def _layout_paths() -> set[str]:
-    """The paths in the first column of the README's Layout table (backticked, one or more per cell)."""
-    text = open(README, encoding="utf-8").read()
+    """The paths in the first column of the Layout table of docs/architecture.md (backticked, one or more per cell)."""
+    text = open(LAYOUT_PAGE, encoding="utf-8").read()
     section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     paths = set()
     for line in section.splitlines():
@@ -23,7 +23,7 @@ def _layout_paths() -> set[str]:
 
 
 def _entries(package: str) -> list[str]:
-    """A package's public modules and subpackages as README paths (``trainer/x.py``, ``trainer/x/``)."""
+    """A package's public modules and subpackages as Layout-table paths (``trainer/x.py``, ``trainer/x/``)."""
     out = []
     base = os.path.join(ROOT, package)
     for name in sorted(os.listdir(base)):
@@ -37,15 +37,15 @@ def _entries(package: str) -> list[str]:
     return out
 
 
-def test_readme_layout_names_every_top_level_module_of_trainer():
+def test_layout_table_names_every_top_level_module_of_trainer():
     listed = _layout_paths()
     missing = [e for e in _entries("trainer") if e not in listed]
-    assert not missing, f"README's Layout table does not name: {missing}"
+    assert not missing, f"the Layout table of docs/architecture.md does not name: {missing}"
 
 
-def test_readme_layout_names_only_paths_that_exist():
+def test_layout_table_names_only_paths_that_exist():
     gone = [p for p in _layout_paths() if not os.path.exists(os.path.join(ROOT, p.rstrip("/")))]
-    assert not gone, f"README's Layout table names paths that do not exist: {gone}"
+    assert not gone, f"the Layout table of docs/architecture.md names paths that do not exist: {gone}"
 
 
 def test_every_package_docstring_names_its_modules():

@@ -178,6 +178,33 @@ def field_comments(source_path: str | None = None) -> dict[tuple[str, str], str]
     return out
 
 
+def shown_value(v) -> str:
+    """A config value as it is written on a command line: ``null``, ``true``, ``[console,mlflow]``."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(shown_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{k}: {shown_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def changed_from_defaults(raw: Mapping, defaults: Mapping, shown: Mapping) -> dict:
+    """``{key: shown value}`` of the flat config ``raw`` (values as set, interpolations unresolved) whose value
+    differs from the flat ``defaults``, in the config's order; ``shown`` holds the values to print (resolved, with
+    secrets masked)."""
+    return {k: shown.get(k, v) for k, v in raw.items() if k not in defaults or defaults[k] != v}
+
+
+def config_summary_lines(changed: Mapping, path: str) -> list[str]:
+    """What the console opens with instead of the whole resolved config: the keys that differ from the defaults
+    (one ``key=value`` line each) and the file that holds every key."""
+    head = f"config: {len(changed)} key(s) differ from the defaults; every key is in {path}"
+    return [head] + [f"  {k}={shown_value(v)}" for k, v in changed.items()]
+
+
 def help_keys_lines(root=None) -> list[str]:
     """Every config key with its default and description, grouped by section."""
     if root is None:

@@ -42,9 +42,10 @@ from trainer.async_rollout import AsyncBatchSource
 from trainer.batch_source import BatchSource
 from trainer.checkpoint import (CheckpointError, CheckpointManager, load_driver_state, load_workers, save_workers,
                                 verify)
-from trainer.config import LAST_LOAD_NOTES, ConfigError, load_config, public_container, save_resolved, to_yaml
+from trainer.config import (LAST_LOAD_NOTES, ConfigError, CoxswainConfig, flatten_keys, load_config, public_container,
+                            save_resolved, to_yaml)
 from trainer.config.preflight import check_code_sandbox, check_model, check_supported, rm_inputs
-from trainer.console import help_keys_lines, print_lines
+from trainer.console import changed_from_defaults, config_summary_lines, help_keys_lines, print_lines
 from trainer.credit import make_judge
 from trainer.data.dataset import BadRowError, PromptSampler, build_dataset
 from trainer.envs import task_maker
@@ -354,6 +355,13 @@ def finish(run: Run) -> dict:
     return {"history": state.history, "final": dict(state.history[-1] if state.history else {}), "run_dir": run_dir}
 
 
+def config_changes(cfg) -> dict[str, Any]:
+    """The keys whose values, as set (interpolations unresolved), differ from the schema's defaults, with the values
+    the console may show (resolved, secrets masked: :func:`trainer.config.public_container`)."""
+    defaults = flatten_keys(OmegaConf.structured(CoxswainConfig))
+    return changed_from_defaults(flatten_keys(cfg), defaults, flatten_keys(public_container(cfg)))
+
+
 def cli(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help-keys" in argv:  # every key, its default and its description (the field's comment in trainer/config/schema.py)
@@ -372,7 +380,8 @@ def cli(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a config file that is not YAML, an unreadable path, ...
         print(f"config error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    print(to_yaml(cfg))
+    if dry:  # --print-config: every key; a run opens with what differs from the defaults (config_changes)
+        print(to_yaml(cfg))
     for note in LAST_LOAD_NOTES:  # verl implementation selectors: accepted, and said to do nothing here
         print(f"note: {note}", file=sys.stderr)
     run_dir = cfg.trainer.default_local_dir
@@ -382,12 +391,15 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"error: cannot write the run directory trainer.default_local_dir={run_dir!r}: {e}. "
               f"Point it at a writable directory.", file=sys.stderr)
         return 2
-    print(f"resolved config written to {path}", flush=True)
-    if not dry:
-        try:
-            train(cfg)
-        except BaseException as e:  # noqa: BLE001 - every failure ends in one paragraph, the traceback in a file
-            return report_failure(e, cfg)
+    if dry:
+        print(f"resolved config written to {path}", flush=True)
+        return 0
+    print_lines(config_summary_lines(config_changes(cfg), path))
+    sys.stdout.flush()
+    try:
+        train(cfg)
+    except BaseException as e:  # noqa: BLE001 - every failure ends in one paragraph, the traceback in a file
+        return report_failure(e, cfg)
     return 0
 
 

@@ -4,7 +4,7 @@ the features whose keys are accepted but not built yet (refused, never ignored),
 
 Rules (the loader in :mod:`trainer.config` applies them, collecting every problem of a command line):
 
-* A key of Coxswain's schema is set (verl's defaults are the schema's; see the README for the few
+* A key of Coxswain's schema is set (verl's defaults are the schema's; see docs/configuration.md for the few
   deliberate exceptions).
 * A key that only verl has (``trainer.verl_keys``) is accepted when it holds verl's default: it asks for
   nothing verl would not do by default and Coxswain behaves that way. Any other value is refused with a

@@ -64,7 +64,7 @@ def test_refusal_table_names_real_keys():
         assert key in LEAVES, key
 
 
-# Coxswain's deliberate departures from verl's defaults (each listed in the README with its reason)
+# Coxswain's deliberate departures from verl's defaults (each listed in docs/configuration.md with its reason)
 DELIBERATE = {
     "actor_rollout_ref.model.enable_gradient_checkpointing",  # verl's true is inert under megatron; here it recomputes
     "actor_rollout_ref.rollout.mode",  # sync: the same on-policy samples as verl's async agent loop, without servers
