@@ -307,3 +307,15 @@ def test_weight_sync_distributed_group_is_refused_where_it_cannot_run():
         tiny_config(base + ["trainer.placement=split", "actor_rollout_ref.rollout.mode=server"])
     with pytest.raises(ConfigError, match="weight_sync"):
         tiny_config(["actor_rollout_ref.rollout.weight_sync=nccl"])
+
+
+def test_fp32_overlay_sets_every_role_to_float32():
+    """recipes/cpu/fp32.yaml promises fp32 for every role: the reward model too (its megatron.dtype does not
+    follow the actor's, and its deepspeed_config.dtype falls back to it)."""
+    cfg = tiny_config()
+    assert {k: OmegaConf.select(cfg, k) for k in (
+        "actor_rollout_ref.actor.megatron.dtype", "actor_rollout_ref.ref.megatron.dtype",
+        "actor_rollout_ref.rollout.dtype", "critic.megatron.dtype", "reward_model.megatron.dtype")} == dict.fromkeys((
+        "actor_rollout_ref.actor.megatron.dtype", "actor_rollout_ref.ref.megatron.dtype",
+        "actor_rollout_ref.rollout.dtype", "critic.megatron.dtype", "reward_model.megatron.dtype"), "float32")
+    assert cfg.reward_model.deepspeed_config.dtype is None
