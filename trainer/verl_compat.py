@@ -223,7 +223,7 @@ def refusals(cfg) -> list[str]:
         for key in ([f"{r}.{pat[2:]}" for r in _MEGATRON_ROLES] if pat.startswith("*.") else [pat]):
             val = OmegaConf.select(cfg, key, default=None)
             if bad(val, cfg):
-                errs.append(f"{key}={val}: {why}; remove the line (or set it back to its default).")
+                errs.append(f"{key}={val}: {why}.")  # each reason ends in its own fix
     return errs
 
 

@@ -319,3 +319,42 @@ def test_fp32_overlay_sets_every_role_to_float32():
         "actor_rollout_ref.actor.megatron.dtype", "actor_rollout_ref.ref.megatron.dtype",
         "actor_rollout_ref.rollout.dtype", "critic.megatron.dtype", "reward_model.megatron.dtype"), "float32")
     assert cfg.reward_model.deepspeed_config.dtype is None
+
+
+def _problems(overrides) -> list[str]:
+    """The numbered problems of a refused config, without their numbers."""
+    with pytest.raises(ConfigError) as e:
+        tiny_config(overrides)
+    lines = str(e.value).splitlines()
+    return [ln.split(". ", 1)[1] for ln in lines[1:]] if len(lines) > 1 else [str(e.value)]
+
+
+_RANKS = "a parallel size is a number of ranks, at least 1 (1: not split that way)."
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.ref.megatron.param_offload=false"],
+     ["actor_rollout_ref.actor.megatron.param_offload=True: offload frees accelerator memory between phases; with "
+      "trainer.device=cpu the parameters, gradients and optimizer state already live in host memory, so it would only "
+      "copy them back and forth: remove the line (or train on GPUs: trainer.device=cuda)."]),
+    (["actor_rollout_ref.actor.router_replay.record_file=/tmp/r"],
+     ["actor_rollout_ref.actor.router_replay.record_file=/tmp/r: dumping routes to a file is not built; remove the line."]),
+    (["actor_rollout_ref.ref.router_replay.replay_file=/tmp/r"],
+     ["actor_rollout_ref.ref.router_replay.replay_file=/tmp/r: replaying routes from a file is not built; remove the line."]),
+    (["actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu"],
+     ["actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native (CPU or GPU); use "
+      "actor_rollout_ref.rollout.name=native."]),
+    (["actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda"],
+     ["actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native (CPU or GPU); use "
+      "actor_rollout_ref.rollout.name=sglang."]),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"],
+     [f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0: {_RANKS}"]),
+    (["critic.megatron.pipeline_model_parallel_size=0", "critic.megatron.context_parallel_size=-1", "algorithm.adv_estimator=gae"],
+     [f"critic.megatron.pipeline_model_parallel_size=0, critic.megatron.context_parallel_size=-1: {_RANKS}"]),
+    (["actor_rollout_ref.ref.megatron.expert_model_parallel_size=0", "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=0"],
+     [f"actor_rollout_ref.ref.megatron.expert_model_parallel_size=0, actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=0: {_RANKS}"]),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], [f"actor_rollout_ref.rollout.tensor_model_parallel_size=0: {_RANKS}"]),
+])
+def test_refusals_say_one_thing_once(overrides, expected):
+    """Each refusal names the fault and its fix once; a zero parallel size is a config error, not a division by zero."""
+    assert _problems(overrides) == expected

@@ -294,8 +294,10 @@ def choice_errors(cfg: DictConfig) -> list[str]:
     errs: list[str] = list(refusals(cfg))
     r0 = cfg.actor_rollout_ref.rollout
     if r0.name in OTHER_ENGINES:
+        # on CPU the answer is the native engine (SGLang's CPU path is a separate install)
+        use = "native" if cfg.trainer.device == "cpu" else "sglang"
         errs.append(f"actor_rollout_ref.rollout.name={r0.name}: Coxswain's engines are sglang (GPU) and native (CPU or "
-                    f"GPU); use actor_rollout_ref.rollout.name=sglang.")
+                    f"GPU); use actor_rollout_ref.rollout.name={use}.")
     elif ":" in str(r0.name):  # a user's engine: it must import and be an engine class (the fault and the fix)
         try:
             engine_class(r0.name)
@@ -393,16 +395,15 @@ def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
     and an uneven layer split fit the pipeline."""
     errs, ws = [], world_size(cfg)
     ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
-    if ep < 1 or (etp is not None and etp < 1):
-        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1.")
-    elif ws % ((etp or mcfg.tensor_model_parallel_size) * ep * mcfg.pipeline_model_parallel_size):
-        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
-                    f"{etp or mcfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
-                    f"{mcfg.pipeline_model_parallel_size} does not divide the world size {ws}.")
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    if min(tp, pp, cp) < 1:
-        errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
-        return errs
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
+             "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+    bad = [f"{role}.megatron.{k}={v}" for k, v in sizes.items() if v is not None and v < 1]
+    if bad:  # a size counts ranks: the checks below divide by it
+        return [f"{', '.join(bad)}: a parallel size is a number of ranks, at least 1 (1: not split that way)."]
+    if ws % ((etp or tp) * ep * pp):
+        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
+                    f"{etp or tp} x pipeline_model_parallel_size={pp} does not divide the world size {ws}.")
     if ws % (tp * pp * cp):
         errs.append(f"{role}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
                     + (f" x context_parallel_size={cp}" if cp > 1 else "")
@@ -501,6 +502,9 @@ def rollout_errors(cfg: DictConfig) -> list[str]:
     if r.prompt_length < d.max_prompt_length:
         errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
+    if r.tensor_model_parallel_size < 1:
+        errs.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: a parallel "
+                    f"size is a number of ranks, at least 1 (1: not split that way).")
     if r.max_num_seqs < 1:
         errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
     if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
