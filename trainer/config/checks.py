@@ -24,6 +24,7 @@ from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
 from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
 from trainer.verl_compat import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS, parse_rejection, refusals
@@ -617,9 +618,30 @@ def trainer_errors(cfg: DictConfig) -> list[str]:
     return errs
 
 
+def _hf_override_errors(cfg: DictConfig) -> list[str]:
+    """verl's ``*.model.override_config``: known fields and values (:func:`trainer.hf_io.override_errors`), and
+    readers that apply them: the native and SGLang engines in Ray workers (an HTTP fleet's servers and a user's
+    engine are not given them)."""
+    errs = []
+    for key in ("actor_rollout_ref.model.override_config", "critic.model.override_config",
+                "reward_model.model.override_config"):
+        errs += override_errors(OmegaConf.to_container(OmegaConf.select(cfg, key)), key)
+    r = cfg.actor_rollout_ref.rollout
+    if override_fields(OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config)):
+        if r.mode in ("server", "async"):
+            errs.append(f"actor_rollout_ref.model.override_config with actor_rollout_ref.rollout.mode={r.mode}: the "
+                        f"engine servers read the checkpoint's config.json as it is, so they would sample from another "
+                        f"model than the trainer's; use rollout.mode=sync, or edit config.json.")
+        elif r.name not in ("native", "sglang"):
+            errs.append(f"actor_rollout_ref.model.override_config with actor_rollout_ref.rollout.name={r.name}: only "
+                        f"the native and sglang engines are given the overrides; use one of them, or edit config.json.")
+    return errs
+
+
 # The section checks in the schema's order; each reads its section (and the keys it must agree with).
 SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
-                  _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors)
+                  _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors,
+                  _hf_override_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines

@@ -110,7 +110,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # allow custom HF code (never needed for Llama/Qwen2/Qwen3)
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     use_remove_padding: bool = False  # verl's FSDP packing switch; the megatron roles pack by *.megatron.use_remove_padding (true with it false is refused)
-    override_config: Dict[str, Any] = field(default_factory=dict)  # overrides applied to the HF config
+    override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the checkpoint's for the actor, reference and rollout (max_position_embeddings, rope_theta, rope_scaling, attention_dropout, rms_norm_eps; top level or under model_config)
 
 
 @dataclass
@@ -270,6 +270,7 @@ class CriticModelConfig:
     path: Optional[str] = None  # HF dir of the critic trunk; None = the actor's model
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
     enable_gradient_checkpointing: bool = False  # full activation recompute in backward (megatron: refined by critic.megatron.override_transformer_config)
+    override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the critic's (as actor_rollout_ref.model.override_config)
 
 
 @dataclass
@@ -316,6 +317,7 @@ class SandboxConfig:
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = None  # HF *ForSequenceClassification checkpoint (num_labels=1, head 'score'); required with reward_model.enable
+    override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the reward model's (as actor_rollout_ref.model.override_config)
     input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"  # the tokenizer that made the rollout's ids: each response is decoded with it and re-rendered by the RM's chat template and tokenizer (verl's switch); null = the RM reads the actor's ids as they are (same vocabulary)
 
 

@@ -52,11 +52,12 @@ class MegatronStrategy(Strategy):
                  model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                  etp: int | None = None, moe: dict | None = None, pp_layers=None, params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, recompute: dict | None = None,
-                 sequence_parallel: bool = False, routing_replay: bool = False, offload: dict | None = None):
+                 sequence_parallel: bool = False, routing_replay: bool = False, offload: dict | None = None,
+                 hf_overrides: dict | None = None):
         launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
                                 seed=seed)
         self.mesh = launch.parallel_layout()
-        self.hf = read_hf_config(model_path)
+        self.hf = read_hf_config(model_path, hf_overrides)  # verl's model.override_config over config.json
         if role == "reward":  # a reward model's head is its training: never a fresh init (trainer.rewards.reward_model)
             check_score_head(model_path, self.hf.hidden_size)
         self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=DTYPES[params_dtype],
