@@ -30,6 +30,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainer import verl_keys
+from trainer.transformer_overrides import MOE_KEYS, RECOMPUTE_KEYS
 
 VERL_MEGATRON: dict[str, Any] = verl_keys.MEGATRON
 VERL_FSDP_ONLY: dict[str, Any] = verl_keys.FSDP_ONLY
@@ -364,11 +365,8 @@ if __name__ == "__main__":
     print("keys: megatron %d, FSDP-only %d" % regenerate(sys.argv[2]))
 
 
-# megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
-RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-# megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
-MOE_KEYS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff")
-MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+# the recompute and MoE-loss fields of ``*.megatron.override_transformer_config`` that Coxswain reads itself
+# (the other TransformerConfig fields pass through: trainer.transformer_overrides)
 
 
 def moe_settings(mcfg) -> dict:

@@ -236,7 +236,7 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
     keys = ["actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
             "critic.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
-            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_expert_capacity_factor=1.5",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.fp8=hybrid",
             "critic.deepspeed_config.zero_stage=3", "async_training.staleness_threshold=0.5"]
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
@@ -244,7 +244,7 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     for want in ("ref.megatron.virtual_pipeline_model_parallel_size=2 interleaves pipeline stages: it needs "
                  "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size >= 2",
                  "critic.megatron.param_offload=True: offload frees accelerator memory",
-                 "optimizer_offload=True: offload frees accelerator memory", "['moe_expert_capacity_factor'] not supported",
+                 "optimizer_offload=True: offload frees accelerator memory", "override_transformer_config.fp8='hybrid': FP8",
                  "critic.deepspeed_config.{zero_stage} set, but critic.strategy=megatron",
                  "async_training.staleness_threshold=0.5 applies to async_training.mode=fully_async only"):
         assert want in msg, want

@@ -27,7 +27,8 @@ from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, Dee
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
-from trainer.verl_compat import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS, parse_rejection, refusals
+from trainer.transformer_overrides import override_errors as transformer_override_errors
+from trainer.verl_compat import parse_rejection, refusals
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
@@ -371,24 +372,16 @@ def megatron_errors(cfg: DictConfig) -> list[str]:
     """``*.megatron``: each role's transformer-config overrides and its parallel layout over the world."""
     errs = []
     for role, mcfg in megatron_roles(cfg):
-        errs += _override_errors(role, mcfg)
+        errs += _override_errors(cfg, role, mcfg)
         errs += _layout_errors(cfg, role, mcfg)
     return errs
 
 
-def _override_errors(role: str, mcfg) -> list[str]:
-    """``<role>.megatron.override_transformer_config``: only the recompute and MoE-loss keys are read."""
-    errs = []
-    bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
-    if bad:
-        errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
-                    f"settings {list(RECOMPUTE_KEYS)}, the MoE losses {list(MOE_KEYS)} (and attention_backend, "
-                    f"which has no effect) are.")
-    lb = dict(mcfg.override_transformer_config).get("moe_router_load_balancing_type")
-    if lb is not None and lb not in MOE_BALANCING:
-        errs.append(f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type={lb!r}: "
-                    f"choose one of {list(MOE_BALANCING)}.")
-    return errs
+def _override_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
+    """``<role>.megatron.override_transformer_config``: megatron-core TransformerConfig fields
+    (:func:`trainer.transformer_overrides.override_errors`)."""
+    return transformer_override_errors(role, OmegaConf.to_container(mcfg.override_transformer_config, resolve=True),
+                                       cfg.trainer.device)
 
 
 def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:

@@ -81,7 +81,7 @@ class MegatronConfig:
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16: compute/parameter dtype (bf16/fp16 keep fp32 main params, grads and Adam state)
     use_remove_padding: bool = True  # packed THD sequences (no pad tokens) in every pass of this role
     use_torch_compile: bool = False  # torch.compile (inductor) the model chunk; the first steps pay the compile
-    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig overrides: recompute_granularity (full | selective) / recompute_method (uniform | block) / recompute_num_layers / recompute_modules
+    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron-core TransformerConfig fields, passed through (recompute_* and moe_* losses read by Coxswain; fields the bridge sets from config.json or this section refused; GPU kernel switches turned off on CPU with a note, FP8 refused there): trainer/transformer_overrides.py
 
 
 def _follow_actor(key: str, default) -> str:
