@@ -59,7 +59,10 @@ def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
     # model.override_config reaches the actor, reference and engine readers (values that change no number here)
     out = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2",
               "actor_rollout_ref.model.override_config.max_position_embeddings=128",
-              "actor_rollout_ref.model.override_config.rope_theta=10000.0")
+              "actor_rollout_ref.model.override_config.rope_theta=10000.0",
+              # a TransformerConfig field passed through and a GPU kernel switch turned off on CPU (no number changes)
+              "+actor_rollout_ref.actor.megatron.override_transformer_config.deallocate_pipeline_outputs=true",
+              "+actor_rollout_ref.actor.megatron.override_transformer_config.bias_activation_fusion=true")
     hist = out["history"]
     # eval exactly at step 0 (val_before_train) and at step 2, once each
     assert [h["step"] for h in hist] == [0, 1, 2]
