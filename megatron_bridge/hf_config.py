@@ -41,12 +41,13 @@ from trainer.hf_io import (  # noqa: F401  (re-exported: the bridge's names for 
 from trainer.hf_io import ArchConfig as HFModelConfig
 
 
-def read_hf_config(src: str | os.PathLike | dict) -> HFModelConfig:
-    """:func:`trainer.hf_io.read_config` (a directory, a file path, or a loaded dict), refusing as
+def read_hf_config(src: str | os.PathLike | dict, overrides=None) -> HFModelConfig:
+    """:func:`trainer.hf_io.read_config` (a directory, a file path, or a loaded dict; ``overrides``:
+    verl's ``model.override_config``), refusing as
     well the biases this bridge does not map: Llama / Qwen3 ``attention_bias`` puts a bias on o_proj,
     Llama ``mlp_bias`` on gate/up/down, and megatron's one switch for those (``add_bias_linear``) puts
     biases on all four together."""
-    cfg = read_config(src)
+    cfg = read_config(src, overrides)
     if cfg.o_bias:
         raise UnsupportedConfig(f"config.json: {cfg.model_type} with attention_bias=True (a bias on o_proj) is not "
                                 f"supported by the megatron bridge (megatron's add_bias_linear ties it to MLP biases); "
@@ -128,7 +129,7 @@ def transformer_config_kwargs(
         add_qkv_bias=cfg.qkv_bias,
         qk_layernorm=cfg.qk_norm,
         hidden_dropout=0.0,
-        attention_dropout=0.0,
+        attention_dropout=cfg.attention_dropout,  # the SDPA core attention refuses > 0 (megatron_bridge/attention.py)
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,

@@ -29,7 +29,7 @@ BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
         f"actor_rollout_ref.model.path={TINY}", "trainer.logger=[mlflow]", "data.val_batch_size=64"]
 
-VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/throughput", "perf/time_per_step", "perf/max_memory",
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/throughput", "perf/time_per_step", "perf/mfu/", "perf/max_memory",
             "perf/cpu_memory", "sync/seconds", "sync/gbps", "reward/time_s")
 
 
@@ -56,7 +56,13 @@ def _ray():
 
 def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    out = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2")
+    # model.override_config reaches the actor, reference and engine readers (values that change no number here)
+    out = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2",
+              "actor_rollout_ref.model.override_config.max_position_embeddings=128",
+              "actor_rollout_ref.model.override_config.rope_theta=10000.0",
+              # a TransformerConfig field passed through and a GPU kernel switch turned off on CPU (no number changes)
+              "+actor_rollout_ref.actor.megatron.override_transformer_config.deallocate_pipeline_outputs=true",
+              "+actor_rollout_ref.actor.megatron.override_transformer_config.bias_activation_fusion=true")
     hist = out["history"]
     # eval exactly at step 0 (val_before_train) and at step 2, once each
     assert [h["step"] for h in hist] == [0, 1, 2]
@@ -65,6 +71,10 @@ def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
                 "perf/throughput", "sync/verified", "reward/acc", "actor/entropy", "actor/ppo_kl"):
         assert key in hist[1] or key in hist[2], key
     assert hist[1]["sync/verified"] == 1.0  # the checksum-verified sync ran after the update
+    # verl's step counters: both steps draw from the first pass over the prompts (epoch 0)
+    assert [(h["training/global_step"], h["training/epoch"]) for h in hist[1:]] == [(1, 0), (2, 0)]
+    # the update's MFU against this CPU's measured matmul peak: a fraction, positive and well under 1
+    assert all(0 < h["perf/mfu/actor"] < 1 for h in hist[1:]), [h["perf/mfu/actor"] for h in hist[1:]]
     run_dir = Path(out["run_dir"])
     assert (run_dir / "report.png").stat().st_size > 10_000 and (run_dir / "config.yaml").exists()
     # the export loads in transformers and differs from the starting weights (the actor trained)
@@ -82,6 +92,7 @@ def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
     runs = c.search_runs([c.get_experiment_by_name("coxswain").experiment_id])
     r = runs[0]
     assert r.data.params["algorithm.adv_estimator"] == "grpo"
+    assert float(r.data.params["perf/peak_tflops/float32"]) > 0 and "measured" in r.data.params["perf/peak_source"]
     val_key = next(k for k in hist[0] if k.startswith("val-core/") and "/acc/mean@" in k)
     # MLflow keys as verl writes them there: "@" -> "_at_"
     assert [m.step for m in c.get_metric_history(r.info.run_id, val_key.replace("@", "_at_"))] == [0, 2]

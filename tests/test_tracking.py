@@ -1,8 +1,10 @@
 """Tracking: a real local MLflow (SQLite) store receives params, batched metrics and artifacts; secrets never do."""
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from trainer.tracking import Tracker, default_tracking_uri, redact
+from trainer.config import ConfigError
+from trainer.tracking import Tracker, artifact_location, default_tracking_uri, redact
 
 
 def test_mlflow_run_gets_params_metrics_artifacts_and_no_secrets(tmp_path, monkeypatch, capsys):
@@ -60,3 +62,52 @@ def test_resume_logs_each_step_once_and_survives_a_missing_run(tmp_path, monkeyp
     c2 = MlflowClient(tracking_uri=default_tracking_uri(str(tmp_path / "elsewhere")))
     assert c2.get_run(other.run_id).data.tags["coxswain.resumed_from_run_id"] == t.run_id
     assert "is not in" in capsys.readouterr().out
+
+
+def test_artifacts_follow_the_tracking_uri_not_the_working_directory(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI names a SQLite store in one folder and the run starts from another: the
+    artifacts land next to the store's database, nothing under the working directory; with
+    MLFLOW_ARTIFACT_URI they land there; an experiment that exists keeps its own location."""
+    store, cwd = tmp_path / "store", tmp_path / "checkout"
+    store.mkdir()
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_ARTIFACT_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}/mlflow.db")
+    art = tmp_path / "report.txt"
+    art.write_text("hello")
+    t = Tracker("proj", "exp", ["mlflow"])
+    t.log_artifact(str(art), "report")
+    t.finish()
+    assert (store / "artifacts").is_dir()
+    assert [p.name for p in (store / "artifacts").rglob("report.txt")] == ["report.txt"]
+    assert list(cwd.iterdir()) == []  # no ./mlruns in the directory the run started from
+    c = MlflowClient(tracking_uri=f"sqlite:///{store}/mlflow.db")
+    assert c.get_experiment_by_name("proj").artifact_location == f"file://{store}/artifacts"
+    # a second experiment with MLFLOW_ARTIFACT_URI: its artifacts go there
+    monkeypatch.setenv("MLFLOW_ARTIFACT_URI", f"file://{tmp_path}/bucket")
+    t2 = Tracker("proj2", "exp", ["mlflow"])
+    t2.log_artifact(str(art))
+    t2.finish()
+    assert [p.parent.parent.parent.name for p in (tmp_path / "bucket").rglob("report.txt")] == ["bucket"]
+    # the existing experiment "proj" keeps the location it was created with
+    t3 = Tracker("proj", "exp", ["mlflow"])
+    t3.log_artifact(str(art))
+    t3.finish()
+    assert len(list((store / "artifacts").rglob("report.txt"))) == 2
+    assert list(cwd.iterdir()) == []
+
+
+def test_a_database_store_without_artifact_location_is_refused(monkeypatch):
+    monkeypatch.delenv("MLFLOW_ARTIFACT_URI", raising=False)
+    with pytest.raises(ConfigError) as e:
+        artifact_location("postgresql://user:pw@db:5432/mlflow")
+    assert str(e.value) == (
+        "MLFLOW_TRACKING_URI=postgresql://user:***@db:5432/mlflow is a database store, which has no artifact location "
+        "of its own (MLflow would write the artifacts under ./mlruns of the working directory): set "
+        "MLFLOW_ARTIFACT_URI to where they should go (a path, s3://..., ...).")
+    monkeypatch.setenv("MLFLOW_ARTIFACT_URI", "s3://bucket/x")
+    assert artifact_location("postgresql://db/mlflow") == "s3://bucket/x"
+    assert artifact_location("http://mlflow-server:5000") == "s3://bucket/x"
+    monkeypatch.delenv("MLFLOW_ARTIFACT_URI")
+    assert artifact_location("http://mlflow-server:5000") is None  # the server's own artifact root

@@ -61,6 +61,7 @@ megatron bridge and the engines import it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -99,6 +100,88 @@ def load_config_json(src: str | os.PathLike) -> dict:
         return json.load(f)
 
 
+# verl's ``*.model.override_config``: the config.json fields a run may override. Each is read by this
+# module, so the megatron bridge, the native engine and the perf counter see the same value; the
+# DeepSpeed strategy and SGLang get the same dict (transformers' and SGLang's own readers). Fields that
+# size a weight (hidden_size, num_hidden_layers, vocab_size, ...) would not fit the checkpoint, and
+# fields nothing here reads would change nothing: both are refused.
+OVERRIDABLE_FIELDS = {
+    "max_position_embeddings": "the context length the RoPE tables (and llama3 scaling's original length) are built for",
+    "rope_theta": "the RoPE base",
+    "rope_scaling": "RoPE scaling: a dict with rope_type (default | linear | llama3) and its parameters",
+    "attention_dropout": "dropout on the attention probabilities while training (the DeepSpeed strategy's transformers model)",
+    "rms_norm_eps": "the RMSNorm epsilon",
+}
+
+
+def override_fields(override) -> dict:
+    """The HF fields of a verl ``override_config`` dict: its top-level fields and those of its
+    ``model_config`` sub-dict (verl's megatron workers read that one), which win on a clash.
+    ``moe_config.freeze_moe_router`` is not a field (see :func:`override_errors`)."""
+    ov = {k: v for k, v in dict(override or {}).items() if k not in ("model_config", "moe_config")}
+    ov.update(dict((override or {}).get("model_config") or {}))
+    return ov
+
+
+def override_errors(override, key: str) -> list[str]:
+    """What is wrong with a verl ``override_config`` dict at ``key``: unknown fields (with the closest
+    names), a value of the wrong type, ``moe_config.freeze_moe_router=true`` (not built)."""
+    errs = []
+    moe = dict((override or {}).get("moe_config") or {})
+    if moe.pop("freeze_moe_router", False):
+        errs.append(f"{key}.moe_config.freeze_moe_router=true: freezing the MoE router is not built; remove the line.")
+    if moe:
+        errs.append(f"{key}.moe_config: {sorted(moe)} unknown; verl's moe_config has freeze_moe_router only.")
+    top = {k: v for k, v in dict(override or {}).items() if k not in ("model_config", "moe_config")}
+    fields = [(f"{key}.{k}", k, v) for k, v in top.items()]
+    fields += [(f"{key}.model_config.{k}", k, v) for k, v in dict((override or {}).get("model_config") or {}).items()]
+    for at, name, val in fields:
+        if name not in OVERRIDABLE_FIELDS:
+            near = difflib.get_close_matches(name, list(OVERRIDABLE_FIELDS), n=3, cutoff=0.6)
+            errs.append(f"{at}: not a field that can be overridden"
+                        + (f" (closest: {', '.join(near)})" if near else "")
+                        + f"; the fields are {', '.join(OVERRIDABLE_FIELDS)} (a field that sizes a weight would not fit "
+                        f"the checkpoint).")
+        elif name == "rope_scaling" and val is not None and not isinstance(val, dict):
+            errs.append(f"{at}={val!r}: a dict, e.g. {{rope_type: linear, factor: 2.0}}, or null.")
+        elif name != "rope_scaling" and (isinstance(val, bool) or not isinstance(val, (int, float))):
+            errs.append(f"{at}={val!r}: a number.")
+        elif name in ("max_position_embeddings", "rope_theta", "rms_norm_eps") and val <= 0:
+            errs.append(f"{at}={val}: must be > 0.")
+        elif name == "attention_dropout" and not 0 <= val < 1:
+            errs.append(f"{at}={val}: a probability in [0, 1).")
+    return errs
+
+
+def apply_overrides(d: dict, override) -> dict:
+    """``config.json``'s dict with the override's fields set over it (a new dict). A RoPE override is
+    written in both spellings, v4's ``rope_theta`` / ``rope_scaling`` and v5's ``rope_parameters``
+    (which wins where both are read), so every reader sees it: a new ``rope_scaling`` replaces the
+    checkpoint's scaling and keeps its base; a new ``rope_theta`` keeps its scaling."""
+    ov = override_fields(override)
+    if not ov:
+        return d
+    out = {**d, **ov}
+    if "rope_theta" in ov or "rope_scaling" in ov:
+        old = dict(d.get("rope_parameters") or {})
+        old = dict(old["full_attention"]) if isinstance(old.get("full_attention"), dict) else old
+        theta = ov.get("rope_theta", old.get("rope_theta", d.get("rope_theta", 10000.0)))
+        if "rope_scaling" in ov:
+            scaling = dict(ov["rope_scaling"] or {})
+        else:
+            scaling = {k: v for k, v in {**dict(d.get("rope_scaling") or {}), **old}.items() if k != "rope_theta"}
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        out.update(rope_theta=theta, rope_scaling=scaling, rope_parameters={**scaling, "rope_theta": theta})
+    return out
+
+
+def overridden_fields(d: dict, override) -> dict:
+    """The config.json fields an override changes, as :func:`apply_overrides` writes them: what an
+    engine that reads the checkpoint's config itself is given (SGLang's ``json_model_override_args``)."""
+    out = apply_overrides(d, override)
+    return {k: v for k, v in out.items() if k not in d or d[k] != v}
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """The architecture of a HF Llama / Qwen2 / Qwen3 decoder, normalised across families and
@@ -128,6 +211,7 @@ class ArchConfig:
     moe_intermediate_size: int = 0  # each routed expert's SwiGLU width
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum 1
     shared_expert_intermediate_size: int = 0  # qwen2_moe: the always-on shared expert's width (0: none)
+    attention_dropout: float = 0.0  # dropout on the attention probabilities in training
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as read
 
     @property
@@ -148,8 +232,8 @@ class ArchConfig:
         return read_config(d)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "ArchConfig":
-        return read_config(path)
+    def from_pretrained(cls, path: str | os.PathLike, overrides=None) -> "ArchConfig":
+        return read_config(path, overrides)
 
 
 def _int_field(d: dict, key: str) -> int:
@@ -185,13 +269,14 @@ def _rope(d: dict, max_pos: int) -> tuple[float, dict]:
     return theta, scaling
 
 
-def read_config(src: str | os.PathLike | dict) -> ArchConfig:
-    """Parse a ``config.json`` (a model directory, the file's path, or the loaded dict).
+def read_config(src: str | os.PathLike | dict, overrides=None) -> ArchConfig:
+    """Parse a ``config.json`` (a model directory, the file's path, or the loaded dict), with verl's
+    ``override_config`` dict ``overrides`` set over it (:func:`apply_overrides`).
 
     Raises :class:`UnsupportedConfig` for what neither the engine nor the bridge computes (see the
     module docstring); each message names the field, its value and the fix.
     """
-    d = dict(src) if isinstance(src, dict) else load_config_json(src)
+    d = apply_overrides(dict(src) if isinstance(src, dict) else load_config_json(src), overrides)
     mt = d.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise _refuse(f"model_type {mt!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}. Use a Llama / Qwen2 / "
@@ -238,6 +323,7 @@ def read_config(src: str | os.PathLike | dict) -> ArchConfig:
         mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,  # Qwen MLPs have no bias
         qk_norm=mt in ("qwen3", "qwen3_moe"),
         **moe,
+        attention_dropout=float(d.get("attention_dropout") or 0.0),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,

@@ -52,6 +52,7 @@ from trainer.envs import task_maker
 from trainer.generation import DynamicSamplingError, Generation, PipelineError, timer
 from trainer.hf_io import stop_token_ids
 from trainer.orphans import start_reaper
+from trainer.perf import PeakTable, mfu_metrics, role_passes
 from trainer.plan import LoopState, Plan
 from trainer.report import write_report
 from trainer.rewards.manager import RewardError, RewardManager
@@ -130,6 +131,7 @@ class Run:
     tracker: Optional[Tracker] = None
     batches: Any = None  # BatchSource or AsyncBatchSource
     first_sync: dict = field(default_factory=dict)  # the first weight sync's metrics, logged with step 1
+    mfu_passes: list = field(default_factory=list)  # trainer.perf.PassCost: what perf/mfu/* divides
 
     def log(self, metrics: dict, step: int) -> None:
         self.state.history.append({"step": step, **metrics})
@@ -216,6 +218,7 @@ def start(run: Run) -> tuple[Runtime, Callable[[Step], None]]:
                           config=public_container(cfg), total_steps=plan.total_steps, run_id=state.run_id,
                           log_dir=run.run_dir)
     state.run_id = run.tracker.run_id
+    run.mfu_passes = mfu_setup(run)
     hooks = Hooks(OmegaConf.to_container(cfg.trainer.hooks))  # user stages (trainer.pipeline)
     gen = generation(run, hooks)
     if plan.fully_async is not None:  # a rollouter thread generating into a queue (trainer/async_rollout.py)
@@ -238,6 +241,23 @@ def start(run: Run) -> tuple[Runtime, Callable[[Step], None]]:
     rt = Runtime(plan=plan, cluster=cluster, state=state, batches=run.batches, hooks=hooks, evaluate=evaluate,
                  judge=run.judge, tokenizer=run.tok)
     return rt, load_pipeline(cfg.trainer.pipeline)
+
+
+def mfu_setup(run: Run) -> list:
+    """The passes ``perf/mfu/*`` reports and the peak it divides by: the GPU's datasheet figure, or on
+    CPU a matmul timed now (logged as the parameters ``perf/peak_*``, and said here)."""
+    lay = run.cluster.actor.layouts[0]
+    peaks = PeakTable(lay.get("device_name", "cpu"), int(lay.get("threads", 1)))
+    passes = role_passes(run.cfg, run.cluster, run.plan, peaks)
+    run.tracker.log_params(peaks.params)
+    shown = ", ".join(f"{k.rsplit('/', 1)[-1]} {v}" for k, v in peaks.params.items() if k.startswith("perf/peak_tflops/"))
+    if not passes:
+        print(f"note: perf/mfu/* is not logged: no peak FLOP rate is known for {peaks.device_name!r} in the "
+              f"roles' dtype (trainer/perf.py GPU_PEAK_TFLOPS lists the devices)", flush=True)
+    elif peaks.device_name == "cpu":
+        print(f"perf/mfu/*: the peak is this CPU's measured matmul rate ({shown} TFLOP/s, "
+              f"{peaks.params['perf/peak_source']}), not a datasheet figure", flush=True)
+    return passes
 
 
 def resume_newest(run: Run) -> Optional[str]:
@@ -315,6 +335,7 @@ def finish_step(run: Run, s: Step, t_step: float) -> None:
     """The step's batch and timing metrics (``t_step``: when the step began), then log (and checkpoint
     when ``trainer.save_freq`` says)."""
     plan, state, m, batch, step = run.plan, run.state, s.metrics, s.batch, s.step
+    m.update({"training/global_step": step, "training/epoch": s.epoch})  # verl's trainer logs both every step
     if not s.trained:  # generate and score only (debug.rollout_only, or a pipeline without updates)
         run.log({**m, **batch_metrics(batch, plan)}, step)
         return
@@ -322,6 +343,7 @@ def finish_step(run: Run, s: Step, t_step: float) -> None:
     m.update(run.cluster.transport.take_metrics())
     m["timing_s/step"] = time.perf_counter() - t_step
     m.update(timing_metrics(m, batch, plan.rank_slots))
+    m.update(mfu_metrics(run.mfu_passes, m, batch.attention_mask.sum(-1).tolist()))
     state.step = step
     if plan.should_save(step):
         with timer(m, "save_checkpoint"):

@@ -6,7 +6,9 @@ MLflow. Default store: a local SQLite MLflow store at ``./mlruns/mlflow.db`` wit
 ``./mlruns/artifacts`` — nothing to start; open it with
 ``mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db``. (MLflow 3.x refuses the plain ``file:``
 store unless ``MLFLOW_ALLOW_FILE_STORE=true``; SQLite works out of the box.) ``MLFLOW_TRACKING_URI``
-selects a server. Metric keys follow verl's MLflow rule ("@" -> "_at_"). A run is tagged with its
+selects another store or a server; the artifacts follow it (:func:`artifact_location`: next to a
+SQLite file, the server's artifact root, or ``MLFLOW_ARTIFACT_URI`` when set), never the working
+directory. Metric keys follow verl's MLflow rule ("@" -> "_at_"). A run is tagged with its
 source (``mlflow.source.name``, ``mlflow.source.type``) and git commit (``mlflow.source.git.commit``,
 ``coxswain.git.dirty``); artifacts go in folders (``config/``, ``report/``, ``hf_export/``,
 ``val_generations/``). Each step's metrics go out in ONE ``log_batch`` call: a single ``log_metric``
@@ -42,6 +44,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from trainer.config.schema import ConfigError
 from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
 from trainer.console import ConsoleLog
 
@@ -72,6 +75,28 @@ def redact(params: Mapping[str, Any]) -> dict[str, str]:
 
 def default_tracking_uri(root: str = "mlruns") -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(root)}/mlflow.db"
+
+
+_DB_SCHEMES = ("postgresql", "mysql", "mssql", "oracle")  # SQLAlchemy stores other than SQLite
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment's artifacts go: ``MLFLOW_ARTIFACT_URI`` (Coxswain's variable: MLflow's
+    client has none) when set; for a SQLite store, ``artifacts/`` next to the database file (so the
+    default store keeps ``./mlruns/artifacts`` and a store elsewhere keeps its artifacts with it);
+    otherwise None, the store's own choice (a tracking server's artifact root, a file store's folder).
+    A database store other than SQLite has no place of its own: MLflow would use ``./mlruns`` of
+    whatever directory the run starts from, so it is refused without ``MLFLOW_ARTIFACT_URI``."""
+    if os.environ.get("MLFLOW_ARTIFACT_URI"):
+        return os.environ["MLFLOW_ARTIFACT_URI"]
+    if uri.startswith("sqlite:///"):
+        db = os.path.abspath(uri[len("sqlite:///"):])
+        return "file://" + os.path.join(os.path.dirname(db), "artifacts")
+    if uri.split(":", 1)[0].split("+", 1)[0] in _DB_SCHEMES:
+        raise ConfigError(f"MLFLOW_TRACKING_URI={mask_url_credentials(uri)} is a database store, which has no artifact "
+                         f"location of its own (MLflow would write the artifacts under ./mlruns of the working "
+                         f"directory): set MLFLOW_ARTIFACT_URI to where they should go (a path, s3://..., ...).")
+    return None
 
 
 def git_info(path: str | None = None) -> dict[str, str]:
@@ -109,6 +134,7 @@ class Tracker:
         self.client = None
         self.run_id = None
         self.logged_through: int | None = None  # MLflow already holds every step up to this one
+        self.resumed = False  # logging into an MLflow run that already exists (its params are written once)
         self.wandb = self.tb = None
         self._val_rows: list = []
         flat = redact(flatten(config)) if config is not None else {}
@@ -130,15 +156,12 @@ class Tracker:
                 os.makedirs(os.path.dirname(uri[len("sqlite:///"):]), exist_ok=True)
             self.client = MlflowClient(tracking_uri=uri)
             exp = self.client.get_experiment_by_name(project)
-            if exp is None:
-                art = None
-                if uri.startswith("sqlite:///"):
-                    art = "file://" + os.path.abspath(os.path.join(mlruns_root, "artifacts"))
-                exp_id = self.client.create_experiment(project, artifact_location=art)
+            if exp is None:  # an existing experiment keeps its own artifact location
+                exp_id = self.client.create_experiment(project, artifact_location=artifact_location(uri))
             else:
                 exp_id = exp.experiment_id
             if run_id is not None and self._run_exists(run_id):  # resume into the same MLflow run
-                self.run_id = run_id
+                self.run_id, self.resumed = run_id, True
                 # the steps it already has (logged before a crash, then trained again after the resume, with the
                 # same values under exact resume) are not logged a second time
                 self.logged_through = self._last_logged_step(run_id)
@@ -174,7 +197,9 @@ class Tracker:
             return
         from mlflow.entities import Param  # heavy: mlflow is imported only when it logs
 
-        items = [Param(k, v) for k, v in redact(params).items()]
+        have = self.client.get_run(self.run_id).data.params if self.resumed else {}
+        # MLflow refuses to change a param: a resumed run keeps the values its first start logged
+        items = [Param(k, v) for k, v in redact(params).items() if k not in have]
         for i in range(0, len(items), 100):  # MLflow's batch limit for params
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 

@@ -30,6 +30,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainer import verl_keys
+from trainer.transformer_overrides import MOE_KEYS, RECOMPUTE_KEYS
 
 VERL_MEGATRON: dict[str, Any] = verl_keys.MEGATRON
 VERL_FSDP_ONLY: dict[str, Any] = verl_keys.FSDP_ONLY
@@ -127,8 +128,6 @@ VERL_MESSAGES: dict[str, str] = {
                            "remove the line",
     "reward_model.load_weight": "a reward model always loads its checkpoint (an untrained head scores noise): remove "
                                 "the line",
-    "reward_model.model.override_config": "overriding the reward model's HF config is not implemented; edit its "
-                                          "config.json instead",
     "reward_model.model.external_lib": "custom model code is not loaded: the bridge converts Llama/Qwen2/Qwen3; "
                                        "remove the line",
     "reward_model.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented; the reward "
@@ -165,14 +164,6 @@ def _offload(v) -> bool:
 # "is this value a request for the unbuilt feature?", reason). ``*`` stands for each megatron role.
 _MEGATRON_ROLES = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron",
                    "reward_model.megatron")
-def _override_config_set(v, c) -> bool:
-    if not v:
-        return False
-    v = dict(v)
-    model, moe = v.pop("model_config", {}) or {}, dict(v.pop("moe_config", {}) or {})
-    return bool(v) or bool(model) or bool(moe.pop("freeze_moe_router", False)) or bool(moe)
-
-
 _OFFLOAD_CPU = ("offload frees accelerator memory between phases; with trainer.device=cpu the parameters, gradients "
                 "and optimizer state already live in host memory, so it would only copy them back and forth: "
                 "remove the line (or train on GPUs: trainer.device=cuda)")
@@ -180,8 +171,6 @@ _OFFLOAD_CPU = ("offload frees accelerator memory between phases; with trainer.d
 REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
     ("actor_rollout_ref.actor.ppo_micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    ("actor_rollout_ref.model.override_config", _override_config_set,
-     "overriding the HF config is not implemented; edit the model's config.json instead"),
     ("*.param_offload", lambda v, c: bool(v) and c.trainer.device == "cpu", _OFFLOAD_CPU),
     ("*.grad_offload", lambda v, c: bool(v) and c.trainer.device == "cpu", _OFFLOAD_CPU),
     ("*.optimizer_offload", lambda v, c: bool(v) and c.trainer.device == "cpu", _OFFLOAD_CPU),
@@ -223,7 +212,7 @@ def refusals(cfg) -> list[str]:
         for key in ([f"{r}.{pat[2:]}" for r in _MEGATRON_ROLES] if pat.startswith("*.") else [pat]):
             val = OmegaConf.select(cfg, key, default=None)
             if bad(val, cfg):
-                errs.append(f"{key}={val}: {why}; remove the line (or set it back to its default).")
+                errs.append(f"{key}={val}: {why}.")  # each reason ends in its own fix
     return errs
 
 
@@ -376,11 +365,8 @@ if __name__ == "__main__":
     print("keys: megatron %d, FSDP-only %d" % regenerate(sys.argv[2]))
 
 
-# megatron-core's activation recompute settings accepted in ``*.megatron.override_transformer_config``
-RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-# megatron's mixture-of-experts losses, as verl passes them through override_transformer_config
-MOE_KEYS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff")
-MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+# the recompute and MoE-loss fields of ``*.megatron.override_transformer_config`` that Coxswain reads itself
+# (the other TransformerConfig fields pass through: trainer.transformer_overrides)
 
 
 def moe_settings(mcfg) -> dict:

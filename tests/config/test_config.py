@@ -236,7 +236,7 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     """Keys whose feature is not built are refused at load time, all in one error, never ignored."""
     keys = ["actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
             "critic.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.optimizer_offload=true",
-            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_expert_capacity_factor=1.5",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.fp8=hybrid",
             "critic.deepspeed_config.zero_stage=3", "async_training.staleness_threshold=0.5"]
     with pytest.raises(ConfigError) as e:
         tiny_config(keys)
@@ -244,7 +244,7 @@ def test_parallelism_and_offload_not_built_yet_are_refused_together():
     for want in ("ref.megatron.virtual_pipeline_model_parallel_size=2 interleaves pipeline stages: it needs "
                  "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size >= 2",
                  "critic.megatron.param_offload=True: offload frees accelerator memory",
-                 "optimizer_offload=True: offload frees accelerator memory", "['moe_expert_capacity_factor'] not supported",
+                 "optimizer_offload=True: offload frees accelerator memory", "override_transformer_config.fp8='hybrid': FP8",
                  "critic.deepspeed_config.{zero_stage} set, but critic.strategy=megatron",
                  "async_training.staleness_threshold=0.5 applies to async_training.mode=fully_async only"):
         assert want in msg, want
@@ -307,3 +307,54 @@ def test_weight_sync_distributed_group_is_refused_where_it_cannot_run():
         tiny_config(base + ["trainer.placement=split", "actor_rollout_ref.rollout.mode=server"])
     with pytest.raises(ConfigError, match="weight_sync"):
         tiny_config(["actor_rollout_ref.rollout.weight_sync=nccl"])
+
+
+def test_fp32_overlay_sets_every_role_to_float32():
+    """recipes/cpu/fp32.yaml promises fp32 for every role: the reward model too (its megatron.dtype does not
+    follow the actor's, and its deepspeed_config.dtype falls back to it)."""
+    cfg = tiny_config()
+    assert {k: OmegaConf.select(cfg, k) for k in (
+        "actor_rollout_ref.actor.megatron.dtype", "actor_rollout_ref.ref.megatron.dtype",
+        "actor_rollout_ref.rollout.dtype", "critic.megatron.dtype", "reward_model.megatron.dtype")} == dict.fromkeys((
+        "actor_rollout_ref.actor.megatron.dtype", "actor_rollout_ref.ref.megatron.dtype",
+        "actor_rollout_ref.rollout.dtype", "critic.megatron.dtype", "reward_model.megatron.dtype"), "float32")
+    assert cfg.reward_model.deepspeed_config.dtype is None
+
+
+def _problems(overrides) -> list[str]:
+    """The numbered problems of a refused config, without their numbers."""
+    with pytest.raises(ConfigError) as e:
+        tiny_config(overrides)
+    lines = str(e.value).splitlines()
+    return [ln.split(". ", 1)[1] for ln in lines[1:]] if len(lines) > 1 else [str(e.value)]
+
+
+_RANKS = "a parallel size is a number of ranks, at least 1 (1: not split that way)."
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.ref.megatron.param_offload=false"],
+     ["actor_rollout_ref.actor.megatron.param_offload=True: offload frees accelerator memory between phases; with "
+      "trainer.device=cpu the parameters, gradients and optimizer state already live in host memory, so it would only "
+      "copy them back and forth: remove the line (or train on GPUs: trainer.device=cuda)."]),
+    (["actor_rollout_ref.actor.router_replay.record_file=/tmp/r"],
+     ["actor_rollout_ref.actor.router_replay.record_file=/tmp/r: dumping routes to a file is not built; remove the line."]),
+    (["actor_rollout_ref.ref.router_replay.replay_file=/tmp/r"],
+     ["actor_rollout_ref.ref.router_replay.replay_file=/tmp/r: replaying routes from a file is not built; remove the line."]),
+    (["actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu"],
+     ["actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native (CPU or GPU); use "
+      "actor_rollout_ref.rollout.name=native."]),
+    (["actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda"],
+     ["actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native (CPU or GPU); use "
+      "actor_rollout_ref.rollout.name=sglang."]),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"],
+     [f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0: {_RANKS}"]),
+    (["critic.megatron.pipeline_model_parallel_size=0", "critic.megatron.context_parallel_size=-1", "algorithm.adv_estimator=gae"],
+     [f"critic.megatron.pipeline_model_parallel_size=0, critic.megatron.context_parallel_size=-1: {_RANKS}"]),
+    (["actor_rollout_ref.ref.megatron.expert_model_parallel_size=0", "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=0"],
+     [f"actor_rollout_ref.ref.megatron.expert_model_parallel_size=0, actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=0: {_RANKS}"]),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], [f"actor_rollout_ref.rollout.tensor_model_parallel_size=0: {_RANKS}"]),
+])
+def test_refusals_say_one_thing_once(overrides, expected):
+    """Each refusal names the fault and its fix once; a zero parallel size is a config error, not a division by zero."""
+    assert _problems(overrides) == expected

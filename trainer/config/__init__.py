@@ -26,7 +26,8 @@ from trainer.config.checks import (
     DAPO_KWARGS, LOGGERS, OTHER_ENGINES, OVERLONG_FIELDS, deepspeed_errors, deepspeed_roles, error_report,
     need_critic, need_ref, validate, validation_errors, world_size,
 )
-from trainer.verl_compat import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS, moe_settings, recompute_settings
+from trainer.transformer_overrides import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS
+from trainer.verl_compat import moe_settings, recompute_settings
 from trainer.config.load import (
     KEY_ALIASES, LAST_LOAD_NOTES, LEGACY_KEYS, VERL_BASES, load_config, parse_overrides, public_container,
     save_resolved, to_yaml,

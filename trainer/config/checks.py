@@ -24,9 +24,11 @@ from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
 from trainer.config.plugins import load_callable
 from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
-from trainer.verl_compat import MOE_BALANCING, MOE_KEYS, RECOMPUTE_KEYS, parse_rejection, refusals
+from trainer.transformer_overrides import override_errors as transformer_override_errors
+from trainer.verl_compat import parse_rejection, refusals
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
@@ -294,8 +296,10 @@ def choice_errors(cfg: DictConfig) -> list[str]:
     errs: list[str] = list(refusals(cfg))
     r0 = cfg.actor_rollout_ref.rollout
     if r0.name in OTHER_ENGINES:
+        # on CPU the answer is the native engine (SGLang's CPU path is a separate install)
+        use = "native" if cfg.trainer.device == "cpu" else "sglang"
         errs.append(f"actor_rollout_ref.rollout.name={r0.name}: Coxswain's engines are sglang (GPU) and native (CPU or "
-                    f"GPU); use actor_rollout_ref.rollout.name=sglang.")
+                    f"GPU); use actor_rollout_ref.rollout.name={use}.")
     elif ":" in str(r0.name):  # a user's engine: it must import and be an engine class (the fault and the fix)
         try:
             engine_class(r0.name)
@@ -368,24 +372,16 @@ def megatron_errors(cfg: DictConfig) -> list[str]:
     """``*.megatron``: each role's transformer-config overrides and its parallel layout over the world."""
     errs = []
     for role, mcfg in megatron_roles(cfg):
-        errs += _override_errors(role, mcfg)
+        errs += _override_errors(cfg, role, mcfg)
         errs += _layout_errors(cfg, role, mcfg)
     return errs
 
 
-def _override_errors(role: str, mcfg) -> list[str]:
-    """``<role>.megatron.override_transformer_config``: only the recompute and MoE-loss keys are read."""
-    errs = []
-    bad = sorted(set(mcfg.override_transformer_config) - set(RECOMPUTE_KEYS) - set(MOE_KEYS) - {"attention_backend"})
-    if bad:
-        errs.append(f"{role}.megatron.override_transformer_config: {bad} not supported; only the recompute "
-                    f"settings {list(RECOMPUTE_KEYS)}, the MoE losses {list(MOE_KEYS)} (and attention_backend, "
-                    f"which has no effect) are.")
-    lb = dict(mcfg.override_transformer_config).get("moe_router_load_balancing_type")
-    if lb is not None and lb not in MOE_BALANCING:
-        errs.append(f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type={lb!r}: "
-                    f"choose one of {list(MOE_BALANCING)}.")
-    return errs
+def _override_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
+    """``<role>.megatron.override_transformer_config``: megatron-core TransformerConfig fields
+    (:func:`trainer.transformer_overrides.override_errors`)."""
+    return transformer_override_errors(role, OmegaConf.to_container(mcfg.override_transformer_config, resolve=True),
+                                       cfg.trainer.device)
 
 
 def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
@@ -393,16 +389,15 @@ def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
     and an uneven layer split fit the pipeline."""
     errs, ws = [], world_size(cfg)
     ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
-    if ep < 1 or (etp is not None and etp < 1):
-        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1.")
-    elif ws % ((etp or mcfg.tensor_model_parallel_size) * ep * mcfg.pipeline_model_parallel_size):
-        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
-                    f"{etp or mcfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
-                    f"{mcfg.pipeline_model_parallel_size} does not divide the world size {ws}.")
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    if min(tp, pp, cp) < 1:
-        errs.append(f"{role}.megatron: tensor/pipeline/context parallel sizes must be >= 1 (got {tp}/{pp}/{cp}).")
-        return errs
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
+             "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+    bad = [f"{role}.megatron.{k}={v}" for k, v in sizes.items() if v is not None and v < 1]
+    if bad:  # a size counts ranks: the checks below divide by it
+        return [f"{', '.join(bad)}: a parallel size is a number of ranks, at least 1 (1: not split that way)."]
+    if ws % ((etp or tp) * ep * pp):
+        errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
+                    f"{etp or tp} x pipeline_model_parallel_size={pp} does not divide the world size {ws}.")
     if ws % (tp * pp * cp):
         errs.append(f"{role}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
                     + (f" x context_parallel_size={cp}" if cp > 1 else "")
@@ -501,6 +496,9 @@ def rollout_errors(cfg: DictConfig) -> list[str]:
     if r.prompt_length < d.max_prompt_length:
         errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
+    if r.tensor_model_parallel_size < 1:
+        errs.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: a parallel "
+                    f"size is a number of ranks, at least 1 (1: not split that way).")
     if r.max_num_seqs < 1:
         errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
     if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
@@ -613,9 +611,30 @@ def trainer_errors(cfg: DictConfig) -> list[str]:
     return errs
 
 
+def _hf_override_errors(cfg: DictConfig) -> list[str]:
+    """verl's ``*.model.override_config``: known fields and values (:func:`trainer.hf_io.override_errors`), and
+    readers that apply them: the native and SGLang engines in Ray workers (an HTTP fleet's servers and a user's
+    engine are not given them)."""
+    errs = []
+    for key in ("actor_rollout_ref.model.override_config", "critic.model.override_config",
+                "reward_model.model.override_config"):
+        errs += override_errors(OmegaConf.to_container(OmegaConf.select(cfg, key)), key)
+    r = cfg.actor_rollout_ref.rollout
+    if override_fields(OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config)):
+        if r.mode in ("server", "async"):
+            errs.append(f"actor_rollout_ref.model.override_config with actor_rollout_ref.rollout.mode={r.mode}: the "
+                        f"engine servers read the checkpoint's config.json as it is, so they would sample from another "
+                        f"model than the trainer's; use rollout.mode=sync, or edit config.json.")
+        elif r.name not in ("native", "sglang"):
+            errs.append(f"actor_rollout_ref.model.override_config with actor_rollout_ref.rollout.name={r.name}: only "
+                        f"the native and sglang engines are given the overrides; use one of them, or edit config.json.")
+    return errs
+
+
 # The section checks in the schema's order; each reads its section (and the keys it must agree with).
 SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
-                  _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors)
+                  _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors,
+                  _hf_override_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines

@@ -22,10 +22,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from trainer.config.checks import error_report, validation_errors
+from trainer.config.checks import error_report, megatron_roles, validation_errors
 from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_key, field_type, flatten_keys,
                                    is_schema_key, type_name)
 from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
+from trainer.transformer_overrides import cpu_note, kernels_turned_off
 from trainer.verl_compat import verl_only
 
 # ----------------------------------------------------------------------------------------------
@@ -290,6 +291,11 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
                 ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
     if ld.errors:
         raise ConfigError(error_report(ld.errors))
+    if validate_config and ld.cfg.trainer.device == "cpu":  # GPU kernel switches a CPU run turns off: one note
+        off = [k for _, m in megatron_roles(ld.cfg)
+               for k in kernels_turned_off(OmegaConf.to_container(m.override_transformer_config, resolve=True))]
+        if off:
+            LAST_LOAD_NOTES.append(cpu_note(off))
     return ld.cfg
 
 

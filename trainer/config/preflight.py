@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 
 import torch
+from omegaconf import OmegaConf
 
-from megatron_bridge.hf_config import read_hf_config
+from megatron_bridge.hf_config import UnsupportedConfig, read_hf_config
 from trainer.config.checks import need_critic, need_ref
 from trainer.config.schema import ConfigError
 from trainer.rewards.reward_model import RMInputs, check_score_head
@@ -69,8 +70,36 @@ def check_node_layout(cfg) -> None:
                           f"inter-node network). Use a TP size that divides the devices of one node.")
 
 
+def check_overrides(cfg) -> None:
+    """verl's ``*.model.override_config`` against each role's checkpoint: the merged config must still be one
+    the readers take (e.g. a supported rope type), and attention dropout needs a strategy that has it (the
+    megatron bridge's core attention, torch SDPA over packed rows, has none)."""
+    arr = cfg.actor_rollout_ref
+    roles = [("actor_rollout_ref", arr.model.path, arr.model.override_config,
+              [arr.actor.strategy] + ([arr.ref.strategy] if need_ref(cfg) else []))]
+    if need_critic(cfg):
+        roles.append(("critic", cfg.critic.model.path or arr.model.path, cfg.critic.model.override_config,
+                      [cfg.critic.strategy]))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model", cfg.reward_model.model.path, cfg.reward_model.model.override_config,
+                      [cfg.reward_model.strategy]))
+    for name, path, ov, strategies in roles:
+        if not ov:
+            continue
+        key = f"{name}.model.override_config"
+        try:
+            hf = read_hf_config(path, OmegaConf.to_container(ov))
+        except UnsupportedConfig as e:
+            raise ConfigError(f"{key} over {path}: {e}") from None
+        if hf.attention_dropout > 0 and "megatron" in strategies:
+            raise ConfigError(f"{key}: attention_dropout={hf.attention_dropout} with strategy=megatron: the megatron "
+                              f"bridge's attention (torch SDPA over packed rows) has no dropout; use strategy=deepspeed "
+                              f"(transformers' attention applies it) or attention_dropout=0.")
+
+
 def check_model(cfg) -> None:
     """Refuse settings the model cannot take, before any worker starts."""
+    check_overrides(cfg)
     arr = cfg.actor_rollout_ref
     replay = [f"actor_rollout_ref.{r}.router_replay.mode=R3" for r in ("actor", "ref") if arr[r].router_replay.mode == "R3"]
     if replay and not read_hf_config(arr.model.path).is_moe:

@@ -81,7 +81,7 @@ class MegatronConfig:
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16: compute/parameter dtype (bf16/fp16 keep fp32 main params, grads and Adam state)
     use_remove_padding: bool = True  # packed THD sequences (no pad tokens) in every pass of this role
     use_torch_compile: bool = False  # torch.compile (inductor) the model chunk; the first steps pay the compile
-    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig overrides: recompute_granularity (full | selective) / recompute_method (uniform | block) / recompute_num_layers / recompute_modules
+    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron-core TransformerConfig fields, passed through (recompute_* and moe_* losses read by Coxswain; fields the bridge sets from config.json or this section refused; GPU kernel switches turned off on CPU with a note, FP8 refused there): trainer/transformer_overrides.py
 
 
 def _follow_actor(key: str, default) -> str:
@@ -110,7 +110,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # allow custom HF code (never needed for Llama/Qwen2/Qwen3)
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     use_remove_padding: bool = False  # verl's FSDP packing switch; the megatron roles pack by *.megatron.use_remove_padding (true with it false is refused)
-    override_config: Dict[str, Any] = field(default_factory=dict)  # overrides applied to the HF config
+    override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the checkpoint's for the actor, reference and rollout (max_position_embeddings, rope_theta, rope_scaling, attention_dropout, rms_norm_eps; top level or under model_config)
 
 
 @dataclass
@@ -270,6 +270,7 @@ class CriticModelConfig:
     path: Optional[str] = None  # HF dir of the critic trunk; None = the actor's model
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
     enable_gradient_checkpointing: bool = False  # full activation recompute in backward (megatron: refined by critic.megatron.override_transformer_config)
+    override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the critic's (as actor_rollout_ref.model.override_config)
 
 
 @dataclass
@@ -316,6 +317,7 @@ class SandboxConfig:
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = None  # HF *ForSequenceClassification checkpoint (num_labels=1, head 'score'); required with reward_model.enable
+    override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the reward model's (as actor_rollout_ref.model.override_config)
     input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"  # the tokenizer that made the rollout's ids: each response is decoded with it and re-rendered by the RM's chat template and tokenizer (verl's switch); null = the RM reads the actor's ids as they are (same vocabulary)
 
 

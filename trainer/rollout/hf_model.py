@@ -465,8 +465,10 @@ class CausalLM:
         return written
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None) -> "CausalLM":
-        cfg = ModelConfig.from_pretrained(path)
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None,
+                        overrides: dict | None = None) -> "CausalLM":
+        """``overrides``: verl's ``model.override_config`` (:func:`trainer.hf_io.apply_overrides`)."""
+        cfg = ModelConfig.from_pretrained(path, overrides)
         model = cls(cfg, dtype=dtype, device=device, max_len=max_len)
         written = set(model.load_hf_tensors(iter_checkpoint_tensors(path)))
         missing = [n for n in model.hf_names() if n not in written]

@@ -271,6 +271,13 @@ class NativeEngine(RolloutEngine):
                                 server="trainer.rollout.fleet:NativeServers", compiled_decode=True,
                                 concurrent_generate=True)
 
+    @classmethod
+    def from_rollout(cls, model_path: str, *, max_batch_size: int, max_seq_len: int, dtype: str,
+                     engine_kwargs: dict | None = None, settings: dict | None = None) -> "NativeEngine":
+        """The base class's, plus ``settings["hf_overrides"]`` (verl's ``model.override_config``)."""
+        return cls(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=getattr(torch, dtype),
+                   hf_overrides=(settings or {}).get("hf_overrides"), **(engine_kwargs or {}))
+
     def __init__(
         self,
         model: str | CausalLM,
@@ -285,13 +292,15 @@ class NativeEngine(RolloutEngine):
         compile_decode: bool = False,
         compile_options: dict | None = None,
         decode_gemm: str = "aten",
+        hf_overrides: dict | None = None,
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
         if isinstance(model, CausalLM):
             self.model = model
         else:
-            self.model = CausalLM.from_pretrained(model, dtype=dtype, device=device, max_len=max_seq_len)
+            self.model = CausalLM.from_pretrained(model, dtype=dtype, device=device, max_len=max_seq_len,
+                                                  overrides=hf_overrides)
         self.model.ensure_rope(max_seq_len)
         # bf16/fp16 CPU weights only; a no-op for fp32. The compiled step reads the plain weights.
         self.model.set_prepack(prepack and not compile_decode)

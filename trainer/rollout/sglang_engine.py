@@ -129,6 +129,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import secrets
 import struct
@@ -141,7 +142,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.hf_io import iter_safetensors
+from trainer.hf_io import iter_safetensors, load_config_json, overridden_fields
 from trainer.rollout import sglang_cpu
 from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, tensor_digest
 from trainer.rollout.registry import Capabilities
@@ -501,6 +502,7 @@ class SGLangEngine(RolloutEngine):
         enable_chunked_prefill: bool = True,
         enforce_eager: bool = False,
         engine_kwargs: Mapping | None = None,
+        hf_overrides: Mapping | None = None,
     ) -> "SGLangEngine":
         """Build from plain values named as in ``actor_rollout_ref.rollout`` (verl's names).
 
@@ -518,6 +520,8 @@ class SGLangEngine(RolloutEngine):
             mapped["chunked_prefill_size"] = int(max_num_batched_tokens)
         if enforce_eager:
             mapped["disable_cuda_graph"] = True
+        if hf_overrides:  # verl's model.override_config, as the other readers apply it (trainer.hf_io.apply_overrides)
+            mapped["json_model_override_args"] = json.dumps(overridden_fields(load_config_json(model_path), hf_overrides))
         mapped.update(server)
         return cls(model_path, tp_size=tensor_model_parallel_size, mem_fraction_static=gpu_memory_utilization,
                    dtype=dtype, seed=seed, engine_kwargs=mapped, **own)

@@ -47,6 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
 from megatron_bridge.fsutil import replace_dir, tmp_dir_beside
 from megatron_bridge.train import OptimConfig, make_scheduler
+from trainer.hf_io import load_config_json, overridden_fields
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
 
@@ -86,6 +87,19 @@ def _import_deepspeed(use_cuda: bool):
     return deepspeed
 
 
+def hf_config_with_overrides(path: str, overrides=None, **kw):
+    """transformers' config of ``path`` (``kw``: its from_pretrained keywords) with verl's
+    ``model.override_config`` set over it: the fields :func:`trainer.hf_io.apply_overrides` writes, so
+    this model, the megatron bridge and the engines agree."""
+    cfg = AutoConfig.from_pretrained(path, **kw)
+    fields = overridden_fields(load_config_json(path), overrides)
+    if hasattr(cfg, "rope_parameters"):  # transformers v5: rope_scaling aliases rope_parameters, which holds the theta
+        fields = {k: v for k, v in fields.items() if k not in ("rope_scaling", "rope_theta")}
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
 class DeepSpeedStrategy(Strategy):
     @classmethod
     def from_section(cls, section, *, optim, checkpointing, routing_replay, compile) -> dict:
@@ -100,7 +114,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, zero_stage: int = 2, params_dtype: str = "float32", optim: dict | None = None,
                  seed: int = 1, gradient_checkpointing: bool = False, offload_params: bool = False,
-                 offload_optimizer: bool = False):
+                 offload_optimizer: bool = False, hf_overrides: dict | None = None):
         use_cuda = torch.cuda.is_available()
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
@@ -116,6 +130,7 @@ class DeepSpeedStrategy(Strategy):
                      "vpp_size": 1, "cp_rank": 0, "cp_size": 1, "ep_rank": 0, "ep_size": 1}
         self.zero_stage = int(zero_stage)
         self.is_critic = role in ("critic", "reward")  # a reward model reads its score through the value path
+        self.hf_overrides = hf_overrides
         self.model = self._load_model(model_path, DTYPES[params_dtype])
         if gradient_checkpointing and optim is not None:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -142,8 +157,9 @@ class DeepSpeedStrategy(Strategy):
     # ------------------------------------------------------------------ model
     def _load_model(self, path: str, dtype: torch.dtype):
         if not self.is_critic:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        cfg = AutoConfig.from_pretrained(path, num_labels=1)
+            return AutoModelForCausalLM.from_pretrained(path, config=hf_config_with_overrides(path, self.hf_overrides),
+                                                        dtype=dtype)
+        cfg = hf_config_with_overrides(path, self.hf_overrides, num_labels=1)
         cfg.classifier_dropout = 0.0  # the megatron critic has no dropout before its head
         if self.role == "reward":  # its trained head or nothing (trainer.rewards.reward_model)
             check_score_head(path, cfg.hidden_size)

@@ -13,6 +13,9 @@ megatron-core is imported at the top here and never in the driver.
 
 from __future__ import annotations
 
+import torch
+from omegaconf import OmegaConf
+
 from megatron_bridge import launch
 from megatron_bridge import offload as off
 from megatron_bridge import routing_replay as rr
@@ -26,6 +29,7 @@ from megatron_bridge.reshard import local_blocks
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
+from trainer.transformer_overrides import passthrough
 from trainer.verl_compat import moe_settings, recompute_settings
 
 
@@ -40,6 +44,9 @@ class MegatronStrategy(Strategy):
         return dict(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                     vpp=m.virtual_pipeline_model_parallel_size or 1, cp=m.context_parallel_size,
                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, moe=moe_settings(m),
+                    # every other TransformerConfig field as given (GPU kernel switches off without a GPU)
+                    transformer=passthrough(OmegaConf.to_container(m.override_transformer_config, resolve=True),
+                                            cuda=torch.cuda.is_available()),
                     pp_layers=list(m.pipeline_layer_split) if m.pipeline_layer_split else None,
                     # nothing to recompute without a backward
                     recompute=recompute_settings(checkpointing, m) if optim is not None else None,
@@ -52,16 +59,17 @@ class MegatronStrategy(Strategy):
                  model_path: str, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                  etp: int | None = None, moe: dict | None = None, pp_layers=None, params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, recompute: dict | None = None,
-                 sequence_parallel: bool = False, routing_replay: bool = False, offload: dict | None = None):
+                 sequence_parallel: bool = False, routing_replay: bool = False, offload: dict | None = None,
+                 hf_overrides: dict | None = None, transformer: dict | None = None):
         launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
                                 seed=seed)
         self.mesh = launch.parallel_layout()
-        self.hf = read_hf_config(model_path)
+        self.hf = read_hf_config(model_path, hf_overrides)  # verl's model.override_config over config.json
         if role == "reward":  # a reward model's head is its training: never a fresh init (trainer.rewards.reward_model)
             check_score_head(model_path, self.hf.hidden_size)
         self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=DTYPES[params_dtype],
                                  value_head=role in ("critic", "reward"),
-                                 recompute={**(recompute or {}), **(moe or {})} or None,
+                                 recompute={**(recompute or {}), **(moe or {}), **(transformer or {})} or None,
                                  sequence_parallel=sequence_parallel)
         load_hf_weights(self.model, model_path)
         # R3 routing replay: every forward routes each token to the experts the rollout engine used

@@ -138,7 +138,7 @@ class Cluster:
                     self.transport)
 
     def _role_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, *, rollout: dict | None = None,
-                    checkpointing: bool = False, routing_replay: bool = False):
+                    checkpointing: bool = False, routing_replay: bool = False, hf_overrides=None):
         """A role on its section's strategy (``rcfg.strategy``: a registered name or ``pkg.module:Class``) over all
         ``world`` ranks. The driver hands every strategy the same things (its role's config section, the optimizer,
         the launch settings, the rendezvous) and the strategy reads its own keys in the worker
@@ -148,7 +148,10 @@ class Cluster:
                       strategy=rcfg.strategy, section=_plain(rcfg), num_threads=self._threads(self.world),
                       launch=dict(optim=optim, checkpointing=bool(checkpointing), routing_replay=bool(routing_replay),
                                   compile=bool(self._compile)),
-                      **({"rollout": rollout} if rollout is not None else {}))
+                      **({"rollout": rollout} if rollout is not None else {}),
+                      # verl's model.override_config; given only when set, so a strategy that has no such keyword
+                      # (a user's) still starts without it
+                      **({"hf_overrides": _plain(hf_overrides)} if hf_overrides else {}))
         cls = HybridWorker if rollout is not None else TrainWorker
         return self._group(kind, name, cls, [dict(common, rank=i) for i in range(self.world)])
 
@@ -163,7 +166,9 @@ class Cluster:
                     engine_kwargs=compiled_engine_kwargs(_plain(r.engine_kwargs), name=r.name, device=t.device,
                                                          model_path=model_path) if t.compile else _plain(r.engine_kwargs),
                     tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
-                    settings=dict(tensor_model_parallel_size=r.tensor_model_parallel_size,
+                    settings=dict(**({"hf_overrides": _plain(cfg.actor_rollout_ref.model.override_config)}
+                                     if cfg.actor_rollout_ref.model.override_config else {}),
+                                  tensor_model_parallel_size=r.tensor_model_parallel_size,
                                   gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
                                   max_num_batched_tokens=r.max_num_batched_tokens,
                                   enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager))
@@ -177,21 +182,25 @@ class Cluster:
         self.actor = self._role_group(ActorGroup, "actor", a, "actor", actor_optim, model_path,
                                       rollout=rkw if self.hybrid else None,
                                       checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
-                                      routing_replay=a.router_replay.mode == "R3")
+                                      routing_replay=a.router_replay.mode == "R3",
+                                      hf_overrides=cfg.actor_rollout_ref.model.override_config)
         self.ref = self.critic = self.reward_model = None
         if need_ref(cfg):
             rf = cfg.actor_rollout_ref.ref
             self.ref = self._role_group(RefGroup, "ref", rf, "ref", None, model_path,
-                                        routing_replay=rf.router_replay.mode == "R3")
+                                        routing_replay=rf.router_replay.mode == "R3",
+                                        hf_overrides=cfg.actor_rollout_ref.model.override_config)
         if need_critic(cfg):
             c = cfg.critic
             c_optim = bridge_optim(c.optim, clip_grad=c.optim.clip_grad, total_steps=total_steps,
                                    use_dist=c.megatron.use_distributed_optimizer)
             self.critic = self._role_group(CriticGroup, "critic", c, "critic", c_optim, c.model.path or model_path,
-                                           checkpointing=c.model.enable_gradient_checkpointing)
+                                           checkpointing=c.model.enable_gradient_checkpointing,
+                                           hf_overrides=c.model.override_config)
         if cfg.reward_model.enable:  # forward-only, like the reference (trainer/rewards/reward_model.py)
             rm = cfg.reward_model
-            self.reward_model = self._role_group(RewardModelGroup, "reward_model", rm, "reward", None, rm.model.path)
+            self.reward_model = self._role_group(RewardModelGroup, "reward_model", rm, "reward", None, rm.model.path,
+                                                 hf_overrides=rm.model.override_config)
 
     def _build_rollout(self, cfg, rkw: dict):
         """The rollout (HTTP fleet, hybrid engine or engine workers) with its weight transports, chosen once from

@@ -112,7 +112,11 @@ class TrainWorker(SenderEndpoints):
         return self.strategy.reshard_blocks()
 
     def layout(self) -> dict:
-        return {"rank": self.rank, **self.mesh}
+        """The rank's place in the mesh, its device (``device_name``: the GPU's name, or ``cpu``) and its
+        intra-op threads: the driver looks up (or measures) the device's peak for ``perf/mfu/*``."""
+        gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        return {"rank": self.rank, **self.mesh, "device_name": torch.cuda.get_device_name() if gpu else "cpu",
+                "threads": torch.get_num_threads()}
 
     def ping(self) -> int:
         return os.getpid()
