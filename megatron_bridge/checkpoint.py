@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from megatron_bridge import cpu_shims
-from megatron_bridge.fsutil import replace_dir
+from trainer.fsutil import replace_dir
 from megatron_bridge.model import chunks, unwrap
 from trainer.checkpoint import check_pickles
 

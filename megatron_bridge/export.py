@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.fsutil import bucketed, replace_dir, tmp_dir_beside
+from trainer.fsutil import bucketed, replace_dir, tmp_dir_beside
 
 from megatron_bridge.convert import (canonical_names, canonical_to_hf, expert_index, is_expert, local_name, tp_kind,
                                     tp_merge)

@@ -60,7 +60,7 @@ import shutil
 import zipfile
 from typing import Any, Callable, Optional
 
-from megatron_bridge.fsutil import replace_dir
+from trainer.fsutil import replace_dir
 
 # numpy and torch are imported where used: trainer.config checks save/load_contents at load time
 

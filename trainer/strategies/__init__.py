@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_bridge.fsutil import bucketed
+from trainer.fsutil import bucketed
 from trainer.checkpoint import capture_rng, restore_rng
 
 # Loaded lazily by name (importlib), never imported here: importing megatron-core or DeepSpeed costs a

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
-from megatron_bridge.fsutil import replace_dir, tmp_dir_beside
+from trainer.fsutil import replace_dir, tmp_dir_beside
 from megatron_bridge.train import OptimConfig, make_scheduler
 from trainer.hf_io import load_config_json, overridden_fields
 from trainer.rewards.reward_model import check_score_head

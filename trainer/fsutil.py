@@ -1,4 +1,6 @@
-"""Filesystem and stream helpers shared by checkpoints and exports (no megatron import: the trainer uses them too)."""
+"""Filesystem and stream helpers shared by checkpoints and exports (the trainer's, the megatron bridge's, the strategies'):
+``replace_dir`` (an atomic directory swap), ``tmp_dir_beside`` (a temp directory on the same filesystem as its
+target) and ``bucketed`` (named tensors in size-bounded buckets). No megatron import."""
 
 from __future__ import annotations
 
