@@ -140,8 +140,11 @@ class ConsoleLog:
             return
         if self.pbar is None:
             # tqdm's own rate and ETA would count the compile step; ours is in the postfix
-            cols = shutil.get_terminal_size((100, 24)).columns or 100  # a pty may report 0 columns
-            self.pbar = tqdm(total=self.total, initial=0, file=self.stream, ncols=min(cols, 120), leave=True,
+            # a pty whose window size was never set reports 0 x 0: tqdm then hides every bar "below" a 0-row
+            # screen, so the bar never shows; such a terminal gets the usual 100 x 24
+            size = shutil.get_terminal_size((100, 24))
+            cols, rows = size.columns or 100, size.lines or 24
+            self.pbar = tqdm(total=self.total, initial=0, file=self.stream, ncols=min(cols, 120), nrows=rows, leave=True,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
                              desc="training ")
         self.pbar.n = min(step, self.total)
