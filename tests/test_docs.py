@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 from tests.support.house import ROOT
 from trainer import verl_keys
 from trainer.config import schema
+from trainer.console import shown_value
 from trainer.verl_compat import same_value
 
 DOCS = os.path.join(ROOT, "docs")
@@ -153,16 +154,6 @@ _DEFAULT_STATED = [
 ]
 
 
-def _shown(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_shown(v) for v in value) + "]"
-    return str(value)
-
-
 def test_defaults_stated_in_the_docs_are_the_schemas():
     stated, wrong = 0, []
     for name, text in TEXTS.items():
@@ -172,8 +163,8 @@ def test_defaults_stated_in_the_docs_are_the_schemas():
                 if key not in DEFAULTS:
                     continue
                 stated += 1
-                if value.lower() != _shown(DEFAULTS[key]).lower():
-                    wrong.append(f"{name}: {key} default {value!r}, the schema's {_shown(DEFAULTS[key])!r}")
+                if value.lower() != shown_value(DEFAULTS[key]).lower():
+                    wrong.append(f"{name}: {key} default {value!r}, the schema's {shown_value(DEFAULTS[key])!r}")
     assert stated >= 15, "the default-matching patterns found (almost) nothing: did the docs' phrasing change?"
     assert not wrong, wrong
 
@@ -195,8 +186,8 @@ def test_departures_table_is_complete_and_right():
     assert set(table) == differ, (f"departures missing from the table: {sorted(differ - set(table))}; "
                                   f"rows that are no departure: {sorted(set(table) - differ)}")
     for key, (verl, ours) in table.items():
-        assert verl == _shown(verl_keys.MEGATRON[key]), f"{key}: verl's default is {verl_keys.MEGATRON[key]!r}"
-        assert ours == _shown(DEFAULTS[key]), f"{key}: Coxswain's default is {DEFAULTS[key]!r}"
+        assert verl == shown_value(verl_keys.MEGATRON[key]), f"{key}: verl's default is {verl_keys.MEGATRON[key]!r}"
+        assert ours == shown_value(DEFAULTS[key]), f"{key}: Coxswain's default is {DEFAULTS[key]!r}"
 
 
 def _path_candidates(text: str):
