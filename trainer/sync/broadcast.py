@@ -54,7 +54,6 @@ import threading
 import time
 from typing import Any, Iterable, Iterator
 
-import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
@@ -124,6 +123,8 @@ class BroadcastSender(Half):
             return None
         m = self.owner._module()
         device = next(p for c in (m if isinstance(m, (list, tuple)) else [m]) for p in c.parameters()).device
+        import ray  # a Ray job only: trainer.sync imports without Ray (benchmarks/gpu_check.py)
+
         ip = ray.util.get_node_ip_address()
         store = host_store(ip)
         self.groups[f"{ip}:{store.port}"] = (store, None)

@@ -75,7 +75,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -359,6 +358,8 @@ class GroupSender(Half):
         (ip, port), which also names the group. The other ranks: None."""
         if self.owner.rank != 0:
             return None
+        import ray  # a Ray job only: trainer.sync imports without Ray (benchmarks/gpu_check.py)
+
         ip = ray.util.get_node_ip_address()
         store = host_store(ip)
         self.groups[f"{ip}:{store.port}"] = (store, None)
@@ -492,6 +493,8 @@ class DistributedGroup(Link):
         except Exception:
             # a member failed mid-sync (it drained its part of the exchange, so its peers finish): let them
             # finish, leave this group and form a new one at the next sync
+            import ray  # a Ray job only: trainer.sync imports without Ray (benchmarks/gpu_check.py)
+
             ray.wait(sends + recvs, num_returns=len(sends + recvs), timeout=TIMEOUT.total_seconds(),
                      fetch_local=False)
             self.close()
