@@ -22,6 +22,7 @@ install_requires = [
     "mlflow>=3.0",
     "pyarrow>=15",
     "tqdm",
+    "matplotlib>=3.7",  # trainer/report.py draws report.png (it arrived only through mlflow before)
     "rich",
     "math-verify>=0.9",
     "aiohttp>=3.9",  # OpenAI-compatible server (trainer.serve) and LLM-judge client  # math answer equivalence for the math scorers (pure python, no torch)
