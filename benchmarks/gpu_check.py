@@ -523,11 +523,13 @@ def stage_grpo(args) -> dict:
     last = steps[-1][1] if steps else ""
     sps = re.search(r"([0-9.]+) s/step", last)
     errors = [ln for ln in p.stdout.splitlines() if "error" in ln.lower()][-3:]
+    transport = re.search(r"^weight sync: (\S+)", p.stdout, re.M)  # the transport the rollout chose, as the run says
     # "partial": both steps ran, then the run's end failed (e.g. report.png needs matplotlib, which a bare machine
     # lacks): the GPU path is proven, the teardown is not, and the table says so instead of hiding either
     status = "pass" if p.returncode == 0 and len(steps) == 2 else ("partial" if len(steps) == 2 else "fail")
     return {"status": status, "returncode": p.returncode, "steps": len(steps),
             "last_step": last.strip(), "s_per_step": float(sps.group(1)) if sps else None,
+            "weight_sync": transport.group(1) if transport else None,
             **({} if status == "pass" else {"reason": f"{len(steps)}/2 steps, exit {p.returncode}: "
                                                       + " | ".join(errors)[:600]})}
 

@@ -373,6 +373,12 @@ def _build_chunk(*, hf, config, spec, pp_layers, params_dtype, value_head, use_t
         for prm in model.parameters():
             if prm.is_floating_point() and prm.dtype != params_dtype:
                 prm.data = prm.data.to(params_dtype)
+    if torch.cuda.is_available():
+        # megatron-core allocates its parallel linears on the current GPU, but the local spec's norms, the
+        # rotary table and the value head are plain torch modules made on the CPU; megatron's own get_model
+        # moves every chunk to the device for the same reason (found by benchmarks/gpu_check.py on an H200:
+        # the optimizer refused CPU bf16 params and the fused RMSNorm met a CPU weight)
+        model.cuda(torch.cuda.current_device())
     layout = pipeline_layout(hf.num_layers, pp, pp_layers)
     vlayout = virtual_layout(hf.num_layers, pp, vpp, pp_layers)
     stage = pp_rank if vp_stage is None else vp_stage * pp + pp_rank  # index into vlayout

@@ -274,9 +274,13 @@ class NativeEngine(RolloutEngine):
     @classmethod
     def from_rollout(cls, model_path: str, *, max_batch_size: int, max_seq_len: int, dtype: str,
                      engine_kwargs: dict | None = None, settings: dict | None = None) -> "NativeEngine":
-        """The base class's, plus ``settings["hf_overrides"]`` (verl's ``model.override_config``)."""
+        """The base class's, plus ``settings["hf_overrides"]`` (verl's ``model.override_config``) and
+        ``settings["device"]`` (``trainer.device``: the engine runs where the trainer does, unless
+        ``rollout.engine_kwargs.device`` says otherwise)."""
+        settings, kwargs = settings or {}, dict(engine_kwargs or {})
+        kwargs.setdefault("device", settings.get("device", "cpu"))
         return cls(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=getattr(torch, dtype),
-                   hf_overrides=(settings or {}).get("hf_overrides"), **(engine_kwargs or {}))
+                   hf_overrides=settings.get("hf_overrides"), **kwargs)
 
     def __init__(
         self,

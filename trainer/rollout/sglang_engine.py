@@ -415,9 +415,11 @@ class SGLangEngine(RolloutEngine):
     def from_rollout(cls, model_path: str, *, max_batch_size: int, max_seq_len: int, dtype: str,
                      engine_kwargs: dict | None = None, settings: dict | None = None) -> "SGLangEngine":
         """:meth:`from_config` with verl's rollout keys (``settings``); SGLang derives the context length
-        from the model, so ``max_seq_len`` is not passed."""
+        from the model, so ``max_seq_len`` is not passed; nor is ``settings["device"]``: SGLang takes the
+        machine's device (CUDA where present, else its CPU path: :meth:`from_config`'s engine arguments)."""
+        settings = {k: v for k, v in (settings or {}).items() if k != "device"}
         return cls.from_config(model_path=model_path, dtype=dtype, max_num_seqs=max_batch_size,
-                               engine_kwargs=engine_kwargs, **(settings or {}))
+                               engine_kwargs=engine_kwargs, **settings)
 
     @classmethod
     def unavailable(cls, *, server: bool) -> str | None:

@@ -360,6 +360,8 @@ class Sender(Half):
         if planned is None:
             return None
         self.blocks, self.params = planned
+        if any(p.device.type != "cpu" for p in self.params.values()):
+            return None  # the file is host memory, written by memcpy: a GPU actor syncs by another transport
         return plan_of(self.blocks)
 
     def attach(self, path: str, token: bytes, layout: Layout) -> bool:
@@ -408,8 +410,11 @@ class Receiver(Half):
     def layout(self) -> tuple | None:
         """This engine's weights as one flat storage (``NativeEngine.storage_layout``): what the file is laid
         out by; None when the engine cannot take one."""
-        layout = getattr(self.owner.engine, "storage_layout", None)
-        return layout() if layout is not None else None
+        engine = self.owner.engine
+        layout = getattr(engine, "storage_layout", None)
+        if layout is None or getattr(engine, "device", torch.device("cpu")).type != "cpu":
+            return None  # the file is host memory: an engine on a GPU keeps its weights there
+        return layout()
 
     def attach(self, path: str, token: bytes, layout: Layout) -> bool:
         """Map the file and move this engine's weights into it (every engine of the node then holds the
@@ -473,7 +478,7 @@ class SharedMemory(Link):
         r = self.rollout
         plans = actor.group.call("sync_send", [("shared_memory", "plan")] * actor.size)
         if any(p is None for p in plans):
-            return None, "the actor's strategy has no direct reshard plan"
+            return None, "the actor's strategy has no direct reshard plan, or its weights are not in host memory"
         layouts = r.recv_call("shared_memory", "layout")
         if any(x is None for x in layouts):
             return None, "the rollout engine cannot hold its weights in shared memory"

@@ -168,6 +168,7 @@ class Cluster:
                     tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path or model_path,
                     settings=dict(**({"hf_overrides": _plain(cfg.actor_rollout_ref.model.override_config)}
                                      if cfg.actor_rollout_ref.model.override_config else {}),
+                                  device=t.device,  # the engines run where the trainer does
                                   tensor_model_parallel_size=r.tensor_model_parallel_size,
                                   gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
                                   max_num_batched_tokens=r.max_num_batched_tokens,
