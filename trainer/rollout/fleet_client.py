@@ -384,8 +384,40 @@ class FleetClient(RolloutEngine):
             if r.status != 200:
                 raise WeightSyncError(f"weight push to {url} failed: HTTP {r.status}: {body[:500]!r}")
 
-    async def _push(self, urls: Sequence[str], blob: bytes, weight_version: str | None) -> None:
-        await asyncio.gather(*(self._post_blob(u, blob, weight_version) for u in urls))
+    async def _push(self, urls: Sequence[str], blob: bytes, weight_version: str | None) -> list[str]:
+        """Post one bucket to every worker; returns the workers that could not be reached (connection refused
+        or dropped: a server or its node died since the push began). Any other failure raises."""
+        import aiohttp  # heavy to import: loaded once the client starts its loop
+
+        done = await asyncio.gather(*(self._post_blob(u, blob, weight_version) for u in urls), return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException) and not isinstance(r, (aiohttp.ClientConnectionError, ConnectionError)):
+                raise r
+        return [u for u, r in zip(urls, done) if isinstance(r, BaseException)]
+
+    async def _first_info(self, urls: list[str]) -> dict:
+        """The ``/server_info`` of the first worker that answers; the unreachable ones before it leave ``urls``."""
+        import aiohttp  # heavy to import: loaded once the client starts its loop
+
+        while urls:
+            try:
+                return await self._get_json(urls[0] + "/server_info")
+            except (aiohttp.ClientConnectionError, ConnectionError):
+                self._lose(urls, [urls[0]])
+        raise WeightSyncError("no rollout server could be reached for the weight push")
+
+    def _lose(self, urls: list[str], lost: Sequence[str]) -> None:
+        """Leave the workers that could not be reached out of the push in progress (``urls``, in place) and hand
+        them to the fleet (``on_failure``): its monitor restarts a dead server, which then copies a live peer's
+        weights once this push (holding ``weights_lock``) is done, or drops one whose node left the cluster.
+        Without this, a server lost between two steps failed the run at its next push."""
+        for u in lost:
+            urls.remove(u)
+            log.warning("fleet: %s could not be reached during the weight push; pushing to the %d other(s)", u, len(urls))
+            if self.on_failure is not None:
+                self.on_failure(f"weight push: {u} unreachable")
+        if lost and not urls:
+            raise WeightSyncError(f"no rollout server could be reached for the weight push (last: {lost[-1]})")
 
     async def _checksums(self, urls: Sequence[str]) -> dict[str, str]:
         sums = await asyncio.gather(*(self._get_json(u + "/weights_checksum", timeout=self.request_timeout_s) for u in urls))
@@ -411,7 +443,7 @@ class FleetClient(RolloutEngine):
             return self._update_weights_sglang(named_tensors, dtype=dtype, ignore=ignore, weight_version=weight_version)
         with self.weights_lock:
             urls = list(self.worker_urls)
-            info = self.server_info(urls[0])
+            info = self._call(self._first_info(urls))
             if dtype is None:
                 dtype = getattr(torch, str(info.get("dtype", "float32")))
             if ignore is None:
@@ -422,7 +454,7 @@ class FleetClient(RolloutEngine):
             def pushed():
                 # Each bucket goes to every worker, then its tensors are hashed: one bucket in memory.
                 for bucket in iter_buckets(((n, t) for n, t in named_tensors if n not in ignore), self.bucket_bytes):
-                    self._call(self._push(urls, tensors_to_safetensors(bucket), weight_version))
+                    self._lose(urls, self._call(self._push(urls, tensors_to_safetensors(bucket), weight_version)))
                     names.extend(n for n, _ in bucket)
                     yield from bucket
 
