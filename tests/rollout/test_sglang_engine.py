@@ -933,24 +933,35 @@ def test_cpu_flush_and_abort(gpu_models, cpu_engine):
         t.start()
         if delay_s:
             time.sleep(delay_s)
+        else:  # "at once": as soon as the call has entered generate (an abort before that has nothing to end)
+            deadline = time.monotonic() + 30
+            while not cpu_engine._generating:
+                assert time.monotonic() < deadline and t.is_alive()
+                time.sleep(0.0005)
         cpu_engine.abort()
         t.join(timeout=60)
         assert not t.is_alive()
-        outs = [o for s in result["out"] for o in s]
+        return [o for s in result["out"] for o in s]
+
+    def all_aborted(outs):
         assert all(o.finish_reason == "abort" for o in outs), [(o.finish_reason, len(o.token_ids)) for o in outs]
         assert all(len(o.token_ids) < max_new and len(o.logprobs) == len(o.token_ids) for o in outs)
-        return outs
 
-    # Mid-generation: the tokens sampled so far come back, each with its log-prob. (A loaded machine may
-    # not have prefilled yet after 1 s: then again after 2 s; 2000 steps take SGLang's scheduler >= 2 s.)
-    for delay in (1.0, 2.0):
+    # Mid-generation: the tokens sampled so far come back, each with its log-prob. The machine's speed sets
+    # when "mid" is (not prefilled yet after a short wait on a loaded machine; 2000 tokens done in under a
+    # second on a fast one): the waits grow until one lands inside the generation. A call that finished
+    # first ('length') only says the wait was too long; one that came back unaborted is never accepted.
+    tried = []
+    for delay in (0.1, 0.25, 0.5, 1.0, 2.0):
         outs = aborted_after(delay)
-        if any(len(o.token_ids) > 0 for o in outs):
+        tried.append((delay, [(o.finish_reason, len(o.token_ids)) for o in outs]))
+        if all(o.finish_reason == "abort" for o in outs) and any(len(o.token_ids) > 0 for o in outs):
             break
-    assert any(len(o.token_ids) > 0 for o in outs)
+    all_aborted(outs)
+    assert any(len(o.token_ids) > 0 for o in outs), tried
     # At once: the abort may land while the call is still entering the engine, where one abort_request
     # alone would be lost; the adapter re-sends it until the call returns.
-    aborted_after(0.0)
+    all_aborted(aborted_after(0.0))
     # An abort with nothing running is a no-op, and the engine serves the next request normally.
     cpu_engine.abort()
     (o,), = cpu_engine.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=4))
