@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trainer.orphans import REAPER
+from trainer.workers.group import keep_embedded_ray
 
 # ``tests`` is this directory. A package installed into site-packages may ship its own top-level ``tests``
 # package (verl's wheel does, and requirements-peers.txt installs verl), and a regular package found
@@ -28,6 +29,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One embedded Ray cluster for a module's in-process runs: a run's end leaves it up for the next
+    (trainer.workers.group.keep_embedded_ray; a fresh cluster costs about 5 s of a 10 s tiny run), and it is
+    stopped when the module ends. Its workers see the environment of the cluster's start: a test that gives
+    the workers a new variable (PYTHONPATH for a plug-in) starts its own cluster instead."""
+    keep_embedded_ray(True)
+    yield
+    keep_embedded_ray(False)
+    import ray  # only to stop the module's cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -42,10 +42,11 @@ def run(tmp_path, *overrides, name="run"):
 def _mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     yield
-    import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(shared_ray):
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
 def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_reference(tmp_path):

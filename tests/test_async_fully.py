@@ -35,10 +35,11 @@ def run(tmp_path, *overrides, name="run"):
 def _mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     yield
-    import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(shared_ray):
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
 @pytest.mark.slow

@@ -46,12 +46,8 @@ def run(tmp_path, *overrides, name="run"):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray():
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+def _ray(shared_ray):
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
 def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):

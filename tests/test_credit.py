@@ -204,12 +204,8 @@ BASE = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollo
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray():
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+def _ray(shared_ray):
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
 @pytest.mark.slow

@@ -56,12 +56,8 @@ def test_replay_picks_its_step_else_cycles_and_explains_errors(tmp_path):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray():
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+def _ray(shared_ray):
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
 BASE = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",

@@ -120,12 +120,8 @@ BASE = ["data.train_batch_size=16", "trainer.val_before_train=false", "trainer.l
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray():
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+def _ray(shared_ray):
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
 def run(tmp_path, name, *overrides):

@@ -171,12 +171,13 @@ def test_pool_survives_raise_timeout_and_dead_worker(custom, caplog):
         p.join(timeout=5)
         assert not p.is_alive()
     # every worker ever started (including the killed ones) is gone; only multiprocessing's own
-    # fork server and resource tracker remain
+    # fork server and resource tracker remain (and torch's shared-memory manager, a daemon of this process
+    # once any test shared a tensor between processes)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         kids = [c for c in psutil.Process().children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         # (and the run reaper an earlier test's driver set-up left watching this process: it ends with the suite)
-        strays = [c for c in kids if not any(k in " ".join(c.cmdline()) for k in ("forkserver", "resource_tracker"))
+        strays = [c for c in kids if not any(k in " ".join(c.cmdline()) for k in ("forkserver", "resource_tracker", "torch_shm_manager"))
                   and REAPER not in c.cmdline()]
         if not strays:
             break

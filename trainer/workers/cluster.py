@@ -24,7 +24,7 @@ from trainer.rollout.registry import capabilities
 from trainer.net import free_port
 from trainer.sync import choose
 from trainer.workers.dataplane import Transport
-from trainer.workers.group import Placement, WorkerGroup, init_ray
+from trainer.workers.group import Placement, WorkerGroup, embedded_ray, embedded_ray_kept, init_ray
 from trainer.workers.hybrid_worker import HybridWorker
 from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup, RewardModelGroup
 from trainer.workers.rollout_worker import RolloutWorker
@@ -109,7 +109,8 @@ class Cluster:
         use_gpu = t.device == "cuda"
         n_slots = world + (0 if self.colocated else self.num_engines)
         # an embedded cluster lives as long as this Cluster (a later one may need other resources)
-        owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots))
+        # ours: an embedded cluster started now, or one an earlier run in this process kept (keep_embedded_ray)
+        owns_ray = init_ray(num_cpus=None if use_gpu else max(os.cpu_count() or 1, n_slots)) or embedded_ray()
         # an embedded cluster is one node, whatever trainer.nnodes says; a joined one is laid out node by node
         return Placement(n_slots, use_gpu, nnodes=1 if owns_ray else t.nnodes, per_node=t.n_gpus_per_node,
                          joined=not owns_ray), owns_ray
@@ -304,7 +305,7 @@ class Cluster:
                 g.shutdown()
         if self.placement is not None:
             self.placement.remove()
-        if self.owns_ray:
+        if self.owns_ray and not embedded_ray_kept():
             import ray
 
             ray.shutdown()

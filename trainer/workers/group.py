@@ -113,12 +113,43 @@ def worker_setup() -> None:
     sys.modules.setdefault("wandb", None)
 
 
-def init_ray(num_cpus: int | None = None) -> bool:
-    """Start (or join, with ``RAY_ADDRESS``) Ray; True when this call started an embedded cluster."""
+# The embedded cluster this process started (its GCS address), and whether a run's end leaves it up for the
+# next run in this process (:func:`keep_embedded_ray`): a notebook or a test module that trains several times
+# then pays Ray's start and stop (about 5 s of a 10 s tiny run here) once.
+_embedded_gcs: str | None = None
+_keep_embedded = False
+
+
+def keep_embedded_ray(keep: bool = True) -> None:
+    """Leave the embedded Ray cluster up when a run ends (``keep``), for the next run in this process; whoever
+    keeps it stops it (``ray.shutdown()``). A cluster joined through ``RAY_ADDRESS`` is never stopped by a run."""
+    global _keep_embedded
+    _keep_embedded = bool(keep)
+
+
+def embedded_ray_kept() -> bool:
+    return _keep_embedded
+
+
+def embedded_ray() -> bool:
+    """Whether this process is connected to an embedded cluster it started (not one joined, nor a user's own)."""
     import ray
 
+    return (_embedded_gcs is not None and ray.is_initialized()
+            and ray.get_runtime_context().gcs_address == _embedded_gcs)
+
+
+def init_ray(num_cpus: int | None = None) -> bool:
+    """Start (or join, with ``RAY_ADDRESS``) Ray; True when this call started an embedded cluster. A kept
+    embedded cluster (:func:`keep_embedded_ray`) is used again, or restarted when it has fewer than
+    ``num_cpus`` CPUs."""
+    import ray
+
+    global _embedded_gcs
     if ray.is_initialized():
-        return False
+        if not (embedded_ray() and num_cpus and ray.cluster_resources().get("CPU", 0) < num_cpus):
+            return False
+        ray.shutdown()  # the kept cluster is too small for this run's slots: a bigger one
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "PYTHONPATH": os.pathsep.join(
         [os.getcwd(), os.environ.get("PYTHONPATH", "")]), "PYTHONWARNINGS": _quiet_warnings_env()},
            "worker_process_setup_hook": "trainer.workers.group.worker_setup"}
@@ -128,6 +159,7 @@ def init_ray(num_cpus: int | None = None) -> bool:
         start_reaper()  # the embedded cluster's daemons inherit the run's marker and end with this driver
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  configure_logging=True, logging_level="WARNING")
+        _embedded_gcs = ray.get_runtime_context().gcs_address
         line = startup_summary()
         if line:
             print(line, flush=True)
