@@ -91,8 +91,7 @@ def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = BASE + OFF + ["trainer.total_training_steps=4", "trainer.save_freq=1"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
-    with open(tmp_path / "ref.log", "w") as log:
-        assert start_driver(common + [f"trainer.default_local_dir={ref_dir}"], env, log).wait(600) == 0
+    run(tmp_path, *common[len(BASE):], name="uninterrupted")  # the reference in this process, on the module's cluster
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
         latest = cut_dir / "latest_checkpointed_iteration.txt"
