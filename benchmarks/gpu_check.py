@@ -25,7 +25,10 @@ into one JSON. What each measures, and how:
 3. ``mfu``: the actor's train step (forward + backward + Adam, bf16) on a random model of Qwen2.5-0.5B's
    shape through the bridge, timed with CUDA events after warm-up; MFU = trainer.perf.model_flops / (time x
    the device's peak: trainer.perf's datasheet table on GPU, a timed matmul on CPU); also the forward-only
-   (log-prob) pass, and the peak memory of the phase.
+   (log-prob) pass, and the peak memory of the phase. Then one train step and one forward pass under
+   torch.profiler (CPU, plus CUDA on a GPU; after the timed ones): the top kernels and CPU ops, the device's
+   busy share of the step's wall time, and the shares of attention, GEMMs, the vocabulary part (output
+   layer + log-probs) and the optimizer (``profile``); Chrome traces with ``--trace-dir``.
 4. ``decode``: the native engine (trainer/rollout/native.py) on the same model, bf16, 64 prompts at once:
    decode tokens/s = the tokens after each row's first / (a full generate - a one-token generate, which is
    the prefill), and peak memory.
@@ -33,7 +36,8 @@ into one JSON. What each measures, and how:
    bucket stream copied into the engine in the same process, verified by XXH3 digests of the stream against
    the engine's checksum), after the actor's weights were moved off the checkpoint the engine loaded:
    seconds and GB/s with and without the digests; the engine's checksum must change, equal the stream's
-   and the actor's own; a control flips one engine element and the checksum must catch it. (CUDA IPC is
+   and the actor's own; a control flips one engine element and the checksum must catch it. The digests'
+   cost is split (``digest_split``): bytes moved to the host for hashing, seconds moving vs hashing. (CUDA IPC is
    only in the SGLang engine's path: reported as skipped where SGLang is absent.)
 6. ``offload``: megatron_bridge/offload.py through the megatron worker (params, gradient buffer, Adam
    state with fp32 master weights) after one train step: seconds each way, device memory freed, and the
@@ -43,7 +47,7 @@ into one JSON. What each measures, and how:
    (no MLflow); passes when both step lines print and the run exits 0.
 
 Flags: ``--budget-s`` (default 480), ``--json PATH``, ``--quick`` (smaller shapes), ``--only a,b``,
-``--cap STAGE=S`` (a stage's own timeout, e.g. to check the kill), ``--cpu-rehearsal``.
+``--cap STAGE=S`` (a stage's own timeout, e.g. to check the kill), ``--cpu-rehearsal``, ``--trace-dir DIR``.
 """
 
 from __future__ import annotations
@@ -65,10 +69,13 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
+from contextlib import ExitStack, contextmanager
 
 from _common import ROOT, machine, table, write_json
 
 import torch  # noqa: E402  (after _common: it puts the repository root on sys.path)
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 # the test helpers the parity and offload stages reuse: tiny HF models, the MoE configs, the optimizer settings
 sys.path.insert(0, os.path.join(ROOT, "tests", "megatron_bridge"))
@@ -183,6 +190,181 @@ def have(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+# --------------------------------------------------------------------------------------------------
+# the mfu stage's profile: why a step takes what it takes, from one run (after the timed steps)
+# --------------------------------------------------------------------------------------------------
+# The kind of a unit of time (a kernel on a GPU, an op's self time on a CPU), by its own name or its launching
+# op's: exclusive, in this order (flash-attention kernels are cutlass kernels too). cuBLAS on Hopper names its
+# GEMMs nvjet_* / sm90_xmma_*; the CPU rehearsal has no kernels, so the aten GEMM ops count there.
+ATTENTION_TERMS = ("attention", "sdpa", "flash", "softmax", "fmha")
+GEMM_TERMS = ("gemm", "matmul", "cutlass", "sm90", "nvjet", "xmma", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::baddbmm")
+# The phases, by the CPU range a unit ran under (or the forward range its backward node came from)
+LM_HEAD_RANGE, OPTIM_RANGE = "gpu_check::lm_head", "gpu_check::optimizer"
+VOCAB_OPS = (LM_HEAD_RANGE, "_VocabLogprobs")  # the output layer's GEMM + megatron_bridge.logprobs' fused log-softmax
+OPTIM_OPS = (OPTIM_RANGE, "Optimizer.step#", "Optimizer.zero_grad#")  # ours + torch.optim's own ranges
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "aten::_local_scalar_dense", "aten::item")
+
+
+@contextmanager
+def profile_ranges(tr):
+    """Named CPU ranges for the profile, benchmark-side (the product code is unchanged): the output layer's
+    forward (forward hooks on the bridge model's ``output_layer``) and the optimizer's part of a train step
+    (megatron's ``prepare_grads`` / ``step_with_ready_grads`` on this optimizer instance and the bridge's
+    ``clip_grad_norm``). Backward kernels join a range through their autograd node's sequence number."""
+    import megatron_bridge.train as mtrain
+    from megatron_bridge.model import chunks, unwrap
+
+    open_ranges = []
+
+    def pre(mod, inp):
+        rf = record_function(LM_HEAD_RANGE)
+        rf.__enter__()
+        open_ranges.append(rf)
+
+    def post(mod, inp, out):
+        if open_ranges:
+            open_ranges.pop().__exit__(None, None, None)
+
+    def ranged(fn):
+        def call(*a, **kw):
+            with record_function(OPTIM_RANGE):
+                return fn(*a, **kw)
+        return call
+
+    opt = tr.optimizer
+    with ExitStack() as stack:
+        for c in chunks(tr.model):
+            head = getattr(unwrap(c), "output_layer", None)
+            if head is not None:
+                stack.callback(head.register_forward_pre_hook(pre).remove)
+                stack.callback(head.register_forward_hook(post).remove)
+        for attr in ("prepare_grads", "step_with_ready_grads"):
+            setattr(opt, attr, ranged(getattr(opt, attr)))  # an instance attribute shadows the method
+            stack.callback(delattr, opt, attr)
+        clip = mtrain.clip_grad_norm
+        mtrain.clip_grad_norm = ranged(clip)  # train_step looks it up in its module at call time
+        stack.callback(setattr, mtrain, "clip_grad_norm", clip)
+        yield
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of a union of [start, end) intervals: the time the device had anything running."""
+    busy, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return busy
+
+
+def _ancestors(e):
+    while e is not None:
+        yield e
+        e = e.cpu_parent
+
+
+def summarize_profile(prof, wall_s: float, on_gpu: bool) -> dict:
+    """The figures of one profiled pass. ``basis``: device time of the kernels (on a GPU) or the ops' self CPU
+    time (on a CPU); the shares are of that basis: ``kinds`` (attention / gemm / other, exclusive, by name) and
+    ``phases`` (vocab: the output layer and the log-probs; optimizer; by the range they ran under; they overlap
+    the kinds). ``device_busy_pct``: the union of the kernels' and copies' intervals over the pass's wall time;
+    a device idle for most of a step means the step is bound by the CPU (launches, Python, host syncs)."""
+    events = list(prof.events())
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
+    dev_events = [e for e in events if e.device_type != DeviceType.CPU]
+    # forward ops under a phase's range, by (thread, sequence number): their backward nodes join the phase
+    phase_of_op = {}
+    fwd_keys = {"vocab": set(), "optimizer": set()}
+    for e in cpu_ops:
+        names = [a.name for a in _ancestors(e)]
+        ph = set()
+        if any(n.startswith(VOCAB_OPS) for n in names):
+            ph.add("vocab")
+        if any(n.startswith(OPTIM_OPS) for n in names):
+            ph.add("optimizer")
+        phase_of_op[id(e)] = (ph, names)
+        if e.sequence_nr >= 0 and "autograd::engine" not in e.name:
+            for p in ph:
+                fwd_keys[p].add((e.thread, e.sequence_nr))
+    for e in cpu_ops:  # backward: the evaluate_function range of a node made under a phase, and all inside it
+        for a in _ancestors(e):
+            if a.name.startswith("autograd::engine::evaluate_function") and a.sequence_nr >= 0:
+                for p, keys in fwd_keys.items():
+                    if (a.fwd_thread, a.sequence_nr) in keys:
+                        phase_of_op[id(e)][0].add(p)
+    # units of time: (name, microseconds, the CPU op that ran or launched it)
+    if on_gpu:
+        units = [(k.name, k.duration, e) for e in cpu_ops for k in e.kernels]
+    else:
+        units = [(e.name, e.self_cpu_time_total, e) for e in cpu_ops]
+    basis = sum(u[1] for u in units)
+    kinds = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    phases = {"vocab": 0.0, "optimizer": 0.0}
+    for name, us, e in units:
+        text = (name + " " + e.name).lower()
+        kind = ("attention" if any(t in text for t in ATTENTION_TERMS) else
+                "gemm" if any(t in text for t in GEMM_TERMS) else "other")
+        kinds[kind] += us
+        for p in phase_of_op[id(e)][0]:
+            phases[p] += us
+
+    def pct(us: float, total: float) -> float:
+        return round(min(100.0, max(0.0, 100.0 * us / total)), 2) if total > 0 else 0.0
+
+    by_kernel: dict[str, list] = {}
+    for e in dev_events:
+        k = by_kernel.setdefault(e.name, [0, 0.0])
+        k[0] += 1
+        k[1] += e.time_range.elapsed_us()
+    dev_total = sum(v[1] for v in by_kernel.values())
+    top_kernels = [{"name": n[:80], "count": c, "total_ms": round(us / 1e3, 3), "pct": pct(us, dev_total)}
+                   for n, (c, us) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:15]]
+    avg = [a for a in prof.key_averages() if a.device_type == DeviceType.CPU]
+    cpu_total = sum(a.self_cpu_time_total for a in avg)
+    top_cpu = [{"name": a.key[:80], "count": a.count, "self_ms": round(a.self_cpu_time_total / 1e3, 3),
+                "total_ms": round(a.cpu_time_total / 1e3, 3), "pct": pct(a.self_cpu_time_total, cpu_total)}
+               for a in sorted(avg, key=lambda a: -a.self_cpu_time_total)[:10]]
+    busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in dev_events])
+    out = {"wall_ms": round(wall_s * 1e3, 3), "basis": "kernel device time" if on_gpu else "op self CPU time",
+           "basis_ms": round(basis / 1e3, 3), "cpu_self_ms": round(cpu_total / 1e3, 3),
+           "kinds_pct": {k: pct(v, basis) for k, v in kinds.items()},
+           "phases_pct": {k: pct(v, basis) for k, v in phases.items()},
+           "host_syncs": sum(a.count for a in avg if a.key.startswith(SYNC_OPS)),
+           "top_cpu_ops": top_cpu, "top_kernels": top_kernels}
+    if on_gpu:
+        out.update(device_busy_ms=round(busy_us / 1e3, 3), device_busy_pct=pct(busy_us / 1e6, wall_s),
+                   device_events=sum(c for c, _ in by_kernel.values()),
+                   mean_kernel_us=round(dev_total / max(1, sum(c for c, _ in by_kernel.values())), 2))
+    return out
+
+
+def profile_pass(fn, dev: str, trace: str | None) -> dict:
+    """Profile one call of ``fn`` (CPU, plus CUDA on a GPU) and summarize it; ``trace``: also write a Chrome
+    trace there (gzip'd when the name ends in .gz: a train step's trace is tens of MB as text)."""
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with profile(activities=acts) as prof:
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)  # the wall time includes the queued kernels: busy / wall is the device's share of the pass
+        wall = time.perf_counter() - t0
+    if trace:
+        prof.export_chrome_trace(trace)
+    return summarize_profile(prof, wall, dev == "cuda")
+
+
+def profile_figure(p: dict) -> str:
+    """The table's short line: the device's share of the step and its top kernel (or op, on a CPU)."""
+    t = p.get("train_step") or {}
+    if "device_busy_pct" in t:
+        top = t["top_kernels"][0]["name"][:40] if t["top_kernels"] else "-"
+        return f"GPU busy {t['device_busy_pct']:.0f}% of step; top: {top}"
+    top = t["top_cpu_ops"][0] if t.get("top_cpu_ops") else {"name": "-", "pct": 0}
+    return f"profiled; top op: {top['name'][:30]} {top['pct']:.0f}%"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,6 +508,27 @@ def stage_parity(args) -> dict:
     return out
 
 
+def mfu_profile(args, dev: str, step, forward, tr) -> dict:
+    """One train step and one forward pass under torch.profiler, after the timed ones (their timing is
+    untouched), with the output layer and the optimizer in named ranges (:func:`profile_ranges`); Chrome traces
+    into ``--trace-dir`` when given. A profiler failure is reported here, not as the stage's: the MFU stands."""
+    def trace(name: str) -> str | None:
+        return os.path.join(args.trace_dir, f"mfu_{name}.json.gz") if args.trace_dir else None
+
+    try:
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
+        with profile_ranges(tr):
+            out = {"train_step": profile_pass(step, dev, trace("train_step"))}
+            with torch.no_grad():
+                out["forward"] = profile_pass(forward, dev, trace("forward"))
+        if args.trace_dir:
+            out["traces"] = [t for t in (trace("train_step"), trace("forward")) if os.path.exists(t)]
+        return out
+    except Exception as e:  # noqa: BLE001 - the profile explains the figures; its failure must not hide them
+        return {"error": f"{type(e).__name__}: {e}"[:800], "traceback": traceback.format_exc()[-3000:]}
+
+
 def stage_mfu(args) -> dict:
     from megatron_bridge.convert import load_hf_weights
     from megatron_bridge.hf_config import read_hf_config
@@ -356,6 +559,9 @@ def stage_mfu(args) -> dict:
         with Timer(dev) as t_fwd:
             for _ in range(steps):
                 compute_logprobs(tr.model, [mb])
+    peak_mem = peak_gb(dev)  # of the timed phase: read before the profile's extra step
+    prof = mfu_profile(args, dev, lambda: train_step(tr, [mb], mean_nll), lambda: compute_logprobs(tr.model, [mb]),
+                       tr)
     arch = ArchConfig.from_pretrained(path)
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
     peaks = PeakTable(name, torch.get_num_threads())
@@ -368,8 +574,8 @@ def stage_mfu(args) -> dict:
     ok = m_train is not None and 0 < m_train <= 1 and m_fwd is not None and 0 < m_fwd <= 1
     return {"status": "pass" if ok else "fail", "params": n_params, "batch": batch, "seq": seq, "steps": steps,
             "train_step_s": train_s, "forward_s": fwd_s, "mfu_train": m_train, "mfu_forward": m_fwd,
-            "peak_tflops": peak, "peak_source": peaks.params.get("perf/peak_source"), "peak_mem_gb": peak_gb(dev),
-            "tokens_per_s_train": batch * seq / train_s,
+            "peak_tflops": peak, "peak_source": peaks.params.get("perf/peak_source"), "peak_mem_gb": peak_mem,
+            "tokens_per_s_train": batch * seq / train_s, "profile": prof,
             **({} if ok else {"reason": f"MFU outside (0, 1]: train {m_train}, forward {m_fwd}"})}
 
 
@@ -403,6 +609,57 @@ def stage_decode(args) -> dict:
             "tokens": produced, "prefill_s": pre, "generate_s": full, "decode_tokens_per_s": tps,
             "peak_mem_gb": peak_gb(dev),
             **({} if ok else {"reason": f"{produced} tokens of {rows * new}, {tps} tokens/s"})}
+
+
+def digest_split(w, bucket: int, dtype: torch.dtype, dev: str) -> dict:
+    """Where a verified sync's extra time goes, timed in parts by calling what it calls: the hybrid sync
+    (trainer/sync/hybrid_copy.py ``CopySender.copy``) hashes every streamed tensor with ``tensor_digest``
+    (trainer/rollout/engine.py), which casts it to the engine's dtype, moves it to the host (``.to("cpu")``:
+    a synchronous device-to-host copy per tensor into pageable memory) and feeds its bytes to XXH3
+    (``new_hasher``, one CPU core); then the engine's ``weights_checksum`` does the same over the engine's
+    tensors (``checksum_named_tensors``). Here each tensor's move to the host and its hashing (``tensor_digest``
+    on the host copy: no cast, no copy left) are timed apart, for both halves; the digests must combine to
+    the sync's own checksums (``matches_sync``), so the parts timed are the sync's."""
+    from megatron_bridge import cpu_shims
+    from trainer.rollout.engine import tensor_digest
+    from trainer.rollout.weights import combine_digests
+
+    out = {}
+
+    def split(named) -> dict:
+        digests, moved, hashed, n = {}, 0, 0, 0
+        to_host_s = hash_s = 0.0
+        for name, t in named:
+            t = t.detach()
+            sync(dev)
+            t0 = time.perf_counter()
+            host = (t.to(dtype) if t.dtype != dtype else t).to("cpu")  # tensor_digest's cast and move
+            sync(dev)
+            to_host_s += time.perf_counter() - t0
+            moved += t.numel() * host.element_size() if t.device.type != "cpu" else 0  # none on a CPU
+            hashed += host.numel() * host.element_size()
+            t0 = time.perf_counter()
+            digests[name] = tensor_digest(name, host, dtype)
+            hash_s += time.perf_counter() - t0
+            n += 1
+        return {"tensors": n, "host_bytes": moved, "hashed_bytes": hashed, "to_host_s": to_host_s, "hash_s": hash_s,
+                "checksum": combine_digests(digests)}
+
+    with torch.no_grad():
+        pairs = []
+        t0 = time.perf_counter()
+        for b in w._hf_buckets(bucket):  # the stream as the sync iterates it (megatron's gathers)
+            pairs += [(n, t.detach()) for n, t in b]
+        gather_s = time.perf_counter() - t0
+        with cpu_shims.suspended():  # as the sync hashes: outside the CPU device shim
+            out["stream"] = split(pairs)
+            out["engine"] = split(sorted(w.engine_worker.engine.hf_views().items()))
+    out["stream"]["gather_s"] = gather_s
+    tot = {k: out["stream"][k] + out["engine"][k] for k in ("host_bytes", "hashed_bytes", "to_host_s", "hash_s")}
+    return {**out, **tot, "to_host_gbps": tot["host_bytes"] / 1e9 / tot["to_host_s"] if tot["host_bytes"] else None,
+            "hash_gbps": tot["hashed_bytes"] / 1e9 / tot["hash_s"] if tot["hash_s"] > 0 else None,
+            "where": "trainer/rollout/engine.py tensor_digest: t.to('cpu') per tensor, then XXH3 on one core; "
+                     "twice: the stream (hybrid_copy.CopySender.copy) and the engine's weights_checksum"}
 
 
 def stage_sync(args) -> dict:
@@ -439,6 +696,8 @@ def stage_sync(args) -> dict:
         verified = True
     except Exception:  # noqa: BLE001 - the failed check is the result
         verified = False
+    split = digest_split(w, bucket, torch.bfloat16, dev)
+    split_ok = split["stream"]["checksum"] == res["stream"] and split["engine"]["checksum"] == res["engine"]
     actor = w.weights_checksum("bfloat16")  # recomputed from the actor's parameters, independently of the stream
     views = w.engine_worker.engine.hf_views()
     with torch.no_grad():  # the control: one flipped element must change the engine's checksum
@@ -453,6 +712,7 @@ def stage_sync(args) -> dict:
             "verified_s": verified_s, "verified_gbps": gb / verified_s, "digest_verified": verified,
             "engine_changed": changed, "actor_matches_engine": actor == res["engine"], "control_detected": detects,
             "raw_bytes_equal": raw["bytes"] == res["bytes"],
+            "digest_overhead_s": verified_s - raw_s, "digest_split": {**split, "matches_sync": split_ok},
             "cuda_ipc": "skipped: only SGLang's engine syncs over CUDA IPC" + ("" if have("sglang") else
                                                                             ", and SGLang is not on this machine"),
             **({} if ok else {"reason": f"verified {verified}, engine changed {changed}, actor matches "
@@ -560,6 +820,7 @@ def run_stage(name: str, args, timeout: float) -> dict:
     result = os.path.join(args.workdir, f"{name}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--stage", name, "--result", result, "--workdir", args.workdir]
     cmd += ["--cpu-rehearsal"] * args.cpu_rehearsal + ["--quick"] * args.quick
+    cmd += ["--trace-dir", os.path.abspath(args.trace_dir)] if args.trace_dir else []
     env = dict(os.environ)
     if args.cpu_rehearsal:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -595,9 +856,14 @@ def headline_figure(name: str, r: dict) -> str:
         "gpu_tests": lambda: f"{r.get('passed')} passed, {r.get('failed')} failed, {r.get('skipped')} skipped",
         "parity": lambda: ", ".join(f"{x['model'].split('_')[0]} {x['dtype']} {x['max_abs_diff']:.1e}"
                                     for x in r.get("rows", [])),
-        "mfu": lambda: f"MFU {r['mfu_train']:.3f} train, {r['mfu_forward']:.3f} fwd, peak {r.get('peak_mem_gb') or 0:.1f} GB",
+        "mfu": lambda: (f"MFU {r['mfu_train']:.3f} train, {r['mfu_forward']:.3f} fwd, peak {r.get('peak_mem_gb') or 0:.1f} GB"
+                        + (f"; {profile_figure(r['profile'])}" if "train_step" in r.get("profile", {}) else
+                           "; profile failed" if "profile" in r else "")),
         "decode": lambda: f"{r['decode_tokens_per_s']:.0f} tok/s at batch {r['batch']}",
-        "sync": lambda: f"{r['verified_s']:.3f} s verified, {r['verified_gbps']:.2f} GB/s; raw {r['copy_gbps']:.2f} GB/s",
+        "sync": lambda: (f"{r['verified_s']:.3f} s verified, {r['verified_gbps']:.2f} GB/s; raw {r['copy_gbps']:.2f} GB/s"
+                         + (f"; digests: {r['digest_split']['to_host_s']:.3f} s to host "
+                            f"({r['digest_split']['host_bytes'] / 1e9:.2f} GB), {r['digest_split']['hash_s']:.3f} s hashing"
+                            if "digest_split" in r else "")),
         "offload": lambda: f"{r['offload_s']:.2f} s out, {r['reload_s']:.2f} s back, exact {r['round_trip_exact']}",
         "grpo": lambda: f"{r.get('steps')}/2 steps, {r.get('s_per_step')} s/step",
     }[name]
@@ -625,6 +891,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated stages (default: all)")
     ap.add_argument("--cap", action="append", default=[], help="STAGE=SECONDS: that stage's own timeout")
     ap.add_argument("--cpu-rehearsal", action="store_true", help="every stage that can run on CPU, tiny sizes")
+    ap.add_argument("--trace-dir", default=None,
+                    help="write the mfu stage's Chrome traces (one train step, one forward; gzip'd) here")
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # a stage's own process
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)

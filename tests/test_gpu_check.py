@@ -82,6 +82,30 @@ def test_figures_are_measured(rehearsal):
     assert g["steps"] == 2 and g["returncode"] == 0 and g["s_per_step"] > 0
 
 
+def test_mfu_profile_and_digest_split_are_reported(rehearsal):
+    """The mfu stage's profile (CPU activities in the rehearsal: the code path a GPU run takes, without its
+    kernels) and the sync stage's split of the digest time, recomputed to the sync's own checksums."""
+    out, res = rehearsal
+    st = res["stages"]
+    prof = st["mfu"]["profile"]
+    assert "error" not in prof, prof
+    for part in ("train_step", "forward"):
+        p = prof[part]
+        ops = p["top_cpu_ops"]
+        assert len(ops) >= 1 and p["wall_ms"] > 0 and p["basis_ms"] > 0
+        selfs = [o["self_ms"] for o in ops]
+        assert selfs == sorted(selfs, reverse=True)
+        pcts = [o["pct"] for o in ops] + list(p["kinds_pct"].values()) + list(p["phases_pct"].values())
+        assert all(0 <= x <= 100 for x in pcts), p
+        assert sum(p["kinds_pct"].values()) == pytest.approx(100, abs=0.1)  # exclusive kinds cover the basis
+        assert p["phases_pct"]["vocab"] > 0  # the output layer's range and the log-probs are found
+    assert prof["train_step"]["phases_pct"]["optimizer"] > 0 and prof["forward"]["phases_pct"]["optimizer"] == 0
+    assert "profiled; top op:" in out
+    d = st["sync"]["digest_split"]
+    assert d["matches_sync"] is True and d["host_bytes"] == 0  # a CPU run moves nothing to a host
+    assert d["hashed_bytes"] == 2 * st["sync"]["bytes"] and d["hash_s"] > 0
+
+
 def test_a_stage_over_its_timeout_is_killed_and_reported(tmp_path):
     t0 = time.monotonic()
     p, res = run(tmp_path, "--cpu-rehearsal", "--only", "env,mfu", "--cap", "mfu=1", timeout=60)
