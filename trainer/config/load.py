@@ -11,11 +11,14 @@ their replacements.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import typing
 from typing import List, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from hydra import compose, initialize_config_dir
@@ -28,6 +31,7 @@ from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_
 from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
 from trainer.transformer_overrides import cpu_note, kernels_turned_off
 from trainer.verl_compat import verl_only
+from trainer.verl_keys import FSDP_ONLY, MEGATRON
 
 # ----------------------------------------------------------------------------------------------
 # key discovery, legacy keys, choices
@@ -59,6 +63,114 @@ KEY_ALIASES: dict[str, str] = {
     "attribution_driven_credit_assignment.neg_unconsistent_scale":
         "attribution_driven_credit_assignment.adca_grpo.neg_unconsistent_scale",
 }
+
+
+# ----------------------------------------------------------------------------------------------
+# reading a YAML file, bounded
+# ----------------------------------------------------------------------------------------------
+# A config file is a few KB; these bounds are orders of magnitude above any real one and far below what
+# hurts: an alias bomb ("billion laughs": nine levels of ten aliases each) composes into a few dozen
+# nodes, but OmegaConf copies every alias's expansion, so 10^9 nodes would hang the load.
+MAX_CONFIG_BYTES = 4 << 20
+MAX_CONFIG_NODES = 200_000  # nodes after expanding every alias
+MAX_CONFIG_DEPTH = 64  # nesting of mappings and lists
+# the top-level sections a Coxswain or verl config may have (a file with none of them is not a config)
+KNOWN_SECTIONS = frozenset(k.split(".", 1)[0] for k in (*LEAVES, *MEGATRON, *FSDP_ONLY)) | {"defaults", "hydra"}
+
+
+def _short(text: str, n: int = 60) -> str:
+    """A key or value from a user's file, cut short: an error names it, never echoes a file's content."""
+    text = str(text)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _yaml_bounds(root: yaml.Node) -> None:
+    """Raise ValueError when the composed document nests deeper than MAX_CONFIG_DEPTH, refers to itself
+    (an anchor inside its own alias: OmegaConf would recurse until RecursionError), or expands to more
+    than MAX_CONFIG_NODES nodes. Sizes are memoised per node, so a bomb is measured without expanding it."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_CONFIG_DEPTH:
+            raise ValueError(f"nested more than {MAX_CONFIG_DEPTH} levels deep; flatten it")
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ValueError("an anchor is used inside itself (a self-referencing alias); remove that alias")
+        open_nodes.add(key)
+        if isinstance(node, yaml.MappingNode):
+            children = [c for pair in node.value for c in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child, depth + 1)
+            if total > MAX_CONFIG_NODES:
+                raise ValueError(f"expands to more than {MAX_CONFIG_NODES} values once its aliases are expanded "
+                                 f"(an alias bomb?); write the values out or use fewer aliases")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root, 0)
+
+
+def read_config_file(path: str) -> dict:
+    """A ``--config`` file as a plain mapping, or ValueError with a one-line reason that names the file and
+    never quotes its content: not a regular file, too large, not UTF-8, not YAML (line and column only),
+    over the bounds above, or not a mapping of config sections."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"file '{path}' does not exist") from None
+    except OSError as e:
+        raise ValueError(f"file '{path}' cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"'{path}' is a directory; give a YAML file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+        raise ValueError(f"'{path}' is not a regular file; give a YAML file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"file '{path}' is {st.st_size} bytes, more than a config's limit of {MAX_CONFIG_BYTES}")
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+    except PermissionError:
+        raise ValueError(f"file '{path}' cannot be read (permission denied)") from None
+    except OSError as e:
+        raise ValueError(f"file '{path}' cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"file '{path}' is not UTF-8 text, so not a YAML config") from None
+    loader = get_yaml_loader()(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return {}
+        _yaml_bounds(root)
+        data = loader.construct_document(root)
+    except yaml.MarkedYAMLError as e:  # its str() quotes the offending line: name the place only
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"file '{path}' is not valid YAML{where}: {_short(e.problem or e.context or '', 100)}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"file '{path}' is not valid YAML ({type(e).__name__})") from None
+    except RecursionError:  # the composer recurses once per nesting level
+        raise ValueError(f"file '{path}': nested more than {MAX_CONFIG_DEPTH} levels deep; flatten it") from None
+    except ValueError as e:
+        raise ValueError(f"file '{path}': {e}") from None
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise ValueError(f"file '{path}' is not a config mapping of known keys: its top level is a {type(data).__name__}; "
+                         f"a config maps sections (data:, actor_rollout_ref:, trainer:, ...) to their keys")
+    if data and not any(isinstance(k, str) and k in KNOWN_SECTIONS for k in data):
+        names = ", ".join(repr(_short(k, 30)) for k in list(data)[:3]) + (", ..." if len(data) > 3 else "")
+        raise ValueError(f"file '{path}' is not a config mapping of known keys: none of its {len(data)} top-level "
+                         f"keys ({names}) is a config section (data, actor_rollout_ref, trainer, ...)")
+    return data
 
 
 class _Load:
@@ -99,7 +211,7 @@ class _Load:
                 self.error(origin, why)
                 return
             guess = closest_key(key)
-            self.error(origin, f"unknown config key '{key}'." + (f" Did you mean '{guess}'?" if guess else "")
+            self.error(origin, f"unknown config key '{_short(key)}'." + (f" Did you mean '{guess}'?" if guess else "")
                        + " (all keys: python -m trainer.main --help-keys)")
             return
         if delete:
@@ -114,10 +226,10 @@ class _Load:
             OmegaConf.update(self.cfg, key, value, merge=isinstance(value, dict))
         except ValidationError:
             expected = type_name(LEAVES[key]) if key in LEAVES else "a value of the schema's type"
-            self.error(origin, f"key '{key}' got {value!r} ({type(value).__name__}), but expects {expected}.")
+            self.error(origin, f"key '{key}' got {_short(repr(value))} ({type(value).__name__}), but expects {expected}.")
             return
         except OmegaConfBaseException as e:
-            self.error(origin, f"key '{key}': {getattr(e, 'msg', e)}")
+            self.error(origin, f"key '{key}': {_short(str(getattr(e, 'msg', e)), 200)}")
             return
         self.set_by[key] = (origin, spelled)
 
@@ -184,6 +296,11 @@ def _compose(ld: _Load, path: Optional[str], name: str) -> None:
     if not has_file:
         ld.error(origin, f"no config '{stem}.yaml' in --config-path={path!r}; give the directory that holds it "
                          f"(verl's own names ppo_megatron_trainer / ppo_trainer need no directory).")
+        return
+    try:  # the same bounds as --config before hydra reads it (hydra's own loader has none)
+        read_config_file(os.path.join(cdir, stem + ".yaml"))
+    except ValueError as e:
+        ld.error(origin, str(e))
         return
     GlobalHydra.instance().clear()
     try:
@@ -264,18 +381,26 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
         ld.error("command line", e)
     if name:
         _compose(ld, path, name)
+        if ld.errors:  # a config that cannot be composed is reported alone, as an unreadable --config file
+            raise ConfigError(error_report(ld.errors))
     elif path:
         ld.error("--config-path", "needs --config-name too")
+    unreadable = []
     for f in files:
-        if not os.path.isfile(f):
-            ld.error("--config", f"file '{f}' does not exist")
+        try:
+            data = read_config_file(f)
+        except ValueError as e:
+            unreadable.append(f"--config: {e}")
             continue
-        node = OmegaConf.load(f)
-        if not isinstance(node, DictConfig):
-            ld.error(f, "the top level must be a mapping of config sections")
+        data.pop("defaults", None)
+        try:
+            node = OmegaConf.create(data)
+        except OmegaConfBaseException as e:  # e.g. a key that is not a string
+            unreadable.append(f"--config: file '{f}' cannot be read as a config ({_short(str(getattr(e, 'msg', e)), 100)})")
             continue
-        node = OmegaConf.masked_copy(node, [k for k in node if k != "defaults"]) if "defaults" in node else node
         ld.layer(node, f)
+    if unreadable:  # reported alone: the "not set" problems that follow from a missing file would only mislead
+        raise ConfigError(error_report(ld.errors + unreadable))
     _overrides(ld, overrides)
     LAST_LOAD_NOTES[:] = ld.notes
     if validate_config:
