@@ -44,7 +44,7 @@ from trainer.checkpoint import (CheckpointError, CheckpointManager, load_driver_
                                 verify)
 from trainer.config import (LAST_LOAD_NOTES, ConfigError, CoxswainConfig, flatten_keys, load_config, public_container,
                             save_resolved, to_yaml)
-from trainer.config.preflight import check_code_sandbox, check_model, check_supported, rm_inputs
+from trainer.config.preflight import check_code_sandbox, check_data_sources, check_model, check_supported, rm_inputs
 from trainer.console import changed_from_defaults, config_summary_lines, help_keys_lines, print_lines
 from trainer.credit import make_judge
 from trainer.data.dataset import BadRowError, PromptSampler, build_dataset
@@ -188,6 +188,7 @@ def set_up(cfg) -> Run:
                                         trust_remote_code=bool(cfg.actor_rollout_ref.model.trust_remote_code or cfg.data.trust_remote_code))
     tasks = env_tasks(cfg) if cfg.actor_rollout_ref.rollout.multi_turn.enable else None  # the environment's own tasks
     train_ds, val_ds = build_dataset(cfg.data, tok, "train", tasks), build_dataset(cfg.data, tok, "val", tasks)
+    check_data_sources(cfg, train_ds, val_ds)
     total_steps = cfg.trainer.total_training_steps or len(train_ds) // cfg.data.train_batch_size * cfg.trainer.total_epochs
     if total_steps < 1:
         raise ConfigError(f"the training data has {len(train_ds)} prompts, fewer than data.train_batch_size="

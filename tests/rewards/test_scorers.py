@@ -205,7 +205,7 @@ def test_code_score_passes_and_fails_in_sandbox():
 # ---------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------
-def test_dispatch_names_prefixes_and_default():
+def test_dispatch_names_prefixes_and_unknown():
     assert S.get_scorer("openai/gsm8k") is S.gsm8k_score
     for name in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval"):
         assert S.get_scorer(name) is S.math_score
@@ -215,7 +215,8 @@ def test_dispatch_names_prefixes_and_default():
     for name in ("codecontests", "apps", "taco", "mbpp", "openai_humaneval"):
         assert S.get_scorer(name) is S.code_score
     assert S.get_scorer("numina_olympiads") is S.math_score
-    assert S.get_scorer("my/unknown-source") is S.DEFAULT_SCORER
+    with pytest.raises(NotImplementedError, match="'my/unknown-source' has no scorer"):  # as verl's default_compute_score
+        S.get_scorer("my/unknown-source")
     # verl's keyword signature
     r = S.compute_score(data_source="openai/gsm8k", solution_str="#### 3", ground_truth="3", extra_info=None)
     assert r["score"] == 1.0

@@ -8,6 +8,7 @@ resolves on a CPU login node (``--print-config``); these run where the job runs:
 * :func:`check_model`: the model directories against the settings (routing replay needs an MoE model; the
   reward model's head, vocabulary and tokenizers, with :func:`rm_inputs`);
 * :func:`check_code_sandbox`: code-scored data only on a host whose sandbox can contain the code.
+* :func:`check_data_sources`: every row's ``data_source`` has a scorer, unless a custom reward function scores them.
 
 Each raises ``ConfigError`` naming the keys and the fix.
 """
@@ -24,7 +25,7 @@ from trainer.config.checks import need_critic, need_ref
 from trainer.config.schema import ConfigError
 from trainer.rewards.reward_model import RMInputs, check_score_head
 from trainer.rewards.sandbox import SandboxUnavailable, check_host
-from trainer.rewards.scorers import code_score, get_scorer
+from trainer.rewards.scorers import code_score, get_scorer, has_scorer, unknown_sources_message
 from trainer.rollout.registry import engine_class
 
 
@@ -135,6 +136,18 @@ def rm_inputs(cfg):
                     AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=trust), max_length=rm.max_length)
 
 
+def check_data_sources(cfg, *datasets) -> None:
+    """Refuse, at load, data whose ``data_source`` no built-in scorer knows when no custom reward function is
+    set (verl's ``default_compute_score`` raises NotImplementedError for them, mid-run). A multi-turn
+    environment scores its own episodes, so its rows are not checked."""
+    if cfg.custom_reward_function.path or cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        return
+    sources = {it["data_source"] for ds in datasets if ds is not None for it in getattr(ds, "items", [])}
+    unknown = sorted(s for s in sources if not has_scorer(s))
+    if unknown:
+        raise ConfigError(f"data ({cfg.data.train_files}, {cfg.data.val_files}): {unknown_sources_message(unknown)}")
+
+
 def check_code_sandbox(cfg, *datasets) -> None:
     """Refuse to start a run with code-scored data on a host whose sandbox cannot contain the code
     (unless the user opted in to weaker containment or scores code in a SandboxFusion service)."""
@@ -142,7 +155,7 @@ def check_code_sandbox(cfg, *datasets) -> None:
     if rm.sandbox_fusion.url or cfg.custom_reward_function.path:
         return
     sources = {it["data_source"] for ds in datasets if ds is not None for it in getattr(ds, "items", [])}
-    code = sorted(s for s in sources if get_scorer(s) is code_score)
+    code = sorted(s for s in sources if has_scorer(s) and get_scorer(s) is code_score)
     if not code:
         return
     try:

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import random
+import stat
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -67,8 +68,15 @@ def iter_raw_rows(path: str) -> Iterable[tuple[str, Any]]:
     if os.path.isdir(path):
         raise BadRowError(f"dataset path {path!r} is a directory (data.train_files / data.val_files): give the "
                           f".parquet / .jsonl / .json files in it, as a list for several")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file {path!r} does not exist (data.train_files / data.val_files)")
+    try:
+        mode = os.stat(path).st_mode  # stat, not open: opening a FIFO blocks until a writer comes
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dataset file {path!r} does not exist (data.train_files / data.val_files)") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise BadRowError(f"dataset path {path!r} is {kind}, not a data file (data.train_files / data.val_files): "
+                          f"give a .parquet / .jsonl / .json file")
     lower = path.lower()
     if lower.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -81,21 +89,23 @@ def iter_raw_rows(path: str) -> Iterable[tuple[str, Any]]:
         for n, row in enumerate(rows, 1):
             yield f"row {n}", row
     elif lower.endswith(".jsonl"):
-        n = 0
-        try:
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield f"line {n}", json.loads(line)
-                    except json.JSONDecodeError as e:
-                        yield f"line {n}", _Fault(f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove the line")
-                    except RecursionError:
-                        yield f"line {n}", _Fault("JSON nested too deeply to read", "flatten or remove the line")
-        except UnicodeDecodeError as e:
-            raise BadRowError(f"{path}: not UTF-8 text near line {n + 1} ({e.reason}); "
-                              f"re-encode the file as UTF-8") from None
+        # bytes, decoded line by line: a text-mode reader decodes ahead in chunks, so its error would come
+        # with the line number of wherever the reading had got to, not of the offending byte
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadRowError(f"{path}: not UTF-8 text at line {n}, byte {e.start + 1} of the line ({e.reason}); "
+                                      f"re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield f"line {n}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield f"line {n}", _Fault(f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove the line")
+                except RecursionError:
+                    yield f"line {n}", _Fault("JSON nested too deeply to read", "flatten or remove the line")
     elif lower.endswith(".json"):
         try:
             with open(path, encoding="utf-8") as f:
@@ -150,6 +160,27 @@ def check_row(row: Any, prompt_key: str = "prompt", reward_fn_key: str = "data_s
     if extra is not None and not isinstance(extra, dict):
         raise _Fault(f"extra_info is a {type(extra).__name__}; it must be an object or absent")
     return {"messages": clean, "data_source": ds, "ground_truth": rm["ground_truth"], "extra_info": extra or {}}
+
+
+MIN_CHARS_PER_TOKEN_BOUND = 64
+NORMALISER_MARGIN = 4
+
+
+def chars_per_token_bound(tokenizer) -> int:
+    """More characters of message content than ``max_prompt_length`` times this cannot fit in
+    ``max_prompt_length`` tokens, so such a prompt can be dropped without tokenizing it. Why it is safe: the
+    rendered prompt holds every message's content (the chat template only adds text), and one token stands for
+    at most as many characters as its vocabulary entry is long (a byte-level BPE entry of L symbols decodes
+    to L bytes, at most L characters; a SentencePiece piece is its characters, with '▁' for a space; byte
+    fallback entries such as '<0x0A>' are longer than the one byte they stand for). The longest entry, never
+    under 64, is then multiplied by 4 for a normaliser that composes a base character and its combining marks
+    into one character before the vocabulary is applied. (A normaliser that deletes characters outright, as
+    BERT's does with control characters, has no such bound; chat models' tokenizers do not delete text.)"""
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):  # a tokenizer without a vocabulary to read
+        longest = 0
+    return max(longest, MIN_CHARS_PER_TOKEN_BOUND) * NORMALISER_MARGIN
 
 
 def render_prompt(messages: Sequence[dict], tokenizer, chat_template_kwargs: dict | None = None) -> str:
@@ -228,6 +259,13 @@ class RLDataset(torch.utils.data.Dataset):
                     path, skipped_here, next((m for m in self.bad_rows if m.startswith(path)), ""),
                 )
 
+        if filter_overlong_prompts and tokenizer is not None:
+            # Drop, before rendering and tokenizing, the prompts whose characters alone cannot fit: a
+            # 2M-character prompt would otherwise be tokenized whole just to be dropped (minutes, GBs).
+            limit = self.max_prompt_length * chars_per_token_bound(tokenizer)
+            kept = [it for it in checked if sum(len(m["content"]) for m in it["messages"]) <= limit]
+            self.stats["filtered_overlong"] += len(checked) - len(kept)
+            checked = kept
         texts = [render_prompt(it["messages"], tokenizer, chat_template_kwargs) for it in checked]
         if tokenizer is not None and texts:
             ids = tokenizer(texts, add_special_tokens=False)["input_ids"]

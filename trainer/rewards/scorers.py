@@ -397,17 +397,32 @@ SCORERS: dict[str, Callable] = {
     **{name: code_score for name in _CODE_SOURCES},
 }
 _PREFIXES: tuple[tuple[str, Callable], ...] = (("numina_", math_score), ("aime", math_dapo_score))
-DEFAULT_SCORER: Callable = math_score  # unknown data sources: a boxed / final-answer math comparison
+
+
+def unknown_sources_message(sources) -> str:
+    """One line for data sources with no scorer: the known names and the two ways out."""
+    names = sorted(SCORERS) + [p + "*" for p, _ in _PREFIXES]
+    shown = ", ".join(repr(str(s)[:60]) for s in sorted(sources)[:5]) + (", ..." if len(sources) > 5 else "")
+    return (f"data_source {shown} has no scorer (known: {', '.join(names)}). Fix: write the rows' data_source as "
+            f"one of those, or register your own scorer with custom_reward_function.path=FILE.py (and .name, default "
+            f"compute_score): a function compute_score(data_source, solution_str, ground_truth, extra_info) that may "
+            f"call trainer.rewards.scorers.compute_score for the built-in sources.")
+
+
+def has_scorer(data_source: str) -> bool:
+    return data_source in SCORERS or any(str(data_source).startswith(p) for p, _ in _PREFIXES)
 
 
 def get_scorer(data_source: str) -> Callable:
-    """The scorer for a ``data_source``: exact name, then known prefixes, then ``DEFAULT_SCORER``."""
+    """The scorer for a ``data_source``: exact name, then known prefixes. Any other source raises
+    NotImplementedError, as verl's ``default_compute_score`` does: scoring it with some default scorer
+    would train on rewards that mean nothing for the task."""
     if data_source in SCORERS:
         return SCORERS[data_source]
     for prefix, fn in _PREFIXES:
         if str(data_source).startswith(prefix):
             return fn
-    return DEFAULT_SCORER
+    raise NotImplementedError(unknown_sources_message([data_source]))
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
