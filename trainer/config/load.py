@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from trainer.config.checks import error_report, megatron_roles, validation_errors
+from trainer.config.checks import error_report, megatron_roles, need_critic, validation_errors
 from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_key, field_type, flatten_keys,
                                    is_schema_key, type_name)
 from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
@@ -421,6 +421,15 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
                for k in kernels_turned_off(OmegaConf.to_container(m.override_transformer_config, resolve=True))]
         if off:
             LAST_LOAD_NOTES.append(cpu_note(off))
+        # said here once, not by every worker: megatron_bridge warns per rank (and the workers filter it out)
+        sharded = [f"{role}.megatron.use_distributed_optimizer" for role, m in megatron_roles(ld.cfg)
+                   if role in ("actor_rollout_ref.actor", "critic") and m.get("use_distributed_optimizer")
+                   and OmegaConf.select(ld.cfg, f"{role}.strategy", default="megatron") == "megatron"
+                   and (role != "critic" or need_critic(ld.cfg))]
+        if sharded:
+            LAST_LOAD_NOTES.append(f"{', '.join(sharded)}=true: the distributed optimizer needs reduce-scatter, which "
+                                   f"gloo (trainer.device=cpu) lacks, so the plain optimizer runs (same update, state "
+                                   f"not sharded); set it to false to drop this note; on trainer.device=cuda it applies.")
     return ld.cfg
 
 

@@ -44,11 +44,21 @@ _QUIET_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not
                    # megatron's sequence-parallel layers: a CUDA launch hint, and torch's renamed collectives
                    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
                    "`torch.distributed.reduce_scatter_tensor` is deprecated",
-                   "`torch.distributed.all_gather_into_tensor` is deprecated")
+                   "`torch.distributed.all_gather_into_tensor` is deprecated",
+                   # megatron_bridge on gloo (CPU): said once by the driver's config notes, not once per worker
+                   "distributed optimizer needs reduce-scatter, which gloo lacks")
+# Ray's zero-copy tensors (turned on above, on purpose): Ray warns that they are safe only for tensors
+# nobody writes, and its deserializer's torch.from_numpy over the read-only buffer makes torch warn the
+# same. A batch shard is read and never written in place (trainer.batch copies read-only arrays unless
+# told the tensor is only read), so both are noise. The torch warning is silenced only when raised from
+# Ray's deserializer; Ray installs its own "once" filter at import, so these go in after it.
+_ZERO_COPY_NOTE = "Zero-copy tensor serialization is enabled"
+_READ_ONLY_NOTE = "The given NumPy array is not writable"
+_RAY_TENSORS = "ray._private.tensor_serialization_utils"
 
 
 def _quiet_warnings_env() -> str:
-    own = ",".join(f"ignore:{m}" for m in _QUIET_WARNINGS)
+    own = ",".join([f"ignore:{m}" for m in _QUIET_WARNINGS] + [f"ignore:{_READ_ONLY_NOTE}::{_RAY_TENSORS}"])
     return ",".join(x for x in (os.environ.get("PYTHONWARNINGS", ""), own) if x)
 
 
@@ -63,6 +73,18 @@ class _RayTokenNotice:
             _RayTokenNotice.seen = msg.split(". ")[0]
             return False
         return True
+
+
+def quiet_ray_tensors() -> None:
+    """Silence Ray's zero-copy notes (see ``_ZERO_COPY_NOTE``) in this process; called after Ray is imported,
+    so that these filters come before the one Ray adds at its import."""
+    import re
+    import warnings
+
+    import ray._private.tensor_serialization_utils  # noqa: F401 - its import adds Ray's filter, which ours must follow
+
+    warnings.filterwarnings("ignore", message=re.escape(_ZERO_COPY_NOTE))
+    warnings.filterwarnings("ignore", message=re.escape(_READ_ONLY_NOTE), module=re.escape(_RAY_TENSORS))
 
 
 def _quiet_driver() -> None:
@@ -111,6 +133,7 @@ def worker_setup() -> None:
     ``tmp*wandb-media`` / ``tmp*wandb-artifacts`` directories in ``/tmp`` (about 500 per test-suite
     run here). Marking the module absent sends megatron's optional import down its ImportError path."""
     sys.modules.setdefault("wandb", None)
+    quiet_ray_tensors()
 
 
 # The embedded cluster this process started (its GCS address), and whether a run's end leaves it up for the
@@ -146,6 +169,7 @@ def init_ray(num_cpus: int | None = None) -> bool:
     import ray
 
     global _embedded_gcs
+    quiet_ray_tensors()
     if ray.is_initialized():
         if not (embedded_ray() and num_cpus and ray.cluster_resources().get("CPU", 0) < num_cpus):
             return False
