@@ -16,6 +16,7 @@ loader normalises first is :func:`trainer.config.load.resolve`. Hardware and env
 from __future__ import annotations
 
 import difflib
+import re
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,7 +24,7 @@ from trainer.algos.correction import parse_is_threshold
 from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
 from trainer.config.plugins import load_callable
-from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
@@ -335,12 +336,41 @@ def size_errors(cfg: DictConfig) -> list[str]:
         ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)) if val < 1]
 
 
+_FOLLOWS = re.compile(r"^\$\{(oc\.select:[\w.]+,[^}]*|\.?[\w.]+)\}$")  # ${oc.select:key,default} or ${key} / ${.key}
+
+
+def range_errors(cfg: DictConfig) -> list[str]:
+    """Every numeric key against its declared range (:data:`trainer.config.schema.RANGES`): one line per value
+    out of range, naming the key, the value, the range and what bounds it. ``null`` passes (omegaconf already
+    refused it for a key that is not Optional); a list key is checked item by item."""
+    errs = []
+    for key, (rng, kind, is_list) in KEY_RANGES.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent)
+        if OmegaConf.is_interpolation(node, leaf) and _FOLLOWS.match(str(node._get_node(leaf)._value())):
+            continue  # it follows another key (verl's interpolations), which is checked itself: one error, at the source
+        val = OmegaConf.select(cfg, key)
+        if val is None:
+            continue
+        items = list(enumerate(val)) if is_list else [(None, val)]
+        for i, v in items:
+            if v is None or rng.admits(v, kind is int):
+                continue
+            name = key if i is None else f"{key}[{i}]"
+            bad = "is not a finite number" if v != v or v in (float("inf"), float("-inf")) else "is out of range"
+            errs.append(f"{name}={v!r} {bad}: allowed {rng.text()} for {rng.why}; set {name} to a value in that range.")
+    return errs
+
+
 def validation_errors(cfg: DictConfig) -> list[str]:
     """Cross-field checks and the refusal table, section by section (:data:`SECTION_CHECKS`). Every message
     names all the keys involved and what to change. Pure: the config is read, never changed (the loader's
     :func:`trainer.config.load.resolve` runs first). Nothing here looks at this machine's hardware (a GPU
     recipe resolves on a CPU login node); :mod:`trainer.config.preflight` does that at run time."""
     errs = choice_errors(cfg)
+    ranges = range_errors(cfg)
+    if ranges:  # the section checks compare, multiply and divide by these
+        return errs + ranges
     sizes = size_errors(cfg)
     if sizes:  # the section checks would divide by these
         return errs + sizes
