@@ -237,3 +237,15 @@ def test_print_config_notes_missing_paths_and_a_run_refuses_them(tmp_path):
 def test_print_config_refuses_out_of_range(tmp_path):
     p = _cli(["--print-config", "--config", TINY_YAML, "actor_rollout_ref.actor.optim.lr=nan"], tmp_path)
     assert p.returncode == 2 and "actor_rollout_ref.actor.optim.lr=nan is not a finite number" in p.stderr
+
+
+def test_the_mixed_type_is_threshold_is_finite():
+    """algorithm.rollout_correction.rollout_is_threshold is a number or verl's 'lo_hi' string (no numeric type for
+    the leaf walk): its parser refuses inf and nan too."""
+    base = ["actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_is_threshold=null",
+            "algorithm.rollout_correction.rollout_is=token"]
+    for bad, shown in (("inf", "inf"), ("nan", "nan"), ("0.5_inf", "'0.5_inf'")):  # hydra reads inf / nan as floats
+        assert _problems(base + [f"algorithm.rollout_correction.rollout_is_threshold={bad}"]) == [
+            f"algorithm.rollout_correction.rollout_is_threshold={shown}: need finite bounds with 0 < lower <= upper and "
+            f"upper > 0."], bad
+    assert _problems(base + ["algorithm.rollout_correction.rollout_is_threshold=2.0"]) == []

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.algos.correction import parse_is_threshold
 from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
-from trainer.config.plugins import load_step_callable
+from trainer.config.plugins import HOOK_PARAMS, PIPELINE_PARAMS, load_step_callable
 from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
@@ -220,11 +220,6 @@ def _async_errors(cfg: DictConfig) -> list[str]:
         errs.append("async_training.mode=fully_async with trainer.critic_warmup > 0 is not built: the rollouter's weight "
                     "versions count actor updates; set trainer.critic_warmup=0.")
     return errs
-
-
-# what the loop passes: trainer.step.run_step calls pipeline(step); trainer.step.Hooks.run calls hook(batch, metrics)
-PIPELINE_PARAMS = ("step",)
-HOOK_PARAMS = ("batch", "metrics")
 
 
 def _pipeline_errors(cfg: DictConfig) -> list[str]:

@@ -25,6 +25,11 @@ def load_callable(spec: str, key: str) -> Callable:
     return fn
 
 
+# what the loop passes: trainer.step.run_step calls pipeline(step); trainer.step.Hooks.run calls hook(batch, metrics)
+PIPELINE_PARAMS = ("step",)
+HOOK_PARAMS = ("batch", "metrics")
+
+
 def load_step_callable(spec: str, key: str, params: tuple[str, ...]) -> Callable:
     """``load_callable``, then the function must be one written for the loop: a Python function (or callable
     object) outside the standard library that takes exactly the loop's positional arguments ``params``
