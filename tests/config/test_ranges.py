@@ -249,3 +249,13 @@ def test_the_mixed_type_is_threshold_is_finite():
             f"algorithm.rollout_correction.rollout_is_threshold={shown}: need finite bounds with 0 < lower <= upper and "
             f"upper > 0."], bad
     assert _problems(base + ["algorithm.rollout_correction.rollout_is_threshold=2.0"]) == []
+
+
+def test_paths_following_the_shipped_model_are_found_from_any_directory(tmp_path, monkeypatch):
+    """The reward model's input_tokenizer follows the actor's relative path, found from the repository root as the
+    run finds the model itself (trainer.main.resolve_model_paths): not reported missing from another directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(BASE + ["reward_model.enable=true", f"reward_model.model.path={ROOT / 'recipes' / 'cpu' / 'tiny_model'}",
+                              "reward_model.micro_batch_size_per_gpu=8"])
+    assert str(cfg.reward_model.model.input_tokenizer) == "recipes/cpu/tiny_model"
+    assert missing_paths(cfg) == []

@@ -31,9 +31,10 @@ from trainer.rollout.registry import engine_class
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# the model keys trainer.main.resolve_model_paths also looks up from the repository root (the shipped tiny models)
+# the model keys trainer.main.resolve_model_paths also looks up from the repository root (the shipped tiny models);
+# the reward model's input_tokenizer follows the actor's path (verl's interpolation), so it is found the same way
 ROOT_RELATIVE = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
-                 "reward_model.model.path")
+                 "reward_model.model.path", "reward_model.model.input_tokenizer")
 
 
 def path_keys(cfg) -> list[tuple[str, object, bool]]:
