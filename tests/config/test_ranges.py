@@ -92,6 +92,8 @@ LR, TEMP = "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.rollout.temper
     ("actor_rollout_ref.actor.optim.betas=[0.9,1.0]",
      _line("actor_rollout_ref.actor.optim.betas[1]", 1.0, "[0, 1)", "Adam's moment decay rates (torch.optim.Adam's range)")),
     ("trainer.seed=-3", _line("trainer.seed", -3, "[0, 4294967295]", "a random seed")),
+    ("trainer.test_freq=99999999999999999999",  # no bound of its own: an int still fits the int64 numpy / torch hold
+     _line("trainer.test_freq", 99999999999999999999, "[-9223372036854775808, 9223372036854775807]", "verl: <= 0 means never")),
 ])
 def test_out_of_range_values_are_refused_with_one_line(override, expected):
     assert _problems([override]) == [expected]

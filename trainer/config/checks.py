@@ -332,7 +332,7 @@ def range_errors(cfg: DictConfig) -> list[str]:
                 continue
             name = key if i is None else f"{key}[{i}]"
             bad = "is not a finite number" if v != v or v in (float("inf"), float("-inf")) else "is out of range"
-            errs.append(f"{name}={v!r} {bad}: allowed {rng.text()} for {rng.why}; set {name} to a value in that range.")
+            errs.append(f"{name}={v!r} {bad}: allowed {rng.text(kind is int)} for {rng.why}; set {name} to a value in that range.")
     return errs
 
 

@@ -599,25 +599,24 @@ def _num(x) -> str:
 class Range:
     """The values a numeric key accepts: ``lo``..``hi`` (``None``: unbounded, ints still within int64), open at
     an end when ``lo_open`` / ``hi_open``; floats must be finite (nan and +-inf are refused: no key of verl's
-    gives infinity a meaning, an unset bound is ``null``). ``also`` are values outside the interval that verl
-    gives a meaning (``-1``: unset/off), ``why`` says what bounds it (printed with a refusal). ``null`` is
-    accepted wherever the key's type is Optional (omegaconf refuses it elsewhere)."""
+    gives infinity a meaning, an unset bound is ``null``). verl's special values (``-1``: unset / off) lie inside
+    the declared interval. ``why`` says what bounds it (printed with a refusal). ``null`` is accepted wherever the
+    key's type is Optional (omegaconf refuses it elsewhere)."""
     lo: Optional[float] = None
     hi: Optional[float] = None
     lo_open: bool = False
     hi_open: bool = False
-    also: tuple = ()
     why: str = ""
 
-    def text(self) -> str:
-        lo = "-inf" if self.lo is None else _num(self.lo)
-        hi = "inf" if self.hi is None else _num(self.hi)
-        out = f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
-        return out + "".join(f" or {a}" for a in self.also)
+    def text(self, integer: bool = False) -> str:
+        lo, hi = self.lo, self.hi
+        if integer:  # an unbounded int is still an int64
+            lo, hi = (-INT64 - 1 if lo is None else lo), (INT64 if hi is None else hi)
+        lo_s = "-inf" if lo is None else _num(lo)
+        hi_s = "inf" if hi is None else _num(hi)
+        return f"{'(' if self.lo_open or lo is None else '['}{lo_s}, {hi_s}{')' if self.hi_open or hi is None else ']'}"
 
     def admits(self, v, integer: bool) -> bool:
-        if v in self.also:
-            return True
         if v != v or v in (float("inf"), float("-inf")):  # nan, +-inf
             return False
         lo = self.lo if self.lo is not None else (-INT64 - 1 if integer else None)
@@ -627,8 +626,8 @@ class Range:
         return hi is None or (v < hi or (not self.hi_open and v == hi))
 
 
-def _r(lo=None, hi=None, *, why: str, lo_open=False, hi_open=False, also=()) -> Range:
-    return Range(lo, hi, lo_open, hi_open, tuple(also), why)
+def _r(lo=None, hi=None, *, why: str, lo_open=False, hi_open=False) -> Range:
+    return Range(lo, hi, lo_open, hi_open, why)
 
 
 _POS = dict(lo=0, lo_open=True)  # > 0
