@@ -37,5 +37,7 @@ def test_gpu_recipe_resolves_on_a_cpu_node_and_refuses_to_run(tmp_path):
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):
-    p = _main(f"actor_rollout_ref.model.path={tmp_path}/nope", tmp_path=tmp_path)
+    p = _main(f"actor_rollout_ref.model.path={tmp_path}/nope", tmp_path=tmp_path)  # not there: the path check's line
+    assert p.returncode == 2 and f"actor_rollout_ref.model.path='{tmp_path}/nope' does not exist on this machine" in p.stderr
+    p = _main(f"actor_rollout_ref.model.path={tmp_path}", tmp_path=tmp_path)  # there, but no checkpoint in it
     assert p.returncode == 2 and "is not a Hugging Face model directory" in p.stderr

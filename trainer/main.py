@@ -44,7 +44,8 @@ from trainer.checkpoint import (CheckpointError, CheckpointManager, load_driver_
                                 verify)
 from trainer.config import (LAST_LOAD_NOTES, ConfigError, CoxswainConfig, flatten_keys, load_config, public_container,
                             save_resolved, to_yaml)
-from trainer.config.preflight import check_code_sandbox, check_data_sources, check_model, check_supported, rm_inputs
+from trainer.config.preflight import (check_code_sandbox, check_data_sources, check_model, check_paths, check_supported,
+                                     missing_paths, rm_inputs)
 from trainer.console import changed_from_defaults, config_summary_lines, help_keys_lines, print_lines
 from trainer.credit import make_judge
 from trainer.data.dataset import BadRowError, PromptSampler, build_dataset
@@ -178,6 +179,7 @@ def set_up(cfg) -> Run:
 
     t_start = time.time()
     start_reaper()  # every process this run starts carries its marker, and none outlives the driver (trainer.orphans)
+    check_paths(cfg)  # every path the run reads, all named at once, before any worker starts
     resolve_model_paths(cfg)
     check_supported(cfg)
     check_model(cfg)
@@ -407,6 +409,9 @@ def cli(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg))
     for note in LAST_LOAD_NOTES:  # verl implementation selectors: accepted, and said to do nothing here
         print(f"note: {note}", file=sys.stderr)
+    if dry:  # a login node may not hold the run's files: the missing ones are notes here, a run refuses them
+        for line in missing_paths(cfg):
+            print(f"note: {line} (a run refuses it before any worker starts)", file=sys.stderr)
     run_dir = cfg.trainer.default_local_dir
     try:
         path = save_resolved(cfg, run_dir)

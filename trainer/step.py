@@ -62,7 +62,7 @@ from trainer.algos.advantages import compute_advantage, variance_proxy_metrics
 from trainer.algos.kl import apply_kl_in_reward
 from trainer.algos.correction import compose_correction
 from trainer.batch import RolloutBatch
-from trainer.config.plugins import load_callable
+from trainer.config.plugins import HOOK_PARAMS, PIPELINE_PARAMS, load_callable, load_step_callable  # noqa: F401 - load_callable: re-exported by trainer.pipeline
 from trainer.credit import adca_advantages
 from trainer.debug import dump_batch, replay_batch
 from trainer.generation import PipelineError, timer, to_float_metrics
@@ -81,7 +81,8 @@ class Hooks:
         unknown = sorted(set(specs) - set(HOOK_POINTS))
         if unknown:
             raise ValueError(f"trainer.hooks has no point(s) {unknown}; the points are {list(HOOK_POINTS)}.")
-        self.fns = {p: [(s, load_callable(s, f"trainer.hooks.{p}")) for s in (specs.get(p) or [])] for p in HOOK_POINTS}
+        self.fns = {p: [(s, load_step_callable(s, f"trainer.hooks.{p}", HOOK_PARAMS)) for s in (specs.get(p) or [])]
+                    for p in HOOK_POINTS}
 
     def __bool__(self) -> bool:
         return any(self.fns.values())
@@ -408,7 +409,7 @@ def row_multiple(cluster) -> int:
 
 
 def load_pipeline(spec: Optional[str]) -> Callable[[Step], None]:
-    return default_pipeline if not spec else load_callable(spec, "trainer.pipeline")
+    return default_pipeline if not spec else load_step_callable(spec, "trainer.pipeline", PIPELINE_PARAMS)
 
 
 # ----------------------------------------------------------------------------------------------

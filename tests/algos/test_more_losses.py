@@ -345,12 +345,12 @@ def test_config_keys_reach_the_loss():
 
 @pytest.mark.parametrize("overrides,message", [
     (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "dro_beta > 0"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=-1"], "dro_beta > 0"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=-1"], r"dro_beta=-1.0 is out of range: allowed \(0, inf\)"),
     (["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"], "read by loss_mode=dro only"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=0"], "must be > 0"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=0"], r"tau_neg=0.0 is out of range: allowed \(0, inf\)"),
     (["actor_rollout_ref.actor.tau_pos=2.0"], "read by loss_mode=sapo only"),
     (["actor_rollout_ref.actor.policy_drift_coeff=0.01"], "set actor_rollout_ref.actor.policy_loss.loss_mode=cpgd"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=cpgd", "actor_rollout_ref.actor.policy_drift_coeff=-1"], "must be >= 0"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=cpgd", "actor_rollout_ref.actor.policy_drift_coeff=-1"], r"policy_drift_coeff=-1.0 is out of range: allowed \[0, inf\)"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=cpgd", "actor_rollout_ref.actor.clip_ratio_low=1.0"], "must be < 1"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "rollout_correction.bypass_mode=true"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapoo"], "Did you mean 'sapo'"),

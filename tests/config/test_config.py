@@ -329,7 +329,9 @@ def _problems(overrides) -> list[str]:
     return [ln.split(". ", 1)[1] for ln in lines[1:]] if len(lines) > 1 else [str(e.value)]
 
 
-_RANKS = "a parallel size is a number of ranks, at least 1 (1: not split that way)."
+def _ranks(key, v):  # a parallel size out of its declared range (trainer.config.schema.RANGES): a config error, not a division by zero
+    return (f"{key}={v} is out of range: allowed [1, 65536] for a number of ranks (1: not split that way); set {key} to "
+            f"a value in that range.")
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -348,12 +350,13 @@ _RANKS = "a parallel size is a number of ranks, at least 1 (1: not split that wa
      ["actor_rollout_ref.rollout.name=vllm: Coxswain's engines are sglang (GPU) and native (CPU or GPU); use "
       "actor_rollout_ref.rollout.name=sglang."]),
     (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"],
-     [f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0: {_RANKS}"]),
+     [_ranks("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", 0)]),
     (["critic.megatron.pipeline_model_parallel_size=0", "critic.megatron.context_parallel_size=-1", "algorithm.adv_estimator=gae"],
-     [f"critic.megatron.pipeline_model_parallel_size=0, critic.megatron.context_parallel_size=-1: {_RANKS}"]),
+     [_ranks("critic.megatron.pipeline_model_parallel_size", 0), _ranks("critic.megatron.context_parallel_size", -1)]),
     (["actor_rollout_ref.ref.megatron.expert_model_parallel_size=0", "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=0"],
-     [f"actor_rollout_ref.ref.megatron.expert_model_parallel_size=0, actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=0: {_RANKS}"]),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], [f"actor_rollout_ref.rollout.tensor_model_parallel_size=0: {_RANKS}"]),
+     [_ranks("actor_rollout_ref.ref.megatron.expert_model_parallel_size", 0),
+      _ranks("actor_rollout_ref.ref.megatron.expert_tensor_parallel_size", 0)]),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], [_ranks("actor_rollout_ref.rollout.tensor_model_parallel_size", 0)]),
 ])
 def test_refusals_say_one_thing_once(overrides, expected):
     """Each refusal names the fault and its fix once; a zero parallel size is a config error, not a division by zero."""

@@ -39,7 +39,7 @@ def test_enable_without_a_path_or_micro_batch_is_refused():
     msg = _problems(["reward_model.enable=true"])
     assert "reward_model.enable=true needs reward_model.model.path" in msg and "ForSequenceClassification" in msg
     assert "reward_model.micro_batch_size_per_gpu is not set" in msg and msg.startswith("2 problems")
-    assert "reward_model.micro_batch_size_per_gpu=0 must be >= 1" in _problems(RM_ON + ["reward_model.micro_batch_size_per_gpu=0"])
+    assert "reward_model.micro_batch_size_per_gpu=0 is out of range: allowed [1, 16777216]" in _problems(RM_ON + ["reward_model.micro_batch_size_per_gpu=0"])
     # a path nothing would read
     assert "reward_model.enable=false, so nothing would read it" in _problems(["reward_model.model.path=/some/rm"])
 
@@ -61,7 +61,7 @@ def test_a_complete_reward_model_config_loads():
 
 
 @pytest.mark.parametrize("line,why", [
-    ("reward_model.max_length=0", "reward_model.max_length=0 must be >= 1"),
+    ("reward_model.max_length=0", "reward_model.max_length=0 is out of range: allowed [1, 1048576]"),
     ("reward_model.model.input_tokenizer=null reward_model.max_length=64", "nothing is re-tokenised"),
     ("reward_model.micro_batch_size=8", "legacy) micro-batch size is not supported"),
     ("reward_model.enable_resource_pool=true", "a separate resource pool is not built"),

@@ -46,6 +46,7 @@ Deviation from verl (deliberate): rows with no valid token are left out of the p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -78,8 +79,9 @@ def parse_is_threshold(spec) -> tuple[float, Optional[float]]:
         lower = float(lo_text) if sep else None
     except ValueError as e:
         raise ValueError(f"rollout_is_threshold={spec!r} is neither a number nor a 'lo_hi' pair of numbers") from e
-    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError(f"rollout_is_threshold={spec!r}: need 0 < lower <= upper and upper > 0")
+    # finite: an unbounded weight is what rollout_is=null means (verl gives inf no meaning here)
+    if not (math.isfinite(upper) and upper > 0) or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"rollout_is_threshold={spec!r}: need finite bounds with 0 < lower <= upper and upper > 0")
     return upper, lower
 
 

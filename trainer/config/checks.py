@@ -16,14 +16,15 @@ loader normalises first is :func:`trainer.config.load.resolve`. Hardware and env
 from __future__ import annotations
 
 import difflib
+import re
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.algos.correction import parse_is_threshold
 from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
-from trainer.config.plugins import load_callable
-from trainer.config.schema import CHOICES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.config.plugins import HOOK_PARAMS, PIPELINE_PARAMS, load_step_callable
+from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
@@ -98,19 +99,13 @@ def _reward_model_errors(cfg) -> list[str]:
         errs.append("reward_model.micro_batch_size_per_gpu is not set: give responses per reward-model forward "
                     "(reward_model.micro_batch_size_per_gpu=N) or fill micro-batches by a token budget "
                     "(reward_model.use_dynamic_bsz=true with reward_model.forward_max_token_len_per_gpu), as verl requires.")
-    elif size is not None and size < 1:
-        errs.append(f"reward_model.micro_batch_size_per_gpu={size} must be >= 1.")
-    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu < 1:
-        errs.append(f"reward_model.forward_max_token_len_per_gpu={rm.forward_max_token_len_per_gpu} must be >= 1.")
     ob = (OmegaConf.to_container(rm.reward_kwargs, resolve=True) or {}).get("overlong_buffer_cfg") or {}
     if rm.overlong_buffer.enable or ob.get("enable"):
         errs.append("DAPO overlong shaping (reward_model.overlong_buffer / reward_kwargs.overlong_buffer_cfg) with "
                     "reward_model.enable=true: verl's reward managers return the reward model's score unchanged, so "
                     "verl never shapes it; shaping a learned score is not built. Remove one of the two.")
     if rm.max_length is not None:
-        if rm.max_length < 1:
-            errs.append(f"reward_model.max_length={rm.max_length} must be >= 1 (or null: the whole input).")
-        elif rm.model.input_tokenizer is None:
+        if rm.model.input_tokenizer is None:
             errs.append("reward_model.max_length truncates re-tokenised reward-model inputs, and with "
                         "reward_model.model.input_tokenizer=null nothing is re-tokenised (the RM reads the actor's ids "
                         "whole): set input_tokenizer to the actor's tokenizer path, or remove max_length.")
@@ -143,9 +138,6 @@ def deepspeed_errors(cfg) -> list[str]:
                             f"{role.strategy}: set {prefix}.strategy=deepspeed, or remove them.")
     for prefix, role in deepspeed_roles(cfg).items():
         ds, mg = role.deepspeed_config, role.megatron
-        if ds.zero_stage not in (1, 2, 3):
-            errs.append(f"{prefix}.deepspeed_config.zero_stage={ds.zero_stage}: use 1, 2 or 3 (stage 0 is plain data "
-                        f"parallelism; the megatron strategy does that too).")
         dt = ds.dtype or mg.dtype
         if dt not in ("float32", "bfloat16", "float16"):
             errs.append(f"{prefix}.deepspeed_config.dtype={dt!r}: use float32, bfloat16 or float16.")
@@ -207,14 +199,7 @@ def _async_errors(cfg: DictConfig) -> list[str]:
                             f"is mode={at.mode}); set the mode or remove the line.")
         return errs
     a, r, d = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.data
-    if not at.staleness_threshold >= 0:
-        errs.append(f"async_training.staleness_threshold={at.staleness_threshold} must be >= 0 (verl's fraction of "
-                    f"extra prompts per weight version).")
-    if at.trigger_parameter_sync_step < 1:
-        errs.append(f"async_training.trigger_parameter_sync_step={at.trigger_parameter_sync_step} must be >= 1.")
-    if at.require_batches < 1:
-        errs.append(f"async_training.require_batches={at.require_batches} must be >= 1.")
-    elif d.train_batch_size != a.ppo_mini_batch_size * at.require_batches:
+    if d.train_batch_size != a.ppo_mini_batch_size * at.require_batches:
         errs.append(f"async_training.mode=fully_async: a trainer step takes actor.ppo_mini_batch_size x "
                     f"async_training.require_batches = {a.ppo_mini_batch_size} x {at.require_batches} prompt groups "
                     f"(verl's rule), but data.train_batch_size={d.train_batch_size}: set data.train_batch_size="
@@ -240,11 +225,11 @@ def _async_errors(cfg: DictConfig) -> list[str]:
 def _pipeline_errors(cfg: DictConfig) -> list[str]:
     """trainer.hooks / trainer.pipeline name importable functions (imported now, so a typo fails at load)."""
     t, errs = cfg.trainer, []
-    specs = [(f"trainer.hooks.{p}", s) for p, lst in t.hooks.items() for s in (lst or [])]
-    specs += [("trainer.pipeline", t.pipeline)] if t.pipeline else []
-    for key, spec in specs:
+    specs = [(f"trainer.hooks.{p}", s, HOOK_PARAMS) for p, lst in t.hooks.items() for s in (lst or [])]
+    specs += [("trainer.pipeline", t.pipeline, PIPELINE_PARAMS)] if t.pipeline else []
+    for key, spec, params in specs:
         try:
-            load_callable(spec, key)
+            load_step_callable(spec, key, params)
         except ValueError as e:
             errs.append(str(e))
     return errs
@@ -325,14 +310,30 @@ def choice_errors(cfg: DictConfig) -> list[str]:
     return errs
 
 
-def size_errors(cfg: DictConfig) -> list[str]:
-    """The counts every other check divides by: each must be >= 1."""
-    d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    return [f"{name}={val} must be >= 1." for name, val in (
-        ("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.rollout.n", r.n),
-        ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-        ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs), ("data.max_response_length", d.max_response_length),
-        ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)) if val < 1]
+_FOLLOWS = re.compile(r"^\$\{(oc\.select:[\w.]+,[^}]*|\.?[\w.]+)\}$")  # ${oc.select:key,default} or ${key} / ${.key}
+
+
+def range_errors(cfg: DictConfig) -> list[str]:
+    """Every numeric key against its declared range (:data:`trainer.config.schema.RANGES`): one line per value
+    out of range, naming the key, the value, the range and what bounds it. ``null`` passes (omegaconf already
+    refused it for a key that is not Optional); a list key is checked item by item."""
+    errs = []
+    for key, (rng, kind, is_list) in KEY_RANGES.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent)
+        if OmegaConf.is_interpolation(node, leaf) and _FOLLOWS.match(str(node._get_node(leaf)._value())):
+            continue  # it follows another key (verl's interpolations), which is checked itself: one error, at the source
+        val = OmegaConf.select(cfg, key)
+        if val is None:
+            continue
+        items = list(enumerate(val)) if is_list else [(None, val)]
+        for i, v in items:
+            if v is None or rng.admits(v, kind is int):
+                continue
+            name = key if i is None else f"{key}[{i}]"
+            bad = "is not a finite number" if v != v or v in (float("inf"), float("-inf")) else "is out of range"
+            errs.append(f"{name}={v!r} {bad}: allowed {rng.text(kind is int)} for {rng.why}; set {name} to a value in that range.")
+    return errs
 
 
 def validation_errors(cfg: DictConfig) -> list[str]:
@@ -341,9 +342,9 @@ def validation_errors(cfg: DictConfig) -> list[str]:
     :func:`trainer.config.load.resolve` runs first). Nothing here looks at this machine's hardware (a GPU
     recipe resolves on a CPU login node); :mod:`trainer.config.preflight` does that at run time."""
     errs = choice_errors(cfg)
-    sizes = size_errors(cfg)
-    if sizes:  # the section checks would divide by these
-        return errs + sizes
+    ranges = range_errors(cfg)
+    if ranges:  # the section checks compare, multiply and divide by these
+        return errs + ranges
     for check in SECTION_CHECKS:
         errs += check(cfg)
     return errs
@@ -356,8 +357,6 @@ def data_errors(cfg: DictConfig) -> list[str]:
         errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
                     f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; "
                     f"make train_batch_size a multiple of ppo_mini_batch_size.")
-    if d.gen_batch_size is not None and d.gen_batch_size < 1:
-        errs.append(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null for data.train_batch_size).")
     return errs
 
 
@@ -390,11 +389,6 @@ def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
     errs, ws = [], world_size(cfg)
     ep, etp = mcfg.expert_model_parallel_size, mcfg.expert_tensor_parallel_size
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-             "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
-    bad = [f"{role}.megatron.{k}={v}" for k, v in sizes.items() if v is not None and v < 1]
-    if bad:  # a size counts ranks: the checks below divide by it
-        return [f"{', '.join(bad)}: a parallel size is a number of ranks, at least 1 (1: not split that way)."]
     if ws % ((etp or tp) * ep * pp):
         errs.append(f"{role}.megatron.expert_model_parallel_size={ep} x expert_tensor_parallel_size="
                     f"{etp or tp} x pipeline_model_parallel_size={pp} does not divide the world size {ws}.")
@@ -418,9 +412,7 @@ def _layout_errors(cfg: DictConfig, role: str, mcfg) -> list[str]:
                         f"{a.ppo_mini_batch_size} x actor_rollout_ref.rollout.n={r.n} / DP {dp}) is not divisible by "
                         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}.")
     vpp = mcfg.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp < 1:
-        errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} must be >= 1 (or null).")
-    elif vpp is not None and vpp > 1 and pp < 2:
+    if vpp is not None and vpp > 1 and pp < 2:
         errs.append(f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} interleaves pipeline stages: it needs "
                     f"{role}.megatron.pipeline_model_parallel_size >= 2 (got {pp}).")
     elif vpp is not None and vpp > 1 and mcfg.pipeline_layer_split is not None:
@@ -449,24 +441,16 @@ def micro_batch_errors(cfg: DictConfig) -> list[str]:
         if size is None and not dyn:
             errs.append(f"{key} is not set: give responses per micro-batch ({key}=N) or fill micro-batches by a token "
                         f"budget ({dyn_key}=true), as verl requires.")
-        elif size is not None and size < 1:
-            errs.append(f"{key}={size} must be >= 1.")
     return errs
 
 
 def actor_errors(cfg: DictConfig) -> list[str]:
-    """``actor_rollout_ref.actor`` (and its model): packing, PPO clipping, checkpoint contents."""
+    """``actor_rollout_ref.actor`` (and its model): packing, checkpoint contents, plug-in loss keywords."""
     a, errs = cfg.actor_rollout_ref.actor, []
     model = cfg.actor_rollout_ref.model
     if model.use_remove_padding and not a.megatron.use_remove_padding:
         errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="
                     "false: the megatron roles pack by megatron.use_remove_padding; remove one of the two lines.")
-    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
-    if low < 0 or high < 0:
-        errs.append(f"actor_rollout_ref.actor.clip_ratio_low={low} / clip_ratio_high={high} must be >= 0.")
-    if a.clip_ratio_c <= 1.0:
-        errs.append(f"actor_rollout_ref.actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound of the ratio).")
     ck = cfg.actor_rollout_ref.actor.checkpoint
     errs.extend(contents_errors(list(ck.save_contents), list(ck.load_contents)))
     errs.extend(_policy_loss_kwargs_errors(a.policy_loss))
@@ -496,14 +480,6 @@ def rollout_errors(cfg: DictConfig) -> list[str]:
     if r.prompt_length < d.max_prompt_length:
         errs.append(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is shorter than data.max_prompt_length="
                     f"{d.max_prompt_length}: the engines could not hold the longest prompt; raise it or leave it unset.")
-    if r.tensor_model_parallel_size < 1:
-        errs.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: a parallel "
-                    f"size is a number of ranks, at least 1 (1: not split that way).")
-    if r.max_num_seqs < 1:
-        errs.append(f"actor_rollout_ref.rollout.max_num_seqs={r.max_num_seqs} must be >= 1 (the engines' batch slots).")
-    if r.top_k < -1 or not (0.0 < r.top_p <= 1.0) or r.temperature < 0:
-        errs.append(f"actor_rollout_ref.rollout.top_k={r.top_k} must be >= -1, top_p={r.top_p} in (0, 1], "
-                    f"temperature={r.temperature} >= 0.")
     # rollout.name=sglang with trainer.device=cpu runs SGLang's CPU path (trainer/rollout/sglang_cpu); whether it is
     # installed is checked at run time (trainer.main.check_supported), so --print-config resolves anywhere.
     if r.weight_sync == "distributed_group":
@@ -532,9 +508,6 @@ def reward_errors(cfg: DictConfig) -> list[str]:
     sf = cfg.reward_model.sandbox_fusion
     if sf.url is not None and not str(sf.url).startswith(("http://", "https://")):
         errs.append(f"reward_model.sandbox_fusion.url={sf.url!r} must be an http(s) URL of the service's run_code endpoint.")
-    if sf.max_concurrent < 1 or sf.memory_limit_mb < 1:
-        errs.append(f"reward_model.sandbox_fusion.max_concurrent={sf.max_concurrent} and .memory_limit_mb="
-                    f"{sf.memory_limit_mb} must be >= 1.")
     ob = cfg.reward_model.overlong_buffer
     if ob.enable and not (0 < ob.len <= d.max_response_length):
         errs.append(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}].")
@@ -549,16 +522,12 @@ def algorithm_errors(cfg: DictConfig) -> list[str]:
     r, errs = cfg.actor_rollout_ref.rollout, []
     al = cfg.algorithm
     up, lo = al.rollout_is_threshold, al.rollout_is_threshold_lower
-    if up is not None and up <= 0:
-        errs.append(f"algorithm.rollout_is_threshold={up} must be > 0 (or null to disable rollout IS).")
     if lo is not None and up is not None and lo > up:
         errs.append(f"algorithm.rollout_is_threshold_lower={lo} is greater than algorithm.rollout_is_threshold={up}; "
                     f"the lower bound must be <= the upper bound.")
     if lo is not None and up is None:
         errs.append(f"algorithm.rollout_is_threshold_lower={lo} is set but algorithm.rollout_is_threshold is null "
                     f"(rollout IS disabled); set rollout_is_threshold too.")
-    if al.rollout_is_veto_threshold is not None and al.rollout_is_veto_threshold <= 0:
-        errs.append(f"algorithm.rollout_is_veto_threshold={al.rollout_is_veto_threshold} must be > 0 (or null to disable the veto).")
     rc = al.rollout_correction
     if (rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None) and not r.calculate_log_probs:
         errs.append("algorithm.rollout_correction (IS, rejection or bypass mode) needs the sampler's log-probs: set "
@@ -592,11 +561,9 @@ def trainer_errors(cfg: DictConfig) -> list[str]:
     """``trainer.*``: the horizon, loggers, resume, debug modes, user hooks and pipeline."""
     errs = []
     t = cfg.trainer
-    if t.total_training_steps is not None and t.total_training_steps < 1:
-        errs.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: "
-                    f"trainer.total_epochs passes over the training data).")
-    if t.total_epochs < 1:
-        errs.append(f"trainer.total_epochs={t.total_epochs} must be >= 1.")
+    twice = sorted({x for x in cfg.trainer.logger if list(cfg.trainer.logger).count(x) > 1})
+    if twice:  # two trackers of one kind would log every metric twice into one run (MLflow refuses the second)
+        errs.append(f"trainer.logger={list(cfg.trainer.logger)} names {twice} more than once; list each logger once.")
     bad_loggers = [x for x in cfg.trainer.logger if x not in LOGGERS]
     if bad_loggers:
         errs.append(f"trainer.logger has {bad_loggers}; supported loggers are {list(LOGGERS)} "
@@ -679,14 +646,10 @@ def _algorithm_variant_errors(cfg) -> list[str]:
     elif mode != "dro" and pl.dro_beta is not None:
         errs.append(f"actor_rollout_ref.actor.policy_loss.dro_beta={pl.dro_beta} is read by loss_mode=dro only "
                     f"(loss_mode={mode}); remove it.")
-    if not (a.tau_pos > 0 and a.tau_neg > 0):
-        errs.append(f"actor_rollout_ref.actor.tau_pos={a.tau_pos} / tau_neg={a.tau_neg} (SAPO's gate temperatures) must be > 0.")
-    elif mode != "sapo" and (a.tau_pos != 1.0 or a.tau_neg != 1.05):
+    if mode != "sapo" and (a.tau_pos != 1.0 or a.tau_neg != 1.05):
         errs.append(f"actor_rollout_ref.actor.tau_pos / tau_neg are read by loss_mode=sapo only (loss_mode={mode}); "
                     f"remove them.")
-    if a.policy_drift_coeff < 0:
-        errs.append(f"actor_rollout_ref.actor.policy_drift_coeff={a.policy_drift_coeff} must be >= 0.")
-    elif a.policy_drift_coeff and mode != "cpgd":
+    if a.policy_drift_coeff and mode != "cpgd":
         errs.append(f"actor_rollout_ref.actor.policy_drift_coeff={a.policy_drift_coeff} is the policy-drift term of "
                     f"loss_mode=cpgd (siiRL adds it whenever adv_estimator=cpgd); set "
                     f"actor_rollout_ref.actor.policy_loss.loss_mode=cpgd (loss_mode={mode}).")

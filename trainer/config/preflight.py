@@ -7,8 +7,10 @@ resolves on a CPU login node (``--print-config``); these run where the job runs:
 * :func:`check_node_layout`: on more than one node, every tensor-parallel group within one node;
 * :func:`check_model`: the model directories against the settings (routing replay needs an MoE model; the
   reward model's head, vocabulary and tokenizers, with :func:`rm_inputs`);
-* :func:`check_code_sandbox`: code-scored data only on a host whose sandbox can contain the code.
-* :func:`check_data_sources`: every row's ``data_source`` has a scorer, unless a custom reward function scores them.
+* :func:`check_code_sandbox`: code-scored data only on a host whose sandbox can contain the code;
+* :func:`check_data_sources`: every row's ``data_source`` has a scorer, unless a custom reward function scores them;
+* :func:`check_paths`: every path the run reads exists (:func:`missing_paths`; ``--print-config``, which serves
+  login nodes where the paths live elsewhere, prints the same list as notes and still resolves).
 
 Each raises ``ConfigError`` naming the keys and the fix.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 from megatron_bridge.hf_config import UnsupportedConfig, read_hf_config
 from trainer.config.checks import need_critic, need_ref
@@ -27,6 +29,63 @@ from trainer.rewards.reward_model import RMInputs, check_score_head
 from trainer.rewards.sandbox import SandboxUnavailable, check_host
 from trainer.rewards.scorers import code_score, get_scorer, has_scorer, unknown_sources_message
 from trainer.rollout.registry import engine_class
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the model keys trainer.main.resolve_model_paths also looks up from the repository root (the shipped tiny models);
+# the reward model's input_tokenizer follows the actor's path (verl's interpolation), so it is found the same way
+ROOT_RELATIVE = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
+                 "reward_model.model.path", "reward_model.model.input_tokenizer")
+
+
+def path_keys(cfg) -> list[tuple[str, object, bool]]:
+    """``(key, value, must be a directory)`` of every path this run reads: the models and tokenizers of the roles
+    that run, the data files, the user's scorer file, a resume directory, a local judge. A key that is null (the
+    default, the synthetic task, the actor's model) or whose role does not run is left out."""
+    arr, rm, crf = cfg.actor_rollout_ref, cfg.reward_model, cfg.custom_reward_function
+    adca = cfg.attribution_driven_credit_assignment
+    keys = [("actor_rollout_ref.model.path", True), ("actor_rollout_ref.model.tokenizer_path", True),
+            ("data.tokenizer", True), ("data.train_files", False), ("data.val_files", False)]
+    if need_critic(cfg):
+        keys += [("critic.model.path", True), ("critic.model.tokenizer_path", True)]
+    if rm.enable:
+        keys += [("reward_model.model.path", True), ("reward_model.model.input_tokenizer", True)]
+    # verl's custom_reward_function.path is a python file; Coxswain also takes an importable module name
+    if crf.path and (str(crf.path).endswith(".py") or os.sep in str(crf.path)):
+        keys.append(("custom_reward_function.path", False))
+    if cfg.trainer.resume_mode == "resume_path":
+        keys.append(("trainer.resume_from_path", True))
+    if adca.enable and adca.evaluation_type == "local":
+        keys.append(("attribution_driven_credit_assignment.local_model_path", True))
+    out = []
+    for key, is_dir in keys:
+        val = OmegaConf.select(cfg, key)
+        for v in (val if isinstance(val, (list, ListConfig)) else [val]):
+            if v is not None:
+                out.append((key, str(v), is_dir))
+    return out
+
+
+def missing_paths(cfg) -> list[str]:
+    """One line per path of :func:`path_keys` that is not there (or not a directory where one is needed)."""
+    lines = []
+    for key, val, is_dir in path_keys(cfg):
+        p = os.path.expanduser(val)
+        if key in ROOT_RELATIVE and not os.path.isabs(p) and not os.path.exists(p):
+            p = os.path.join(ROOT, p) if os.path.exists(os.path.join(ROOT, p)) else p
+        if not os.path.exists(p):
+            lines.append(f"{key}={val!r} does not exist on this machine")
+        elif is_dir and not os.path.isdir(p):
+            lines.append(f"{key}={val!r} is not a directory")
+    return lines
+
+
+def check_paths(cfg) -> None:
+    """Before any worker starts: every path the run reads is there (all missing ones named at once)."""
+    missing = missing_paths(cfg)
+    if missing:
+        raise ConfigError("paths the run reads are missing:\n  - " + "\n  - ".join(missing)
+                          + "\nFix the paths (they are resolved from the working directory), or copy the files here.")
 
 
 class NotSupportedYet(ConfigError):

@@ -579,6 +579,207 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 
 
+
+# ----------------------------------------------------------------------------------------------
+# numeric ranges
+# ----------------------------------------------------------------------------------------------
+INT64 = 2**63 - 1  # an int with no tighter bound still has to fit the int64 that numpy / torch hold it in
+SEED_MAX = 2**32 - 1  # numpy's RandomState refuses seeds outside [0, 2**32 - 1]
+MAX_TOKENS = 2**20  # one sequence of more than 1M tokens: its activations alone exceed any accelerator's memory
+MAX_BATCH_TOKENS = 2**24  # a micro-batch / prefill budget of more than 16M tokens cannot be held by one device
+MAX_BATCH = 2**24  # more than 16M prompts (or responses) in one step: the step's tensors alone exceed host memory
+MAX_RANKS = 2**16  # a parallel size or node count above 65536 ranks names no cluster that exists
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``lo``..``hi`` (``None``: unbounded, ints still within int64), open at
+    an end when ``lo_open`` / ``hi_open``; floats must be finite (nan and +-inf are refused: no key of verl's
+    gives infinity a meaning, an unset bound is ``null``). verl's special values (``-1``: unset / off) lie inside
+    the declared interval. ``why`` says what bounds it (printed with a refusal). ``null`` is accepted wherever the
+    key's type is Optional (omegaconf refuses it elsewhere)."""
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def text(self, integer: bool = False) -> str:
+        lo, hi = self.lo, self.hi
+        if integer:  # an unbounded int is still an int64
+            lo, hi = (-INT64 - 1 if lo is None else lo), (INT64 if hi is None else hi)
+        lo_s = "-inf" if lo is None else _num(lo)
+        hi_s = "inf" if hi is None else _num(hi)
+        return f"{'(' if self.lo_open or lo is None else '['}{lo_s}, {hi_s}{')' if self.hi_open or hi is None else ']'}"
+
+    def admits(self, v, integer: bool) -> bool:
+        if v != v or v in (float("inf"), float("-inf")):  # nan, +-inf
+            return False
+        lo = self.lo if self.lo is not None else (-INT64 - 1 if integer else None)
+        hi = self.hi if self.hi is not None else (INT64 if integer else None)
+        if lo is not None and (v < lo or (self.lo_open and v == lo)):
+            return False
+        return hi is None or (v < hi or (not self.hi_open and v == hi))
+
+
+def _r(lo=None, hi=None, *, why: str, lo_open=False, hi_open=False) -> Range:
+    return Range(lo, hi, lo_open, hi_open, why)
+
+
+_POS = dict(lo=0, lo_open=True)  # > 0
+_FRACTION = dict(lo=0, hi=1)  # [0, 1]
+_ANY_INT = _r(why="verl gives every value a meaning (<= 0: off / unset)")
+_SEED = _r(0, SEED_MAX, why="a random seed")
+_MICRO = _r(1, MAX_BATCH, why="responses per micro-batch on one rank")
+_TOKEN_BUDGET = _r(1, MAX_BATCH_TOKENS, why="tokens per micro-batch on one rank")
+_RANKS = _r(1, MAX_RANKS, why="a number of ranks (1: not split that way)")
+_COEF = _r(0, why="a loss / penalty weight (0: off)")
+_FINITE = _r(why="any finite weight")
+
+# Every numeric field of the schema, by dataclass and field (a subclass, e.g. RefMegatronConfig, takes its
+# base's): declared once here, checked by trainer.config.checks.range_errors at load, and walked by
+# tests/config/test_ranges.py so that a new numeric key without a range fails. List fields are checked per item.
+RANGES: dict[str, Range] = {
+    "DataConfig.max_prompt_length": _r(1, MAX_TOKENS, why="tokens of one prompt"),
+    "DataConfig.max_response_length": _r(1, MAX_TOKENS, why="tokens of one response"),
+    "DataConfig.train_batch_size": _r(1, MAX_BATCH, why="prompts per step"),
+    "DataConfig.gen_batch_size": _r(1, MAX_BATCH, why="prompts per generation batch"),
+    "DataConfig.val_batch_size": _r(1, MAX_BATCH, why="prompts per validation batch"),
+    "DataConfig.seed": _SEED,
+    "DeepSpeedConfig.zero_stage": _r(1, 3, why="DeepSpeed's ZeRO stages 1, 2, 3"),
+    "DeepSpeedConfig.seed": _SEED,
+    "MegatronConfig.tensor_model_parallel_size": _RANKS,
+    "MegatronConfig.pipeline_model_parallel_size": _RANKS,
+    "MegatronConfig.virtual_pipeline_model_parallel_size": _r(1, MAX_RANKS, why="model chunks per pipeline stage"),
+    "MegatronConfig.context_parallel_size": _RANKS,
+    "MegatronConfig.expert_model_parallel_size": _RANKS,
+    "MegatronConfig.expert_tensor_parallel_size": _RANKS,
+    "MegatronConfig.pipeline_layer_split": _r(0, MAX_RANKS, why="layers of one pipeline stage"),
+    "MegatronConfig.seed": _SEED,
+    "OptimConfig.lr": _r(0, why="a learning rate"),
+    "OptimConfig.min_lr": _r(0, why="a learning rate"),
+    "OptimConfig.lr_warmup_steps": _r(why="verl: a negative value means use lr_warmup_steps_ratio"),
+    "OptimConfig.lr_warmup_steps_ratio": _r(**_FRACTION, why="a fraction of the training steps"),
+    "OptimConfig.lr_warmup_init": _r(0, why="a learning rate"),
+    "OptimConfig.lr_decay_steps": _r(1, why="a step count"),
+    "OptimConfig.weight_decay": _r(0, why="decoupled weight decay"),
+    "OptimConfig.betas": _r(0, 1, hi_open=True, why="Adam's moment decay rates (torch.optim.Adam's range)"),
+    "OptimConfig.eps": _r(0, why="Adam's epsilon (torch.optim.Adam's range)"),
+    "OptimConfig.clip_grad": _r(0, why="a gradient-norm bound (0: no clipping)"),
+    "OptimConfig.total_training_steps": _ANY_INT,
+    "PolicyLossConfig.dro_beta": _r(**_POS, why="DRO's penalty weight"),
+    "PolicyLossConfig.clip_cov_ratio": _r(**_FRACTION, why="a fraction of the tokens"),
+    "PolicyLossConfig.clip_cov_lb": _FINITE,
+    "PolicyLossConfig.clip_cov_ub": _FINITE,
+    "PolicyLossConfig.kl_cov_ratio": _r(**_FRACTION, why="a fraction of the tokens"),
+    "PolicyLossConfig.ppo_kl_coef": _COEF,
+    "ActorConfig.ppo_mini_batch_size": _r(1, MAX_BATCH, why="prompts per optimizer step"),
+    "ActorConfig.ppo_micro_batch_size": _MICRO,
+    "ActorConfig.ppo_micro_batch_size_per_gpu": _MICRO,
+    "ActorConfig.ppo_max_token_len_per_gpu": _TOKEN_BUDGET,
+    "ActorConfig.ppo_epochs": _r(1, why="passes over each batch"),
+    "ActorConfig.clip_ratio": _r(**_POS, why="PPO's clip epsilon"),
+    "ActorConfig.clip_ratio_low": _r(0, why="PPO's lower clip epsilon (0: no room below the ratio 1)"),
+    "ActorConfig.clip_ratio_high": _r(0, why="PPO's upper clip epsilon (0: no room above the ratio 1)"),
+    "ActorConfig.clip_ratio_c": _r(1, lo_open=True, why="dual-clip's bound on the ratio, as verl asserts"),
+    "ActorConfig.tau_pos": _r(**_POS, why="SAPO's gate temperature"),
+    "ActorConfig.tau_neg": _r(**_POS, why="SAPO's gate temperature"),
+    "ActorConfig.policy_drift_coeff": _COEF,
+    "ActorConfig.loss_scale_factor": _r(**_POS, why="the divisor of seq-mean-token-sum-norm"),
+    "ActorConfig.entropy_coeff": _FINITE,
+    "ActorConfig.kl_loss_coef": _COEF,
+    "ActorConfig.grad_clip": _r(0, why="a gradient-norm bound (0: no clipping)"),
+    "RefConfig.log_prob_micro_batch_size_per_gpu": _MICRO,
+    "RefConfig.log_prob_max_token_len_per_gpu": _TOKEN_BUDGET,
+    "ValKwargs.temperature": _r(0, why="a sampling temperature (0: greedy)"),
+    "ValKwargs.top_k": _r(-1, why="top-k (-1 or 0: off)"),
+    "ValKwargs.top_p": _r(**_POS, hi=1, why="a nucleus probability mass"),
+    "ValKwargs.n": _r(1, 4096, why="samples per prompt; above 4096 one prompt's group alone fills an engine"),
+    "MultiTurnConfig.max_assistant_turns": _r(1, MAX_TOKENS, why="turns, each at least one token"),
+    "MultiTurnConfig.max_user_turns": _r(0, MAX_TOKENS, why="turns, each at least one token"),
+    "MultiTurnConfig.max_tokens_per_trajectory": _r(1, MAX_TOKENS, why="tokens of one trajectory"),
+    "MultiTurnConfig.concurrency": _r(1, MAX_RANKS, why="trajectories in flight, each holding an engine slot"),
+    "MultiTurnConfig.max_tokens_per_turn": _r(1, MAX_TOKENS, why="tokens of one turn"),
+    "RolloutConfig.temperature": _r(0, why="a sampling temperature (0: greedy)"),
+    "RolloutConfig.top_k": _r(-1, why="top-k (-1 or 0: off)"),
+    "RolloutConfig.top_p": _r(**_POS, hi=1, why="a nucleus probability mass (1: off)"),
+    "RolloutConfig.n": _r(1, 4096, why="responses per prompt; above 4096 one prompt's group alone fills an engine"),
+    "RolloutConfig.prompt_length": _r(1, MAX_TOKENS, why="tokens of one prompt"),
+    "RolloutConfig.response_length": _r(1, MAX_TOKENS, why="tokens of one response"),
+    "RolloutConfig.tensor_model_parallel_size": _RANKS,
+    "RolloutConfig.gpu_memory_utilization": _r(**_POS, hi=1, why="a fraction of the device's memory"),
+    "RolloutConfig.max_num_seqs": _r(1, MAX_BATCH, why="engine batch slots"),
+    "RolloutConfig.max_num_batched_tokens": _r(1, MAX_BATCH_TOKENS, why="tokens per prefill chunk"),
+    "RolloutConfig.log_prob_micro_batch_size_per_gpu": _MICRO,
+    "RolloutConfig.log_prob_max_token_len_per_gpu": _TOKEN_BUDGET,
+    "RolloutConfig.update_weights_bucket_megabytes": _r(1, 2**20, why="MiB of one weight bucket; above 1 TiB no host holds it"),
+    "RolloutConfig.num_engines": _r(0, MAX_RANKS, why="engines in the fleet (0: one per device)"),
+    "RolloutConfig.generate_threads": _r(0, 4096, why="CPU threads per engine (0: 1); more than 4096 cores names no host"),
+    "RolloutConfig.seed": _SEED,
+    "CriticConfig.ppo_mini_batch_size": _r(1, MAX_BATCH, why="prompts per optimizer step"),
+    "CriticConfig.ppo_micro_batch_size_per_gpu": _MICRO,
+    "CriticConfig.ppo_max_token_len_per_gpu": _TOKEN_BUDGET,
+    "CriticConfig.forward_max_token_len_per_gpu": _TOKEN_BUDGET,
+    "CriticConfig.ppo_epochs": _r(1, why="passes over each batch"),
+    "CriticConfig.cliprange_value": _r(0, why="the value clip range"),
+    "OverlongBufferConfig.len": _r(0, MAX_TOKENS, why="tokens of the soft buffer"),
+    "OverlongBufferConfig.penalty_factor": _r(0, why="the penalty at the hard limit"),
+    "SandboxFusionConfig.max_concurrent": _r(1, MAX_RANKS, why="requests in flight"),
+    "SandboxFusionConfig.memory_limit_mb": _r(1, 2**22, why="MiB per run; above 4 TiB no host holds it"),
+    "RewardModelConfig.micro_batch_size": _MICRO,
+    "RewardModelConfig.micro_batch_size_per_gpu": _MICRO,
+    "RewardModelConfig.forward_max_token_len_per_gpu": _TOKEN_BUDGET,
+    "RewardModelConfig.max_length": _r(1, MAX_TOKENS, why="tokens of one reward-model input"),
+    "RewardModelConfig.num_workers": _r(0, 4096, why="scorer processes (0: in the trainer); more than 4096 cores names no host"),
+    "RewardModelConfig.timeout": _r(**_POS, why="seconds"),
+    "KLControlConfig.kl_coef": _COEF,
+    "KLControlConfig.horizon": _r(1, why="the adaptive controller divides by it"),
+    "KLControlConfig.target_kl": _r(**_POS, why="the adaptive controller divides by it"),
+    "FilterGroupsConfig.max_num_gen_batches": _ANY_INT,
+    "RolloutCorrectionConfig.rollout_rs_threshold_lower": _r(**_POS, why="a ratio bound"),
+    "RolloutCorrectionConfig.rollout_token_veto_threshold": _r(**_POS, why="a ratio bound"),
+    "AlgorithmConfig.gdpo_reward_weights": _FINITE,
+    "AlgorithmConfig.gamma": _r(**_FRACTION, why="a discount factor"),
+    "AlgorithmConfig.lam": _r(**_FRACTION, why="GAE's lambda"),
+    "AlgorithmConfig.rollout_is_threshold": _r(**_POS, why="a ratio bound (null: rollout IS off)"),
+    "AlgorithmConfig.rollout_is_threshold_lower": _r(**_POS, why="a ratio bound"),
+    "AlgorithmConfig.rollout_is_veto_threshold": _r(**_POS, why="a ratio bound (null: no veto)"),
+    "AlgorithmConfig.rollout_rs_threshold": _r(**_POS, why="a ratio or divergence bound"),
+    "AlgorithmConfig.rollout_rs_threshold_lower": _r(**_POS, why="a ratio bound"),
+    "AdcaGrpoConfig.fix_base": _r(0, why="a reward magnitude"),
+    "AdcaGrpoConfig.alpha": _COEF,
+    "AdcaGrpoConfig.beta": _COEF,
+    "AdcaGrpoConfig.prm_steps": _r(0, why="a step count"),
+    "AdcaGrpoConfig.prm_epoch": _r(0, why="an epoch count"),
+    "AdcaGrpoConfig.consistent_scale": _COEF,
+    "AdcaGrpoConfig.pos_unconsistent_scale": _COEF,
+    "AdcaGrpoConfig.neg_unconsistent_scale": _COEF,
+    "AdcaConfig.concurrent": _r(1, MAX_RANKS, why="judge requests in flight"),
+    "AdcaConfig.api_max_retries": _r(0, why="a retry count"),
+    "AdcaConfig.request_timeout": _r(**_POS, why="seconds"),
+    "AdcaConfig.rate_limit_per_s": _r(**_POS, why="requests per second (null: unlimited)"),
+    "AdcaConfig.judge_max_tokens": _r(1, MAX_TOKENS, why="tokens of one judge answer"),
+    "AdcaConfig.local_max_seq_len": _r(1, MAX_TOKENS, why="the judge's context length"),
+    "TrainerConfig.nnodes": _r(1, MAX_RANKS, why="nodes"),
+    "TrainerConfig.n_gpus_per_node": _r(1, 4096, why="devices per node; no host has more than 4096"),
+    "TrainerConfig.total_epochs": _r(1, why="passes over the training prompts"),
+    "TrainerConfig.total_training_steps": _r(1, why="a step count (null: total_epochs passes)"),
+    "TrainerConfig.critic_warmup": _r(0, why="a step count"),
+    "TrainerConfig.test_freq": _r(why="verl: <= 0 means never"),
+    "TrainerConfig.save_freq": _r(why="verl: <= 0 means never"),
+    "TrainerConfig.max_actor_ckpt_to_keep": _r(why="<= 0 or null keeps all"),
+    "TrainerConfig.log_val_generations": _r(0, MAX_BATCH, why="samples logged per validation"),
+    "TrainerConfig.seed": _SEED,
+    "AsyncTrainingConfig.staleness_threshold": _r(0, why="verl's fraction of extra prompts per weight version"),
+    "AsyncTrainingConfig.trigger_parameter_sync_step": _r(1, why="steps between weight pushes"),
+    "AsyncTrainingConfig.require_batches": _r(1, why="mini-batches per step"),
+}
+
+
 def field_type(tp):
     """Strip Optional[...] from an annotation."""
     if typing.get_origin(tp) is typing.Union:
@@ -606,6 +807,35 @@ def _schema_keys(cls=CoxswainConfig, prefix="") -> tuple[dict[str, Any], set[str
 
 
 LEAVES, _OPEN = _schema_keys()
+
+
+def numeric_kind(tp) -> Optional[tuple[type, bool]]:
+    """``(int or float, is a list)`` for a numeric annotation (Optional and List[...] of a number included), else None."""
+    base = field_type(tp)
+    is_list = typing.get_origin(base) in (list, List)
+    item = field_type(typing.get_args(base)[0]) if is_list else base
+    return (item, is_list) if item in (int, float) else None
+
+
+def _key_ranges(cls=CoxswainConfig, prefix="") -> dict[str, tuple[Optional[Range], type, bool]]:
+    """Every numeric leaf ``{dotted key: (its Range or None when undeclared, int or float, is a list)}``: a
+    field's range is looked up under its dataclass and then its bases (RefMegatronConfig -> MegatronConfig)."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = field_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            out.update(_key_ranges(type(default) if dataclasses.is_dataclass(default) else tp, prefix + f.name + "."))
+            continue
+        kind = numeric_kind(hints[f.name])
+        if kind:
+            rng = next((RANGES[f"{c.__name__}.{f.name}"] for c in cls.__mro__ if f"{c.__name__}.{f.name}" in RANGES), None)
+            out[prefix + f.name] = (rng, *kind)
+    return out
+
+
+KEY_RANGES = _key_ranges()  # numeric key -> (Range, int/float, list); a None range fails tests/config/test_ranges.py
 _SECTIONS = {k.rsplit(".", i)[0] for k in LEAVES for i in range(1, k.count(".") + 1)}
 
 
