@@ -84,8 +84,9 @@ def check_paths(cfg) -> None:
     """Before any worker starts: every path the run reads is there (all missing ones named at once)."""
     missing = missing_paths(cfg)
     if missing:
-        raise ConfigError("paths the run reads are missing:\n  - " + "\n  - ".join(missing)
-                          + "\nFix the paths (they are resolved from the working directory), or copy the files here.")
+        # one line, as every refusal (the console and the CLI show the last line of an error)
+        raise ConfigError("paths the run reads are missing: " + "; ".join(missing)
+                          + ". Fix the paths (they are resolved from the working directory), or copy the files here.")
 
 
 class NotSupportedYet(ConfigError):
