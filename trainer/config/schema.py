@@ -635,6 +635,8 @@ _FRACTION = dict(lo=0, hi=1)  # [0, 1]
 _ANY_INT = _r(why="verl gives every value a meaning (<= 0: off / unset)")
 _SEED = _r(0, SEED_MAX, why="a random seed")
 _MICRO = _r(1, MAX_BATCH, why="responses per micro-batch on one rank")
+_MINI_BATCH = _r(1, MAX_BATCH, why="prompts per optimizer step")  # actor and critic alike
+_EPOCHS = _r(1, why="passes over each batch")
 _TOKEN_BUDGET = _r(1, MAX_BATCH_TOKENS, why="tokens per micro-batch on one rank")
 _RANKS = _r(1, MAX_RANKS, why="a number of ranks (1: not split that way)")
 _COEF = _r(0, why="a loss / penalty weight (0: off)")
@@ -677,11 +679,11 @@ RANGES: dict[str, Range] = {
     "PolicyLossConfig.clip_cov_ub": _FINITE,
     "PolicyLossConfig.kl_cov_ratio": _r(**_FRACTION, why="a fraction of the tokens"),
     "PolicyLossConfig.ppo_kl_coef": _COEF,
-    "ActorConfig.ppo_mini_batch_size": _r(1, MAX_BATCH, why="prompts per optimizer step"),
+    "ActorConfig.ppo_mini_batch_size": _MINI_BATCH,
     "ActorConfig.ppo_micro_batch_size": _MICRO,
     "ActorConfig.ppo_micro_batch_size_per_gpu": _MICRO,
     "ActorConfig.ppo_max_token_len_per_gpu": _TOKEN_BUDGET,
-    "ActorConfig.ppo_epochs": _r(1, why="passes over each batch"),
+    "ActorConfig.ppo_epochs": _EPOCHS,
     "ActorConfig.clip_ratio": _r(**_POS, why="PPO's clip epsilon"),
     "ActorConfig.clip_ratio_low": _r(0, why="PPO's lower clip epsilon (0: no room below the ratio 1)"),
     "ActorConfig.clip_ratio_high": _r(0, why="PPO's upper clip epsilon (0: no room above the ratio 1)"),
@@ -720,11 +722,11 @@ RANGES: dict[str, Range] = {
     "RolloutConfig.num_engines": _r(0, MAX_RANKS, why="engines in the fleet (0: one per device)"),
     "RolloutConfig.generate_threads": _r(0, 4096, why="CPU threads per engine (0: 1); more than 4096 cores names no host"),
     "RolloutConfig.seed": _SEED,
-    "CriticConfig.ppo_mini_batch_size": _r(1, MAX_BATCH, why="prompts per optimizer step"),
+    "CriticConfig.ppo_mini_batch_size": _MINI_BATCH,
     "CriticConfig.ppo_micro_batch_size_per_gpu": _MICRO,
     "CriticConfig.ppo_max_token_len_per_gpu": _TOKEN_BUDGET,
     "CriticConfig.forward_max_token_len_per_gpu": _TOKEN_BUDGET,
-    "CriticConfig.ppo_epochs": _r(1, why="passes over each batch"),
+    "CriticConfig.ppo_epochs": _EPOCHS,
     "CriticConfig.cliprange_value": _r(0, why="the value clip range"),
     "OverlongBufferConfig.len": _r(0, MAX_TOKENS, why="tokens of the soft buffer"),
     "OverlongBufferConfig.penalty_factor": _r(0, why="the penalty at the hard limit"),
