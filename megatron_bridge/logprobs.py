@@ -424,26 +424,6 @@ def pack_sequences(seqs: list[list[int]], max_tokens: int) -> list[dict]:
     return rows
 
 
-def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A padded batch ``[b, S]`` as one packed row: ``{"input_ids": [1, N], "cu_seqlens": [b+1],
-    "pack_index": [N]}`` with ``N`` its real tokens and ``pack_index`` their flat positions in the
-    ``[b, S]`` grid (rows in order, each row's real tokens in order). Rows must be contiguous (left,
-    right or both sides padded), as every batch of the trainer is."""
-    real = attention_mask.bool()  # [b, S]
-    lens = real.sum(1)  # [b]
-    idx = real.reshape(-1).nonzero().squeeze(1)  # [N]
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = lens.cumsum(0)
-    return {"input_ids": input_ids.reshape(-1)[idx][None], "cu_seqlens": cu, "pack_index": idx}
-
-
-def unpack_padded(x: torch.Tensor, pack_index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """Inverse of ``pack_padded`` for a per-token output ``[1, N]``: ``[b, S]`` with zeros on the pad
-    positions (differentiable: gradients flow back to the packed tokens)."""
-    flat = x.new_zeros(shape[0] * shape[1]).index_copy(0, pack_index.to(x.device), x.reshape(-1))
-    return flat.view(shape)
-
-
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Split a packed ``[1, T]`` (or ``[T]``) per-token tensor into its sequences."""
     flat = x.reshape(-1)

@@ -14,7 +14,7 @@ from trainer.config import ConfigError
 from trainer.config.preflight import check_overrides
 from trainer.hf_io import load_config_json, overridden_fields, override_errors, read_config, rope_inv_freq
 from trainer.rollout.hf_model import CausalLM
-from trainer.strategies.deepspeed import hf_config_with_overrides
+from trainer.strategies.hf_model import hf_config_with_overrides
 
 TINY = "recipes/cpu/tiny_model"  # qwen2, hidden 96 / 4 heads: head_dim 24; v5 rope_parameters {rope_theta: 1e4}
 

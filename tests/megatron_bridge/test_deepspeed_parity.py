@@ -66,6 +66,15 @@ def job(kind, stage, src, port, extra=None):
 
         actor = MegatronWorker(role="actor", optim=OPTIM, **common)
         critic = MegatronWorker(role="critic", optim=OPTIM, **common)
+    elif kind == "fsdp2":
+        from megatron_bridge import cpu_shims
+
+        from trainer.workers.train_worker import TrainWorker
+
+        cpu_shims.uninstall_mode()  # the spawn helper set megatron up; an FSDP rank runs plain torch
+        opts = {"param_dtype": "fp32", **(extra or {})}
+        actor = TrainWorker(role="actor", strategy="fsdp2", optim=OPTIM, **common, **opts)
+        critic = TrainWorker(role="critic", strategy="fsdp2", optim=OPTIM, **common, **opts)
     else:
         from megatron_bridge import cpu_shims
 
@@ -80,21 +89,22 @@ def job(kind, stage, src, port, extra=None):
     fwd, upd, vl = _settings(n)
     data = StepData(batch, Transport(in_process=True))
     whole = data.shards(1)[0]
+    dp, dp_rank = actor.mesh["dp_size"], actor.mesh["dp_rank"]  # Ulysses ranks of one DP shard share it
     before = torch.as_tensor(actor.log_probs(whole, settings=fwd, key="lp", entropy=True)[0]["lp"])
     old = before.clone()  # the old policy = the start of the step
     counts = [tuple(float(c) for c in batch_norm_counts(batch.response_mask, "token-mean"))]
-    part = data.partition(world)
-    mine = data.shards(world)[rank]
-    extras = data.scatter(world, {"advantages": batch.advantages, "old_log_probs": old})[rank]
-    rows = [list(range(len(part.rows[rank])))]
+    part = data.partition(dp)
+    mine = data.shards(dp)[dp_rank]
+    extras = data.scatter(dp, {"advantages": batch.advantages, "old_log_probs": old})[dp_rank]
+    rows = [list(range(len(part.rows[dp_rank])))]
     res = actor.update_actor(mine, rows, extras, settings=upd, counts=counts)
     after = torch.as_tensor(actor.log_probs(whole, settings=fwd, key="lp")[0]["lp"])
     values = torch.as_tensor(critic.values(whole, settings=fwd)["values"])
-    cx = data.scatter(world, {"values": batch.values, "returns": batch.returns})[rank]
+    cx = data.scatter(dp, {"values": batch.values, "returns": batch.returns})[dp_rank]
     cres = critic.update_critic(mine, rows, cx, settings=vl, counts=counts)
     values_after = torch.as_tensor(critic.values(whole, settings=fwd)["values"])
     return {"before": before, "after": after, "metrics": res["metrics"], "values": values,
-            "values_after": values_after, "critic_metrics": cres["metrics"]}
+            "values_after": values_after, "critic_metrics": cres["metrics"], "dp": dp, "dp_rank": dp_rank}
 
 
 def _run(kind, stage, src, world, extra=None):
@@ -103,8 +113,10 @@ def _run(kind, stage, src, world, extra=None):
     out = spawn(job, world, kind, stage, src, find_free_port(), extra)
     from trainer.workers.metrics import reduce_partials
 
-    m = reduce_partials([o["metrics"] for o in out], world)[0]
-    cm = reduce_partials([o["critic_metrics"] for o in out], world)[0]
+    dp = out[0].get("dp", world)
+    first = [next(o for o in out if o["dp_rank"] == d) for d in range(dp)]  # one rank per DP shard, as RoleGroup reads
+    m = reduce_partials([o["metrics"] for o in first], dp)[0]
+    cm = reduce_partials([o["critic_metrics"] for o in first], dp)[0]
     return out[0], m, cm
 
 
@@ -152,3 +164,32 @@ def test_gradient_checkpointing_and_bf16(model_dir, megatron_ref):
     assert m["actor/grad_norm"] == pytest.approx(m_ref["actor/grad_norm"], rel=1e-2)
     assert m["actor/grad_norm"] != m_ref["actor/grad_norm"]  # really in bf16
     assert (out["after"] - out["before"])[mask].abs().max() > 1e-3
+
+
+def _matches_megatron(out, m, cm, ref, m_ref, cm_ref):
+    mask = _batch().response_mask.bool()
+    torch.testing.assert_close(out["before"][mask], ref["before"][mask], atol=2e-5, rtol=0)
+    assert (out["before"][~mask] == 0).all()
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy_loss"):
+        assert m[k] == pytest.approx(m_ref[k], rel=1e-4, abs=1e-6), (k, m[k], m_ref[k])
+    assert m["actor/grad_norm"] > OPTIM["clip_grad"]
+    assert (out["after"] - out["before"])[mask].abs().max() > 1e-3
+    torch.testing.assert_close(out["after"][mask], ref["after"][mask], atol=5e-5, rtol=0)
+    torch.testing.assert_close(out["values"][mask], ref["values"][mask], atol=2e-5, rtol=0)
+    for k in ("critic/vf_loss", "critic/grad_norm"):
+        assert cm[k] == pytest.approx(cm_ref[k], rel=1e-4, abs=1e-6), (k, cm[k], cm_ref[k])
+    torch.testing.assert_close(out["values_after"][mask], ref["values_after"][mask], atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [
+    {"packed": False},  # two data-parallel shards, padded rows
+    {"packed": True, "sp": 2},  # one shard split over a Ulysses pair, packed
+    {"packed": False, "sp": 2, "gradient_checkpointing": True, "fsdp_size": 1},  # + HSDP mesh (2 x 1), recompute
+], ids=["dp2-padded", "sp2-packed", "sp2-padded-hsdp-ckpt"])
+def test_fsdp2_matches_megatron_tp1(opts, model_dir, megatron_ref):
+    """FSDP2 on two ranks, with and without Ulysses SP=2 and packing, equals megatron TP1 on one: the
+    log-probs and values before, the actor's and the critic's loss, gradient norm and learning rate, and
+    the log-probs and values after one step."""
+    ref, m_ref, cm_ref = megatron_ref
+    out, m, cm = _run("fsdp2", 0, model_dir, 2, opts)
+    _matches_megatron(out, m, cm, ref, m_ref, cm_ref)

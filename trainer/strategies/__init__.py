@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from trainer.batch import pack_padded, unpack_padded
 from trainer.fsutil import bucketed
 from trainer.checkpoint import capture_rng, restore_rng
 
@@ -45,6 +46,10 @@ from trainer.checkpoint import capture_rng, restore_rng
 STRATEGIES: dict[str, str] = {
     "megatron": "trainer.strategies.megatron:MegatronStrategy",
     "deepspeed": "trainer.strategies.deepspeed:DeepSpeedStrategy",
+    "fsdp2": "trainer.strategies.fsdp2:FSDP2Strategy",
+    # verl's FSDP1 spelling runs on FSDP2: the same sharded data parallelism and the same numbers (FSDP1's
+    # flat-parameter wrapper is deprecated in torch); its FSDP1-only keys are refused at load time
+    "fsdp": "trainer.strategies.fsdp2:FSDP2Strategy",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,11 +107,13 @@ class Strategy(abc.ABC):
         return 1
 
     def pack(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-        """A micro-batch of padded rows as one packed row (with ``pack_index`` back to the grid)."""
-        raise NotImplementedError(f"{type(self).__name__} runs padded rows")
+        """A micro-batch of padded rows as one packed row (``input_ids [1, N]``, ``cu_seqlens``, and
+        ``pack_index`` back to the grid); used only where ``packs`` is True."""
+        return pack_padded(input_ids, attention_mask)
 
     def unpack(self, values: torch.Tensor, pack_index: torch.Tensor, shape: tuple) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} runs padded rows")
+        """A packed per-token output ``[1, N]`` back on the ``[b, S]`` grid (zeros on pads; differentiable)."""
+        return unpack_padded(values, pack_index, shape)
 
     @abc.abstractmethod
     def compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,

@@ -34,22 +34,15 @@ to CPU (ZeRO-Offload) is passed to DeepSpeed on CUDA and refused on CPU, where n
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
-from trainer.fsutil import replace_dir, tmp_dir_beside
 from megatron_bridge.train import OptimConfig, make_scheduler
-from trainer.hf_io import load_config_json, overridden_fields
-from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
+from trainer.strategies.hf_model import align, load_hf_model, next_token_outputs, param_groups, write_hf_dir
 
 
 def ds_config(*, zero_stage: int, dtype: str, clip_grad: float, offload_params: bool = False,
@@ -87,19 +80,6 @@ def _import_deepspeed(use_cuda: bool):
     return deepspeed
 
 
-def hf_config_with_overrides(path: str, overrides=None, **kw):
-    """transformers' config of ``path`` (``kw``: its from_pretrained keywords) with verl's
-    ``model.override_config`` set over it: the fields :func:`trainer.hf_io.apply_overrides` writes, so
-    this model, the megatron bridge and the engines agree."""
-    cfg = AutoConfig.from_pretrained(path, **kw)
-    fields = overridden_fields(load_config_json(path), overrides)
-    if hasattr(cfg, "rope_parameters"):  # transformers v5: rope_scaling aliases rope_parameters, which holds the theta
-        fields = {k: v for k, v in fields.items() if k not in ("rope_scaling", "rope_theta")}
-    for k, v in fields.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
 class DeepSpeedStrategy(Strategy):
     @classmethod
     def from_section(cls, section, *, optim, checkpointing, routing_replay, compile) -> dict:
@@ -131,7 +111,7 @@ class DeepSpeedStrategy(Strategy):
         self.zero_stage = int(zero_stage)
         self.is_critic = role in ("critic", "reward")  # a reward model reads its score through the value path
         self.hf_overrides = hf_overrides
-        self.model = self._load_model(model_path, DTYPES[params_dtype])
+        self.model = load_hf_model(role, model_path, DTYPES[params_dtype], hf_overrides)
         if gradient_checkpointing and optim is not None:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cfg = ds_config(zero_stage=zero_stage, dtype=params_dtype, clip_grad=(optim or {}).get("clip_grad", 0.0),
@@ -143,43 +123,13 @@ class DeepSpeedStrategy(Strategy):
         self.optim = OptimConfig(**optim)
         if self.optim.optimizer != "adam":
             raise ValueError(f"strategy=deepspeed: optim.optimizer={self.optim.optimizer!r}; DeepSpeed trains with AdamW here")
-        decay, no_decay = [], []
-        for n, p in self.model.named_parameters():
-            (no_decay if p.ndim < 2 or n.endswith(".bias") else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.optim.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.optim.lr,
+        opt = torch.optim.AdamW(param_groups(self.model, self.optim.weight_decay), lr=self.optim.lr,
                                 betas=(self.optim.adam_beta1, self.optim.adam_beta2), eps=self.optim.adam_eps)
         self.ds_engine, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=opt, config=cfg)
         # megatron's schedule object drives the learning rate of every group (the same numbers as the megatron path)
         self.scheduler = make_scheduler(self.ds_optimizer, self.optim)
 
     # ------------------------------------------------------------------ model
-    def _load_model(self, path: str, dtype: torch.dtype):
-        if not self.is_critic:
-            return AutoModelForCausalLM.from_pretrained(path, config=hf_config_with_overrides(path, self.hf_overrides),
-                                                        dtype=dtype)
-        cfg = hf_config_with_overrides(path, self.hf_overrides, num_labels=1)
-        cfg.classifier_dropout = 0.0  # the megatron critic has no dropout before its head
-        if self.role == "reward":  # its trained head or nothing (trainer.rewards.reward_model)
-            check_score_head(path, cfg.hidden_size)
-        model, info = AutoModelForTokenClassification.from_pretrained(path, config=cfg, dtype=dtype,
-                                                                      output_loading_info=True)
-        if self.role == "reward":
-            # a *ForSequenceClassification head has no bias; the token-classification head has one: 0
-            if model.score.bias is not None and "score.bias" in info.get("missing_keys", []):
-                with torch.no_grad():
-                    model.score.bias.zero_()
-        elif any(k.startswith("score.") for k in info.get("missing_keys", [])):
-            # no trained head in the checkpoint: the megatron critic's init (megatron_bridge.model.ValueHead)
-            h = model.config.hidden_size
-            g = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                model.score.weight.copy_((torch.randn(1, h, generator=g, dtype=torch.float32) / (h + 1)).to(dtype))
-                if model.score.bias is not None:
-                    model.score.bias.zero_()
-        return model
-
     def module(self):
         return self.ds_engine.module if self.ds_engine is not None else self.model
 
@@ -198,28 +148,12 @@ class DeepSpeedStrategy(Strategy):
         # which every micro-batch's gradient would overwrite the previous one instead of adding to it
         model = self.ds_engine if self.ds_engine is not None else self.model
         out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False)
-        logits = out.logits.float()
-
-        def align(next_vals):  # values at position t are about token t+1
-            res = torch.zeros(ids.shape, dtype=next_vals.dtype, device=next_vals.device)
-            res[:, 1:] = next_vals[:, :-1]
-            return torch.where(valid, res, torch.zeros_like(res))
-
-        if self.is_critic:
-            return {"values": align(logits[..., 0])}
-        x = logits / temperature
-        lse = torch.logsumexp(x, dim=-1)  # [b, S]
         nxt = torch.zeros_like(ids)
         nxt[:, :-1] = ids[:, 1:]
-        res = {"logprobs": align(x.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) - lse)}
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
-            res["entropy"] = align(ent)
-        if with_sum_pi_squared:  # sum_v exp(2 (x_v - lse)): every exponent <= 0, an advantage input (no grad)
-            with torch.no_grad():
-                res["sum_pi_squared"] = align(torch.exp(2.0 * (x - lse.unsqueeze(-1))).sum(-1))
-        return res
+        res = next_token_outputs(out.logits, nxt, critic=self.is_critic, temperature=temperature,
+                                 with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                 with_sum_pi_squared=with_sum_pi_squared)
+        return {k: align(v, valid) for k, v in res.items()}
 
     def compute(self, mbs, *, temperature, with_entropy, with_sum_pi_squared=False):
         m = self.module()
@@ -305,20 +239,7 @@ class DeepSpeedStrategy(Strategy):
             if writer:
                 state[n] = t.cpu().contiguous()
         if writer:
-            tmp = tmp_dir_beside(out_dir)
-            try:
-                save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-                cfg = self.module().config.to_dict()
-                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                    json.dump(cfg, f, indent=2, sort_keys=True, default=str)
-                if source_dir:
-                    for fn in TOKENIZER_FILES:
-                        src = os.path.join(source_dir, fn)
-                        if os.path.exists(src):
-                            shutil.copy2(src, os.path.join(tmp, fn))
-                replace_dir(tmp, out_dir)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            write_hf_dir(state, self.module().config, out_dir, source_dir)
         if dist.is_initialized():
             dist.barrier()
         return out_dir if writer else None

@@ -23,7 +23,7 @@ from megatron_bridge.checkpoint import load_checkpoint, save_checkpoint
 from megatron_bridge.convert import load_hf_weights
 from megatron_bridge.export import export_hf, iter_hf_param, iter_hf_weights
 from megatron_bridge.hf_config import read_hf_config
-from megatron_bridge.logprobs import compute_logprobs, pack_padded, unpack_padded
+from megatron_bridge.logprobs import compute_logprobs
 from megatron_bridge.model import build_model, compile_model
 from megatron_bridge.reshard import local_blocks
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
@@ -128,12 +128,6 @@ class MegatronStrategy(Strategy):
     def min_micro_batches(self) -> int:
         # the interleaved schedule (virtual pipeline stages) needs a micro-batch per pipeline stage
         return self.mesh["pp_size"] if self.mesh.get("vpp_size", 1) > 1 else 1
-
-    def pack(self, input_ids, attention_mask) -> dict:
-        return pack_padded(input_ids, attention_mask)
-
-    def unpack(self, values, pack_index, shape):
-        return unpack_padded(values, pack_index, shape)
 
     def compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,
                 with_sum_pi_squared: bool = False) -> list[dict]:
