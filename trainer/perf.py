@@ -155,11 +155,22 @@ def mfu_metrics(passes: Iterable[PassCost], timings: dict, seqlens: list[int]) -
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# verl's precision spellings (fsdp_config) -> the names above
+_PRECISION_NAMES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "float16", "16": "float16"}
+
+
 def role_dtype(section) -> str:
     """The compute dtype of a role's config section: ``deepspeed_config.dtype`` (falling back to
-    ``megatron.dtype``) under the DeepSpeed strategy, else ``megatron.dtype``."""
-    if section.get("strategy") == "deepspeed" and section.deepspeed_config.dtype:
+    ``megatron.dtype``) under the DeepSpeed strategy; FSDP's mixed-precision ``param_dtype`` (else
+    ``fsdp_config.dtype``) under fsdp / fsdp2 (the critic's and RM's fsdp_config sit under ``model``); else
+    ``megatron.dtype``."""
+    strategy = section.get("strategy")
+    if strategy == "deepspeed" and section.deepspeed_config.dtype:
         return str(section.deepspeed_config.dtype)
+    if strategy in ("fsdp", "fsdp2"):
+        fc = section.get("fsdp_config") or section.model.fsdp_config
+        name = str((fc.get("mixed_precision") or {}).get("param_dtype", fc.dtype))
+        return _PRECISION_NAMES.get(name, name)
     return str(section.megatron.dtype)
 
 

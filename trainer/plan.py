@@ -329,7 +329,7 @@ def rm_forward(cfg) -> Optional[ForwardSettings]:
         return None
     return ForwardSettings(micro_batch_size=rm.micro_batch_size_per_gpu,
                            max_token_len=int(rm.forward_max_token_len_per_gpu) if rm.use_dynamic_bsz else None,
-                           packed=bool(rm.megatron.use_remove_padding), budget_key="reward_model.forward_max_token_len_per_gpu")
+                           packed=role_packs(rm, rm.model.use_remove_padding), budget_key="reward_model.forward_max_token_len_per_gpu")
 
 
 @dataclass
@@ -434,6 +434,17 @@ def policy_loss_settings(cfg) -> PolicyLoss:
                             **OmegaConf.to_container(pl.kwargs, resolve=True)))
 
 
+def role_packs(role, verl_flag) -> bool:
+    """Whether a role's micro-batches are packed rows: a megatron role by its ``megatron.use_remove_padding``
+    (Coxswain's key, default true); any other strategy by verl's ``use_remove_padding`` (``verl_flag``: the
+    actor's ``actor.use_remove_padding``, which follows ``model.use_remove_padding``; the reference's
+    ``model.use_remove_padding``; the critic's and RM's ``model.use_remove_padding``). The strategy still
+    decides whether it can pack (``Strategy.packs``)."""
+    if role.strategy == "megatron":
+        return bool(role.megatron.use_remove_padding)
+    return bool(verl_flag)
+
+
 def _budget(on: bool, n: int) -> int | None:
     """A dynamic batch's token budget per rank (verl's ``use_dynamic_bsz``), or None for fixed micro-batches."""
     return int(n) if on else None
@@ -441,9 +452,10 @@ def _budget(on: bool, n: int) -> int | None:
 
 def role_settings(cfg) -> dict:
     """Each role's update and forward settings: ``actor_update``, ``critic_update``, ``actor_log_prob``,
-    ``ref_log_prob``, ``critic_values``. Packing is per megatron role (verl's ``megatron.use_remove_padding``)."""
+    ``ref_log_prob``, ``critic_values``. Packing is per role (:func:`role_packs`)."""
     a, r, c, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.critic, cfg.actor_rollout_ref.ref
-    packed, c_packed, temp = bool(a.megatron.use_remove_padding), bool(c.megatron.use_remove_padding), float(r.temperature)
+    model = cfg.actor_rollout_ref.model
+    packed, c_packed, temp = role_packs(a, a.use_remove_padding), role_packs(c, c.model.use_remove_padding), float(r.temperature)
     return dict(
         actor_update=UpdateSettings(
             mini_batch_size=a.ppo_mini_batch_size * r.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
@@ -462,7 +474,7 @@ def role_settings(cfg) -> dict:
             budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
             with_sum_pi_squared=bool(a.calculate_sum_pi_squared)),
         ref_log_prob=ForwardSettings(
-            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=bool(ref.megatron.use_remove_padding),
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, packed=role_packs(ref, model.use_remove_padding),
             temperature=temp, max_token_len=_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
             budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
         critic_values=ForwardSettings(

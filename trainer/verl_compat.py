@@ -11,7 +11,9 @@ Rules (the loader in :mod:`trainer.config` applies them, collecting every proble
   message naming the key and what to do: remove the line, or the Coxswain key that does the same thing.
   A few verl keys are implementation selectors that do not change what is trained (``NO_EFFECT``): any
   value is accepted and listed in the note the loader prints.
-* A verl FSDP key (``fsdp_config``, Ulysses, ...) is refused with the megatron equivalent.
+* verl's FSDP keys (``fsdp_config``, Ulysses, ``use_remove_padding``) are the schema's: they configure a role on
+  ``strategy=fsdp`` / ``fsdp2`` and are refused on a megatron role with its megatron equivalent
+  (``FSDP_MESSAGES``, applied by :func:`trainer.config.checks.fsdp_errors`).
 * ``REFUSED``: schema keys whose feature is not built in this version; a non-default value is refused
   with the reason (never silently ignored).
 
@@ -73,6 +75,11 @@ NO_EFFECT: dict[str, str] = {
     "reward_model.megatron.vanilla_mbridge": "Coxswain always converts HF <-> megatron with its own bridge",
     "reward_model.nccl_timeout": "collective timeouts are torch.distributed's defaults",
     "data.return_raw_chat": "each row always keeps its chat messages (the multi-turn loop and the judge read them)",
+    **{f"{r}.fsdp_config.use_orig_params": "FSDP1's flat-parameter switch: FSDP2 always keeps the original parameters"
+       for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
+    **{f"{r}.fsdp_config.use_torch_compile": "verl compiles its entropy function with it; the entropy here is computed "
+                                             "eagerly (the same values)"
+       for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
 }
 
 # verl-only keys (or prefixes) set to a non-default value: the specific message (else the generic one).
@@ -144,16 +151,24 @@ VERL_MESSAGES: dict[str, str] = {
 }
 
 # the FSDP-only sections and their megatron equivalents
+# a verl FSDP setting given to a role on another strategy: its megatron equivalent (prefix -> hint)
 FSDP_MESSAGES: dict[str, str] = {
-    "actor_rollout_ref.actor.fsdp_config": "use actor_rollout_ref.actor.megatron.{param_offload,grad_offload,optimizer_offload,use_distributed_optimizer}",
-    "actor_rollout_ref.ref.fsdp_config": "use actor_rollout_ref.ref.megatron.*",
-    "critic.model.fsdp_config": "use critic.megatron.*",
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "use actor_rollout_ref.actor.megatron.context_parallel_size",
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "use actor_rollout_ref.ref.megatron.context_parallel_size",
-    "critic.ulysses_sequence_parallel_size": "use critic.megatron.context_parallel_size",
-    "actor_rollout_ref.actor.use_remove_padding": "use actor_rollout_ref.actor.megatron.use_remove_padding",
-    "critic.model.use_remove_padding": "use critic.megatron.use_remove_padding",
+    "actor_rollout_ref.actor.fsdp_config": "actor_rollout_ref.actor.megatron.{param_offload,grad_offload,optimizer_offload,use_distributed_optimizer}",
+    "actor_rollout_ref.ref.fsdp_config": "actor_rollout_ref.ref.megatron.*",
+    "critic.model.fsdp_config": "critic.megatron.*",
+    "reward_model.model.fsdp_config": "reward_model.megatron.*",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "actor_rollout_ref.actor.megatron.context_parallel_size",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "actor_rollout_ref.ref.megatron.context_parallel_size",
+    "critic.ulysses_sequence_parallel_size": "critic.megatron.context_parallel_size",
+    "reward_model.ulysses_sequence_parallel_size": "reward_model.megatron.context_parallel_size",
+    "critic.model.use_remove_padding": "critic.megatron.use_remove_padding",
+    "reward_model.model.use_remove_padding": "reward_model.megatron.use_remove_padding",
 }
+
+
+def megatron_equivalent(key: str) -> Optional[str]:
+    """The megatron key(s) that do what the verl FSDP key ``key`` does, or None."""
+    return _prefix_message(key, FSDP_MESSAGES)
 
 
 def _offload(v) -> bool:
@@ -245,12 +260,10 @@ def _prefix_message(key: str, table: dict[str, str]) -> Optional[str]:
 
 
 def fsdp_message(key: str) -> Optional[str]:
-    """The message for a verl FSDP key, or None if ``key`` is not one."""
-    msg = _prefix_message(key, FSDP_MESSAGES)
-    if msg is not None:
-        return f"'{key}' is a verl FSDP/Ulysses key (Coxswain trains with megatron-core): {msg}"
+    """The message for a key of verl's FSDP trainer that the schema lacks, or None if ``key`` is not one."""
     if key in VERL_FSDP_ONLY:
-        return f"'{key}' is a key of verl's FSDP trainer (Coxswain trains with megatron-core); remove the line"
+        return (f"'{key}' is a key of verl's FSDP trainer that Coxswain does not implement; remove the line "
+                f"(verl's default {VERL_FSDP_ONLY[key]!r} is what runs)")
     return None
 
 

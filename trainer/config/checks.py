@@ -29,7 +29,7 @@ from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
 from trainer.transformer_overrides import override_errors as transformer_override_errors
-from trainer.verl_compat import parse_rejection, refusals
+from trainer.verl_compat import megatron_equivalent, parse_rejection, refusals
 
 # the keywords verl's reward managers take (reward_model.reward_kwargs go to the manager's constructor)
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
@@ -163,6 +163,100 @@ def deepspeed_errors(cfg) -> list[str]:
         if optim is not None and prefix != "actor_rollout_ref.ref" and optim.optimizer != "adam":
             errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy=deepspeed: the DeepSpeed strategy "
                         f"trains with AdamW (optimizer=adam).")
+    return errs
+
+
+FSDP_STRATEGIES = ("fsdp", "fsdp2")  # verl's two spellings; both run on trainer/strategies/fsdp2.py
+PRECISION_NAMES = ("fp32", "float32", "32", "bf16", "bfloat16", "fp16", "float16", "16")
+
+
+def fsdp_sections(cfg) -> dict:
+    """Every role's ``(role section, its fsdp_config, its model-level section)``: verl keeps the critic's and the
+    reward model's fsdp_config under ``model``."""
+    arr = cfg.actor_rollout_ref
+    return {"actor_rollout_ref.actor": (arr.actor, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config"),
+            "actor_rollout_ref.ref": (arr.ref, arr.ref.fsdp_config, "actor_rollout_ref.ref.fsdp_config"),
+            "critic": (cfg.critic, cfg.critic.model.fsdp_config, "critic.model.fsdp_config"),
+            "reward_model": (cfg.reward_model, cfg.reward_model.model.fsdp_config, "reward_model.model.fsdp_config")}
+
+
+def _changed(node, default, prefix: str) -> list[str]:
+    """The dotted keys of ``node`` that differ from ``default`` (both plain containers)."""
+    out = []
+    for k, v in node.items():
+        d = default.get(k) if isinstance(default, dict) else None
+        if isinstance(v, dict) and isinstance(d, dict):
+            out += _changed(v, d, f"{prefix}{k}.")
+        elif v != d:
+            out.append(prefix + k)
+    return out
+
+
+def fsdp_errors(cfg) -> list[str]:
+    """verl's FSDP keys: on a role of another strategy, refused with the megatron equivalent; on an FSDP role,
+    what FSDP2 here cannot take."""
+    errs, ws = [], world_size(cfg)
+    used = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": need_ref(cfg), "critic": need_critic(cfg),
+            "reward_model": bool(cfg.reward_model.enable)}
+    for prefix, (role, fc, fc_key) in fsdp_sections(cfg).items():
+        sp = role.ulysses_sequence_parallel_size
+        if role.strategy not in FSDP_STRATEGIES:
+            default = OmegaConf.to_container(OmegaConf.structured(type(OmegaConf.to_object(fc))), resolve=True)
+            changed = [k for k in _changed(OmegaConf.to_container(fc, resolve=True), default, "")
+                       if k not in ("forward_only", "strategy")]
+            given = [f"{fc_key}.{{{', '.join(changed)}}}"] if changed else []
+            if sp != 1 and not (prefix == "actor_rollout_ref.ref" and not used[prefix]):
+                given.append(f"{prefix}.ulysses_sequence_parallel_size={sp}")
+            if given:
+                hint = megatron_equivalent(fc_key if changed else f"{prefix}.ulysses_sequence_parallel_size")
+                errs.append(f"{' and '.join(given)} configure verl's FSDP, but {prefix}.strategy={role.strategy}: set "
+                            f"{prefix}.strategy=fsdp (or --config-name=ppo_trainer, verl's FSDP defaults for every "
+                            f"role)" + (f", or use {hint}" if hint and role.strategy == "megatron" else ", or remove them")
+                            + ".")
+            continue
+        if not used[prefix]:
+            continue
+        if fc.strategy not in FSDP_STRATEGIES:
+            errs.append(f"{fc_key}.strategy={fc.strategy!r}: verl's copy of the role's strategy is fsdp or fsdp2.")
+        mg = role.megatron
+        big = {k: mg[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                                  "expert_model_parallel_size") if mg[k] not in (None, 1)}
+        if big:
+            errs.append(f"{prefix}.strategy={role.strategy} shards by FSDP over data parallelism (and Ulysses), but "
+                        f"{prefix}.megatron asks for model parallelism {big}: set those to 1, or use strategy=megatron.")
+        if ws % sp:
+            errs.append(f"{prefix}.ulysses_sequence_parallel_size={sp} does not divide the role's {ws} ranks.")
+        if fc.fsdp_size == 0 or (0 < fc.fsdp_size < ws and ws % fc.fsdp_size):
+            errs.append(f"{fc_key}.fsdp_size={fc.fsdp_size}: use -1 (shard over all {ws} ranks) or a divisor of {ws} "
+                        f"(hybrid sharding).")
+        if fc.wrap_policy.min_num_params:
+            errs.append(f"{fc_key}.wrap_policy.min_num_params={fc.wrap_policy.min_num_params}: FSDP1's size-based "
+                        f"wrapping is not built; FSDP2 makes each decoder layer a unit (as verl's fsdp2 does): remove the "
+                        f"line, or name the classes in {fc_key}.wrap_policy.transformer_layer_cls_to_wrap.")
+        mp = OmegaConf.to_container(fc.mixed_precision, resolve=True) if fc.mixed_precision is not None else {}
+        for k, v in [("model_dtype", fc.model_dtype), ("dtype", fc.dtype)] + [(f"mixed_precision.{k}", v) for k, v in mp.items()]:
+            if k.startswith("mixed_precision.") and k.split(".", 1)[1] not in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+                errs.append(f"{fc_key}.{k}: mixed_precision takes param_dtype, reduce_dtype and buffer_dtype.")
+            elif str(v) not in PRECISION_NAMES:
+                errs.append(f"{fc_key}.{k}={v!r}: use fp32, bf16 or fp16.")
+        if str(mp.get("buffer_dtype", "fp32")) not in ("fp32", "float32", "32"):
+            errs.append(f"{fc_key}.mixed_precision.buffer_dtype={mp['buffer_dtype']!r}: FSDP2 keeps buffers in "
+                        f"model_dtype; only fp32 is built.")
+        if getattr(role, "router_replay", None) is not None and role.router_replay.mode != "disabled":
+            errs.append(f"{prefix}.router_replay with strategy={role.strategy}: routing replay is built into the "
+                        f"megatron routers only; use strategy=megatron for MoE routing replay.")
+        optim = getattr(role, "optim", None)
+        if optim is not None and prefix != "actor_rollout_ref.ref" and optim.optimizer != "adam":
+            errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy={role.strategy}: the FSDP strategy "
+                        f"trains with AdamW (optimizer=adam).")
+        if prefix == "actor_rollout_ref.actor":
+            a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+            dp = ws // sp if ws % sp == 0 else ws
+            mini = a.ppo_mini_batch_size * r.n
+            if mini % dp:
+                errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x actor_rollout_ref."
+                            f"rollout.n={r.n} = {mini} responses do not split over the data-parallel size {dp} (world "
+                            f"{ws} / Ulysses {sp}).")
     return errs
 
 
@@ -361,10 +455,12 @@ def data_errors(cfg: DictConfig) -> list[str]:
 
 
 def megatron_roles(cfg: DictConfig) -> list[tuple]:
-    """``(role prefix, its megatron section)`` of every role that runs megatron-core's layout checks."""
+    """``(role prefix, its megatron section)`` of every role that runs megatron-core's layout checks (an FSDP role
+    has its own, :func:`fsdp_errors`)."""
     arr, rm = cfg.actor_rollout_ref, cfg.reward_model
-    return [("actor_rollout_ref.actor", arr.actor.megatron), ("actor_rollout_ref.ref", arr.ref.megatron),
-            ("critic", cfg.critic.megatron), *([("reward_model", rm.megatron)] if rm.enable and rm.strategy == "megatron" else [])]
+    roles = [("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic),
+             *([("reward_model", rm)] if rm.enable and rm.strategy == "megatron" else [])]
+    return [(p, r.megatron) for p, r in roles if r.strategy not in FSDP_STRATEGIES]
 
 
 def megatron_errors(cfg: DictConfig) -> list[str]:
@@ -448,7 +544,7 @@ def actor_errors(cfg: DictConfig) -> list[str]:
     """``actor_rollout_ref.actor`` (and its model): packing, checkpoint contents, plug-in loss keywords."""
     a, errs = cfg.actor_rollout_ref.actor, []
     model = cfg.actor_rollout_ref.model
-    if model.use_remove_padding and not a.megatron.use_remove_padding:
+    if model.use_remove_padding and not a.megatron.use_remove_padding and a.strategy == "megatron":
         errs.append("actor_rollout_ref.model.use_remove_padding=true but actor_rollout_ref.actor.megatron.use_remove_padding="
                     "false: the megatron roles pack by megatron.use_remove_padding; remove one of the two lines.")
     ck = cfg.actor_rollout_ref.actor.checkpoint
@@ -601,7 +697,7 @@ def _hf_override_errors(cfg: DictConfig) -> list[str]:
 # The section checks in the schema's order; each reads its section (and the keys it must agree with).
 SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
                   _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors,
-                  _hf_override_errors)
+                  fsdp_errors, _hf_override_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines

@@ -62,6 +62,13 @@ KEY_ALIASES: dict[str, str] = {
         "attribution_driven_credit_assignment.adca_grpo.pos_unconsistent_scale",
     "attribution_driven_credit_assignment.neg_unconsistent_scale":
         "attribution_driven_credit_assignment.adca_grpo.neg_unconsistent_scale",
+    # verl's FSDP engine config carries the role's Ulysses size inside fsdp_config too
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    # verl's FSDP actor reads the entropy switches at the role level, its engine config under fsdp_config
+    **{f"{r}.{k}": f"{r}.fsdp_config.{k}" for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")
+       for k in ("entropy_checkpointing", "entropy_from_logits_with_chunking")},
 }
 
 
@@ -268,16 +275,24 @@ def _parse_argv(argv: list[str]) -> tuple[list[str], Optional[str], Optional[str
 
 
 # verl's trainer config names: a --config-name that names one of them (with no such file in the
-# config path) means verl's defaults, which are this schema's
+# config path) means verl's defaults, which are this schema's, with every role on that base's strategy
+# (verl's ppo_trainer, the default config of verl's main_ppo, trains every role with FSDP)
 VERL_BASES = {"ppo_megatron_trainer": "megatron", "ppo_trainer": "fsdp"}
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+                 "reward_model.strategy")
 
 
 def _base_dir() -> str:
-    """A config dir holding ``ppo_megatron_trainer.yaml`` written from this schema (verl's defaults), so
-    a user's hydra config with ``defaults: [ppo_megatron_trainer, _self_]`` composes with no verl checkout."""
+    """A config dir holding verl's base names written from this schema (verl's defaults), each with its
+    roles' strategy, so a user's hydra config with ``defaults: [ppo_trainer, _self_]`` (verl's DAPO recipe) or
+    ``[ppo_megatron_trainer, _self_]`` composes with no verl checkout."""
     d = tempfile.mkdtemp(prefix="coxswain_base_")
-    with open(os.path.join(d, "ppo_megatron_trainer.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(CoxswainConfig)))
+    for name, strategy in VERL_BASES.items():
+        base = OmegaConf.structured(CoxswainConfig)
+        for key in STRATEGY_KEYS:
+            OmegaConf.update(base, key, strategy)
+        with open(os.path.join(d, name + ".yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(base))
     return d
 
 
@@ -289,9 +304,8 @@ def _compose(ld: _Load, path: Optional[str], name: str) -> None:
     cdir = os.path.abspath(os.path.expanduser(path)) if path else None
     has_file = bool(cdir) and os.path.isfile(os.path.join(cdir, stem + ".yaml"))
     if not has_file and stem in VERL_BASES:
-        if VERL_BASES[stem] == "fsdp":
-            ld.error(origin, "verl's FSDP trainer config: Coxswain trains with megatron-core; use "
-                             "--config-name=ppo_megatron_trainer and the megatron keys named below.")
+        for key in STRATEGY_KEYS:
+            ld.set(key, VERL_BASES[stem], origin, from_base=True)
         return
     if not has_file:
         ld.error(origin, f"no config '{stem}.yaml' in --config-path={path!r}; give the directory that holds it "

@@ -64,6 +64,39 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class FSDPWrapPolicy:
+    transformer_layer_cls_to_wrap: Optional[List[str]] = None  # module classes sharded as one FSDP unit each; None = the model's _no_split_modules (its decoder layer)
+    min_num_params: int = 0  # FSDP1's size-based wrapping; refused above 0 (FSDP2 wraps each decoder layer, as verl's fsdp2 does)
+
+
+@dataclass
+class FSDPConfig:
+    """A role's FSDP settings, verl's ``fsdp_config`` (used when its ``strategy=fsdp`` or ``fsdp2``: both run on
+    FSDP2, trainer/strategies/fsdp2.py)."""
+    param_offload: bool = False  # sharded parameters moved to host memory between calls (moves nothing with trainer.device=cpu)
+    optimizer_offload: bool = False  # Adam states moved to host memory between calls (moves nothing with trainer.device=cpu)
+    offload_policy: bool = False  # FSDP2's CPUOffloadPolicy: shards live in host memory, the optimizer steps there (always on for the forward-only reference on GPU, as in verl)
+    reshard_after_forward: bool = True  # free each unit's gathered weights after its forward (ZeRO-3); false keeps them until backward (ZeRO-2-like)
+    fsdp_size: int = -1  # ranks one parameter is sharded over; -1 (or >= the role's ranks) = all; else hybrid sharding on a (ranks / fsdp_size, fsdp_size) mesh
+    forward_prefetch: bool = False  # each unit starts the next unit's all-gather during its forward
+    model_dtype: str = "fp32"  # dtype of the parameters and optimizer states (verl: the dtype the HF model is loaded in)
+    dtype: str = "bfloat16"  # compute dtype of forward and backward (FSDP2 mixed precision's param_dtype) unless mixed_precision.param_dtype is given
+    mixed_precision: Optional[Dict[str, Any]] = None  # verl's {param_dtype, reduce_dtype, buffer_dtype}: compute and gradient-reduction dtypes (reduce defaults to fp32)
+    wrap_policy: FSDPWrapPolicy = field(default_factory=FSDPWrapPolicy)  # which modules are FSDP units
+    seed: int = 42  # torch seed of the role's ranks
+    forward_only: bool = False  # a forward-only role (verl's reference: true): its shards live in host memory on GPU, as with offload_policy
+    strategy: str = "fsdp"  # verl's copy of the role's strategy: fsdp or fsdp2 (both run on FSDP2); the role's own strategy key picks the strategy
+    entropy_checkpointing: bool = False  # recompute the entropy from the logits in backward instead of keeping its activations
+    entropy_from_logits_with_chunking: bool = False  # compute the entropy over chunks of positions (less peak memory, the same values)
+    full_determinism: bool = False  # torch's deterministic algorithms only (torch.use_deterministic_algorithms) on the role's ranks
+
+
+@dataclass
+class RefFSDPConfig(FSDPConfig):
+    forward_only: bool = True  # verl's reference default
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1  # TP degree
     pipeline_model_parallel_size: int = 1  # PP degree
@@ -157,7 +190,7 @@ class RouterReplayConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies)
+    strategy: str = "megatron"  # megatron | deepspeed | fsdp | fsdp2 | pkg.module:Class (trainer.strategies)
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size: Optional[int] = None  # legacy global micro-batch; use ppo_micro_batch_size_per_gpu
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per forward/backward on one DP rank (required unless use_dynamic_bsz)
@@ -184,18 +217,23 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor parallelism
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision, offload
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # strategy=fsdp / fsdp2: sharding, precision, offload
+    ulysses_sequence_parallel_size: int = 1  # strategy=fsdp / fsdp2: Ulysses sequence-parallel ranks per data-parallel shard (must divide the ranks and the attention heads)
+    use_remove_padding: bool = "${oc.select:actor_rollout_ref.model.use_remove_padding,false}"  # verl's: the actor packs by actor_rollout_ref.model.use_remove_padding (this key follows it; strategy=fsdp / fsdp2)
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay (R3)
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # checkpoint contents
 
 
 @dataclass
 class RefConfig:
-    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies)
+    strategy: str = "megatron"  # megatron | deepspeed | fsdp | fsdp2 | pkg.module:Class (trainer.strategies)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per reference forward on one rank (required unless log_prob_use_dynamic_bsz)
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # pack reference micro-batches by token budget
     log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # token budget per reference micro-batch
     megatron: MegatronConfig = field(default_factory=lambda: RefMegatronConfig())  # reference parallelism (follows the actor's, as in verl)
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision
+    fsdp_config: FSDPConfig = field(default_factory=RefFSDPConfig)  # strategy=fsdp / fsdp2: sharding, precision, offload
+    ulysses_sequence_parallel_size: int = "${oc.select:actor_rollout_ref.actor.ulysses_sequence_parallel_size,1}"  # strategy=fsdp / fsdp2: Ulysses ranks (follows the actor's, as in verl)
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay in the reference forward (R3)
 
 
@@ -271,12 +309,14 @@ class CriticModelConfig:
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
     enable_gradient_checkpointing: bool = False  # full activation recompute in backward (megatron: refined by critic.megatron.override_transformer_config)
     override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the critic's (as actor_rollout_ref.model.override_config)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # critic.strategy=fsdp / fsdp2: sharding, precision, offload
+    use_remove_padding: bool = False  # critic.strategy=fsdp / fsdp2: packed rows (the megatron critic packs by critic.megatron.use_remove_padding)
 
 
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # None = on exactly when algorithm.adv_estimator is gae
-    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies)
+    strategy: str = "megatron"  # megatron | deepspeed | fsdp | fsdp2 | pkg.module:Class (trainer.strategies)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # value model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # critic optimizer
     ppo_mini_batch_size: int = "${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}"  # prompts per critic optimizer step
@@ -289,6 +329,7 @@ class CriticConfig:
     loss_agg_mode: str = "${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}"  # aggregation of the value loss
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # critic parallelism
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision, offload
+    ulysses_sequence_parallel_size: int = 1  # strategy=fsdp / fsdp2: Ulysses ranks per data-parallel shard
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,6 +359,8 @@ class SandboxConfig:
 class RewardModelModelConfig:
     path: Optional[str] = None  # HF *ForSequenceClassification checkpoint (num_labels=1, head 'score'); required with reward_model.enable
     override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the reward model's (as actor_rollout_ref.model.override_config)
+    fsdp_config: FSDPConfig = field(default_factory=RefFSDPConfig)  # reward_model.strategy=fsdp / fsdp2: sharding, precision (forward only)
+    use_remove_padding: bool = False  # reward_model.strategy=fsdp / fsdp2: packed rows (the megatron RM packs by reward_model.megatron.use_remove_padding)
     input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"  # the tokenizer that made the rollout's ids: each response is decoded with it and re-rendered by the RM's chat template and tokenizer (verl's switch); null = the RM reads the actor's ids as they are (same vocabulary)
 
 
@@ -333,7 +376,7 @@ class RewardModelMegatronConfig(MegatronConfig):
 @dataclass
 class RewardModelConfig:
     enable: bool = False  # score responses with a learned reward model: its score is the reward (verl's rule); the rule-based scorer still gives reward/acc
-    strategy: str = "megatron"  # megatron | deepspeed | pkg.module:Class (trainer.strategies): how the reward model's forward is sharded
+    strategy: str = "megatron"  # megatron | deepspeed | fsdp | fsdp2 | pkg.module:Class (trainer.strategies): how the reward model's forward is sharded
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)  # the reward model's checkpoint
     micro_batch_size: Optional[int] = None  # legacy global micro-batch; use micro_batch_size_per_gpu
     micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward on one rank (required unless use_dynamic_bsz)
@@ -342,6 +385,7 @@ class RewardModelConfig:
     max_length: Optional[int] = None  # truncate each re-tokenised RM input to its first N tokens (verl's truncation='right'); null = whole
     megatron: MegatronConfig = field(default_factory=lambda: RewardModelMegatronConfig())  # strategy=megatron: the reward model's parallelism
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # strategy=deepspeed: ZeRO stage, precision
+    ulysses_sequence_parallel_size: int = 1  # strategy=fsdp / fsdp2: Ulysses ranks per data-parallel shard
     reward_manager: str = "naive"  # naive | prime | dapo | batch: verl's reward managers (trainer/rewards/manager.py)
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # the manager's keywords: dapo: max_resp_len, overlong_buffer_cfg.{enable,len,penalty_factor,log}; batch: passed to the batch scorer
     num_workers: int = 1  # scorer processes (0 = score in the trainer process)
@@ -654,6 +698,13 @@ RANGES: dict[str, Range] = {
     "DataConfig.seed": _SEED,
     "DeepSpeedConfig.zero_stage": _r(1, 3, why="DeepSpeed's ZeRO stages 1, 2, 3"),
     "DeepSpeedConfig.seed": _SEED,
+    "FSDPConfig.fsdp_size": _r(-1, MAX_RANKS, why="ranks per shard group (-1: all)"),
+    "FSDPConfig.seed": _SEED,
+    "FSDPWrapPolicy.min_num_params": _r(0, why="a parameter count"),
+    "ActorConfig.ulysses_sequence_parallel_size": _RANKS,
+    "RefConfig.ulysses_sequence_parallel_size": _RANKS,
+    "CriticConfig.ulysses_sequence_parallel_size": _RANKS,
+    "RewardModelConfig.ulysses_sequence_parallel_size": _RANKS,
     "MegatronConfig.tensor_model_parallel_size": _RANKS,
     "MegatronConfig.pipeline_model_parallel_size": _RANKS,
     "MegatronConfig.virtual_pipeline_model_parallel_size": _r(1, MAX_RANKS, why="model chunks per pipeline stage"),

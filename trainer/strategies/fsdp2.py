@@ -23,6 +23,8 @@ verl's ``fsdp_config`` keys and meanings:
   host memory: these move nothing and say so in ``offload_status``.
 * ``ulysses_sequence_parallel_size`` (the role's, as in verl): :mod:`trainer.strategies.ulysses`. The
   data-parallel size is ``world / P``; parameters are still sharded over the whole world, as in verl.
+* ``entropy_checkpointing`` (the entropy recomputed from the logits in backward), ``entropy_from_logits_with_chunking``
+  (the entropy over chunks of positions), ``full_determinism`` (torch's deterministic algorithms).
 * ``use_remove_padding``: a micro-batch is one packed row of its real tokens; padded rows otherwise. Both
   run the same masked attention (:func:`trainer.strategies.ulysses.attention`), so packing changes no
   number.
@@ -87,28 +89,30 @@ class FSDP2Strategy(Strategy):
     @classmethod
     def from_section(cls, section, *, optim, checkpointing, routing_replay, compile) -> dict:
         """verl's keys: the role's ``fsdp_config`` (the critic's and the reward model's under ``model``), its
-        ``ulysses_sequence_parallel_size`` and ``use_remove_padding``. R3 routing replay is refused at load time
-        for this strategy; ``trainer.compile`` does not apply (the HF model runs eagerly)."""
-        model = section.get("model") or {}
-        fc = section.get("fsdp_config") or model.get("fsdp_config")
+        ``ulysses_sequence_parallel_size``; whether micro-batches are packed is the plan's (verl's
+        ``use_remove_padding``). R3 routing replay is refused at load time for this strategy; ``trainer.compile``
+        does not apply (the HF model runs eagerly)."""
+        fc = section.get("fsdp_config") or section.model.fsdp_config
         mp = fc.get("mixed_precision") or {}
-        packed = section.get("use_remove_padding", model.get("use_remove_padding", False))
         wrap = fc.get("wrap_policy") or {}
         return dict(
-            optim=optim, model_dtype=fc.model_dtype, param_dtype=mp.get("param_dtype", fc.get("dtype", "bfloat16")),
+            optim=optim, model_dtype=fc.model_dtype, param_dtype=mp.get("param_dtype", fc.dtype),
             reduce_dtype=mp.get("reduce_dtype", "fp32"), fsdp_size=int(fc.fsdp_size),
             sp=int(section.get("ulysses_sequence_parallel_size", 1) or 1),
-            reshard_after_forward=bool(fc.reshard_after_forward), offload_policy=bool(fc.get("offload_policy", False)),
-            param_offload=bool(fc.param_offload), optimizer_offload=bool(fc.get("optimizer_offload", False)),
-            forward_prefetch=bool(fc.forward_prefetch), gradient_checkpointing=bool(checkpointing and optim is not None),
-            packed=bool(packed), seed=int(fc.get("seed", 42)), wrap_classes=wrap.get("transformer_layer_cls_to_wrap"))
+            reshard_after_forward=bool(fc.reshard_after_forward),
+            offload_policy=bool(fc.offload_policy or fc.forward_only), param_offload=bool(fc.param_offload),
+            optimizer_offload=bool(fc.optimizer_offload), forward_prefetch=bool(fc.forward_prefetch),
+            gradient_checkpointing=bool(checkpointing and optim is not None), seed=int(fc.seed),
+            wrap_classes=wrap.get("transformer_layer_cls_to_wrap"), entropy_checkpointing=bool(fc.entropy_checkpointing),
+            entropy_chunking=bool(fc.entropy_from_logits_with_chunking), full_determinism=bool(fc.full_determinism))
 
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  optim: dict | None = None, model_dtype: str = "fp32", param_dtype: str = "bfloat16",
                  reduce_dtype: str = "fp32", fsdp_size: int = -1, sp: int = 1, reshard_after_forward: bool = True,
                  offload_policy: bool = False, param_offload: bool = False, optimizer_offload: bool = False,
                  forward_prefetch: bool = False, gradient_checkpointing: bool = False, packed: bool = True,
-                 seed: int = 42, wrap_classes=None, hf_overrides: dict | None = None):
+                 seed: int = 42, wrap_classes=None, entropy_checkpointing: bool = False, entropy_chunking: bool = False,
+                 full_determinism: bool = False, hf_overrides: dict | None = None):
         use_cuda = torch.cuda.is_available()
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
@@ -117,6 +121,10 @@ class FSDP2Strategy(Strategy):
         if sp < 1 or world_size % sp:
             raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the role's {world_size} ranks")
         torch.manual_seed(seed)
+        if full_determinism:  # verl's enable_full_determinism: deterministic kernels only (cuBLAS needs its workspace set)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        self.entropy_opts = dict(checkpoint=bool(entropy_checkpointing), chunked=bool(entropy_chunking))
         self.role, self.rank, self.world = role, rank, world_size
         self.is_critic = role in ("critic", "reward")  # a reward model reads its score through the value path
         self.packs = bool(packed)
@@ -219,7 +227,7 @@ class FSDP2Strategy(Strategy):
         out = self.model(input_ids=ids[:, lo:lo + n], position_ids=pos[:, lo:lo + n], use_cache=False)
         res = next_token_outputs(out.logits, nxt[:, lo:lo + n], critic=self.is_critic, temperature=temperature,
                                  with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                 with_sum_pi_squared=with_sum_pi_squared)
+                                 with_sum_pi_squared=with_sum_pi_squared, **self.entropy_opts)
         return {k: align(gather_seq(v, self.sp_group, P)[:, :S], valid) for k, v in res.items()}
 
     def compute(self, mbs, *, temperature, with_entropy, with_sum_pi_squared=False):

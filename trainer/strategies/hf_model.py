@@ -20,6 +20,7 @@ import os
 import shutil
 
 import torch
+import torch.utils.checkpoint
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -70,11 +71,28 @@ def load_hf_model(role: str, path: str, dtype: torch.dtype, overrides=None, **kw
     return model
 
 
+ENTROPY_CHUNK = 2048  # positions per chunk of the chunked entropy
+
+
+def _entropy(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``H = logsumexp(x) - sum softmax(x) x`` per position: ``x [b, s, V]``, ``lse [b, s]``."""
+    return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+
+
+def _chunked_entropy(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The same entropy over chunks of positions: one ``[b, chunk, V]`` softmax alive at a time."""
+    return torch.cat([_entropy(x[:, i:i + ENTROPY_CHUNK], lse[:, i:i + ENTROPY_CHUNK])
+                      for i in range(0, x.shape[1], ENTROPY_CHUNK)], dim=1)
+
+
 def next_token_outputs(logits: torch.Tensor, nxt: torch.Tensor, *, critic: bool, temperature: float,
-                       with_entropy: bool, entropy_grad: bool = True, with_sum_pi_squared: bool = False) -> dict:
+                       with_entropy: bool, entropy_grad: bool = True, with_sum_pi_squared: bool = False,
+                       checkpoint: bool = False, chunked: bool = False) -> dict:
     """Per-position outputs about the NEXT token: ``logits [b, s, V]`` (a critic: ``[b, s, 1]``), ``nxt [b, s]``
     the token after each position -> ``{name: [b, s]}`` (``values`` for a critic; ``logprobs`` and, when asked,
-    ``entropy`` and ``sum_pi_squared`` for a policy)."""
+    ``entropy`` and ``sum_pi_squared`` for a policy). verl's entropy memory switches, which change no value:
+    ``checkpoint`` (``entropy_checkpointing``) recomputes the entropy's softmax in backward instead of keeping
+    it; ``chunked`` (``entropy_from_logits_with_chunking``) computes it over chunks of positions."""
     logits = logits.float()
     if critic:
         return {"values": logits[..., 0]}
@@ -82,8 +100,12 @@ def next_token_outputs(logits: torch.Tensor, nxt: torch.Tensor, *, critic: bool,
     lse = torch.logsumexp(x, dim=-1)  # [b, s]
     res = {"logprobs": x.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) - lse}
     if with_entropy:
+        fn = _chunked_entropy if chunked else _entropy
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            res["entropy"] = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+            if checkpoint and torch.is_grad_enabled():
+                res["entropy"] = torch.utils.checkpoint.checkpoint(fn, x, lse, use_reentrant=False)
+            else:
+                res["entropy"] = fn(x, lse)
     if with_sum_pi_squared:  # sum_v exp(2 (x_v - lse)): every exponent <= 0, an advantage input (no grad)
         with torch.no_grad():
             res["sum_pi_squared"] = torch.exp(2.0 * (x - lse.unsqueeze(-1))).sum(-1)
