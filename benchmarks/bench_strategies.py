@@ -1,17 +1,33 @@
-"""The two training strategies side by side: one actor update (PPO loss, AdamW step) per strategy.
+"""The three training strategies side by side: one actor update (PPO loss, AdamW step) per strategy, on the
+same model and the same batch, in one run.
 
-What is measured: wall seconds per ``update_actor`` call (one mini-batch of 32 responses, micro-batches
-of 8, token-mean loss, gradient clipping), the best of ``--steps`` after one warm-up step, on two
-ranks (gloo, one thread each): Megatron with data parallelism 2 (the default strategy, packed THD rows),
-Megatron TP=2, and DeepSpeed ZeRO-1, -2 and -3 with data parallelism 2 (HF model, padded rows). Also the
-log-prob forward of the same batch, and each rank's resident memory after the steps.
+Rows, each on two ranks (gloo, one thread each, a fresh pair of processes per row):
+
+* Megatron with data parallelism 2 (the default strategy, packed THD rows) -- the baseline -- and Megatron TP=2;
+* DeepSpeed ZeRO-1, -2 and -3 with data parallelism 2 (HF model, padded rows);
+* FSDP2 (``strategy=fsdp2``, HF model, fp32 compute: ``param_dtype=fp32``) with data parallelism 2, packed rows,
+  and FSDP2 with Ulysses sequence parallelism 2 (one data-parallel shard split over the pair), packed rows.
+
+What is measured, per row:
+
+* ``update s``: wall seconds per ``update_actor`` call (one mini-batch of 32 responses, micro-batches of 8,
+  token-mean loss, gradient clipping), the best of ``--steps`` after one warm-up step, the slower rank's;
+* ``tokens/s``: the batch's real tokens (prompt + response, ``attention_mask.sum()``; padding not counted) over
+  ``update s``: the two ranks together, the same token count for every row;
+* ``log-prob fwd s``: one log-prob forward of the whole batch (the first call, so it includes warm-up);
+* ``peak RSS GB``: each rank's resident set high-water mark over its whole life (model load, the forward, the
+  updates): ``VmHWM`` of ``/proc/self/status``, the larger of the two ranks. Not ``getrusage``'s ``ru_maxrss``:
+  a rank starts by fork + exec from this script, and Linux carries the parent's peak into the child's
+  ``ru_maxrss`` across both (measured: a child spawned by an 800 MB parent reports 835 MB there, 16 MB in
+  ``VmHWM``). Elsewhere than Linux it falls back to ``ru_maxrss`` and the JSON says so.
 
 Model: a random Qwen2 (hidden 256, 4 layers, 8 heads / 2 KV heads, vocab 4096), prompts of 12-24 and
-responses of 24-64 tokens. ``--quick``: 2 layers, 16 responses.
+responses of 24-64 tokens. ``--quick``: 2 layers, 16 responses, one timed step.
 
     python benchmarks/bench_strategies.py [--quick] [--json PATH] [--steps 3]
 
-Baseline: Megatron DP=2. Headline (last line): DeepSpeed ZeRO-2 update time / Megatron DP=2 update time.
+Baseline: Megatron DP=2 (the ``vs megatron dp2`` column: update time / the baseline's). Headline (last line):
+FSDP2 DP=2 update time / Megatron DP=2 update time.
 """
 
 from __future__ import annotations
@@ -52,8 +68,23 @@ def batch(n: int):
     return b
 
 
+def peak_rss() -> tuple[float, str]:
+    """This process's resident set high-water mark in GB, and where it was read (see the module docstring)."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9, "VmHWM"
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+    return r * (1 if sys.platform == "darwin" else 1024) / 1e9, "ru_maxrss"
+
+
 def job(kind: str, src: str, port: int, n: int, steps: int):
-    import psutil
     import torch.distributed as dist
 
     from trainer.algos.losses import batch_norm_counts
@@ -66,11 +97,19 @@ def job(kind: str, src: str, port: int, n: int, steps: int):
                  use_distributed_optimizer=False)
     common = dict(role="actor", rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                   model_path=src, optim=optim, num_threads=1)
-    packed = kind.startswith("megatron")
-    if packed:
+    packed = kind.startswith(("megatron", "fsdp2"))
+    if kind.startswith("megatron"):
         from trainer.workers.megatron_worker import MegatronWorker
 
         w = MegatronWorker(tp=2 if kind == "megatron_tp2" else 1, **common)
+    elif kind.startswith("fsdp2"):
+        from megatron_bridge import cpu_shims
+
+        from trainer.workers.train_worker import TrainWorker
+
+        cpu_shims.uninstall_mode()  # the spawn helper set megatron up; an FSDP rank runs plain torch
+        w = TrainWorker(strategy="fsdp2", param_dtype="fp32", packed=True, sp=2 if kind == "fsdp2_sp2" else 1,
+                        **common)
     else:
         from megatron_bridge import cpu_shims
 
@@ -101,7 +140,10 @@ def job(kind: str, src: str, port: int, n: int, steps: int):
         w.update_actor(shard, rows, extras, settings=upd, counts=counts)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"update_s": min(times[1:]), "forward_s": t_fwd, "rss_gb": psutil.Process().memory_info().rss / 1e9}
+    peak_gb, how = peak_rss()
+    return {"update_s": min(times[1:]), "forward_s": t_fwd, "peak_rss_gb": peak_gb, "peak_rss_source": how,
+            "tokens": int(b.attention_mask.sum()),
+            "layout": {k: w.layout()[k] for k in ("dp_size", "tp_size", "cp_size")}}
 
 
 def main():
@@ -114,22 +156,31 @@ def main():
 
     n = 16 if a.quick else 32
     steps = 1 if a.quick else a.steps
-    kinds = ["megatron_dp2", "megatron_tp2", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"]
+    kinds = ["megatron_dp2", "megatron_tp2", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "fsdp2_dp2",
+             "fsdp2_sp2"]
     res = {}
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "m")
         make_model(src, a.quick)
         for k in kinds:
             out = spawn(job, 2, k, src, find_free_port(), n, steps, threads_per_rank=1)
-            res[k] = {"update_s": max(o["update_s"] for o in out), "forward_s": max(o["forward_s"] for o in out),
-                      "rss_gb": max(o["rss_gb"] for o in out)}
+            upd = max(o["update_s"] for o in out)
+            res[k] = {"update_s": upd, "tokens": out[0]["tokens"], "tokens_per_s": out[0]["tokens"] / upd,
+                      "forward_s": max(o["forward_s"] for o in out),
+                      "peak_rss_gb": max(o["peak_rss_gb"] for o in out),
+                      "peak_rss_gb_per_rank": [o["peak_rss_gb"] for o in out],
+                      "peak_rss_source": out[0]["peak_rss_source"], "layout": out[0]["layout"]}
     base = res["megatron_dp2"]["update_s"]
-    rows = [[k, r["update_s"], r["update_s"] / base, r["forward_s"], r["rss_gb"]] for k, r in res.items()]
-    print("machine:", machine(f"2 ranks x 1 thread, {n} responses per update"))
-    print(table(["strategy", "update s", "vs megatron dp2", "log-prob fwd s", "max rank RSS GB"], rows))
-    head = res["deepspeed_zero2"]["update_s"] / base
-    write_json(a.json, {"machine": machine(), "n": n, "results": res, "headline": head})
-    print(f"headline: a DeepSpeed ZeRO-2 update takes {head:.2f}x the time of a Megatron DP=2 update")
+    rows = [[k, r["update_s"], r["update_s"] / base, f"{r['tokens_per_s']:,.0f}", r["forward_s"], r["peak_rss_gb"]]
+            for k, r in res.items()]
+    tokens = res["megatron_dp2"]["tokens"]
+    print("machine:", machine(f"2 ranks x 1 thread, {n} responses ({tokens} real tokens) per update"))
+    print(table(["strategy", "update s", "vs megatron dp2", "tokens/s", "log-prob fwd s", "peak RSS GB"], rows))
+    head = res["fsdp2_dp2"]["update_s"] / base
+    write_json(a.json, {"machine": machine(), "n": n, "steps": steps, "tokens": tokens, "results": res,
+                        "baseline": "megatron_dp2", "headline": head,
+                        "headline_def": "fsdp2_dp2 update_s / megatron_dp2 update_s"})
+    print(f"headline: an FSDP2 DP=2 update takes {head:.2f}x the time of a Megatron DP=2 update")
 
 
 if __name__ == "__main__":
