@@ -114,13 +114,20 @@ OVERRIDABLE_FIELDS = {
 }
 
 
+# Dropout probabilities of other architectures (GPT-2 / Phi names) that verl's DAPO recipe sets to 0 "to be
+# sure": the Llama / Qwen2 / Qwen3 decoders built here have no such dropout, so 0 is exactly what runs and is
+# accepted (and written nowhere); any other value would ask for a dropout that does not exist, and is refused.
+ZERO_ONLY_FIELDS = {"embd_pdrop": "embedding dropout", "resid_pdrop": "residual dropout"}
+
+
 def override_fields(override) -> dict:
     """The HF fields of a verl ``override_config`` dict: its top-level fields and those of its
     ``model_config`` sub-dict (verl's megatron workers read that one), which win on a clash.
-    ``moe_config.freeze_moe_router`` is not a field (see :func:`override_errors`)."""
+    ``moe_config.freeze_moe_router`` is not a field (see :func:`override_errors`), nor is a zero
+    :data:`ZERO_ONLY_FIELDS` probability."""
     ov = {k: v for k, v in dict(override or {}).items() if k not in ("model_config", "moe_config")}
     ov.update(dict((override or {}).get("model_config") or {}))
-    return ov
+    return {k: v for k, v in ov.items() if k not in ZERO_ONLY_FIELDS}
 
 
 def override_errors(override, key: str) -> list[str]:
@@ -136,6 +143,11 @@ def override_errors(override, key: str) -> list[str]:
     fields = [(f"{key}.{k}", k, v) for k, v in top.items()]
     fields += [(f"{key}.model_config.{k}", k, v) for k, v in dict((override or {}).get("model_config") or {}).items()]
     for at, name, val in fields:
+        if name in ZERO_ONLY_FIELDS:
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or val != 0:
+                errs.append(f"{at}={val!r}: the Llama / Qwen2 / Qwen3 decoders have no {ZERO_ONLY_FIELDS[name]}; only 0 "
+                            f"(what runs) is accepted: remove the line or set it to 0.")
+            continue
         if name not in OVERRIDABLE_FIELDS:
             near = difflib.get_close_matches(name, list(OVERRIDABLE_FIELDS), n=3, cutoff=0.6)
             errs.append(f"{at}: not a field that can be overridden"

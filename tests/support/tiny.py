@@ -36,6 +36,12 @@ def start_driver(args, env, log) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_cli(args, env, log) -> subprocess.Popen:
+    """``python -m trainer.main`` with a script's own arguments (no tiny recipe under them), in a new process group."""
+    return subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def checkpoint_history(run_dir) -> list:
     """The metrics history in the newest checkpoint of ``run_dir``."""
     from trainer.checkpoint import CheckpointManager, load_driver_state

@@ -1,0 +1,142 @@
+"""verl's FSDP scripts in the training loop, on a real local Ray cluster with two ranks (strategy=fsdp runs on FSDP2).
+
+Each script's own arguments (``tests/data/verl_scripts/*.json``) run unchanged, on verl's FSDP defaults
+(``--config-name=ppo_trainer``, what ``verl.trainer.main_ppo`` loads), except for the model, the data, the
+sizes and the device (:data:`SIZES`): verl's canonical DAPO recipe (Ulysses SP=2 at this size, packed rows,
+token-budget micro-batches, offload flags, group filtering), a GRPO example (KL loss against an FSDP
+reference, gradient checkpointing) and a PPO example with an FSDP critic, 3 steps each. The PPO run
+checkpoints every step in verl's FSDP layout, and a driver SIGKILLed inside its step 2 resumes to the same
+metrics and exported weights.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
+SCRIPTS = ROOT / "tests" / "data" / "verl_scripts"
+pytestmark = pytest.mark.slow
+
+# What a tiny CPU run changes in a verl script: the model, the data, the sizes, the device (and the engine that
+# runs on it). Every other argument of the script is passed as the script gives it.
+SIZES = {
+    "actor_rollout_ref.model.path": TINY, "critic.model.path": TINY,
+    "data.train_files": "null", "data.val_files": "null",  # the shipped synthetic task
+    "data.max_prompt_length": "64", "data.max_response_length": "8", "data.train_batch_size": "4",
+    "data.gen_batch_size": "8", "actor_rollout_ref.rollout.n": "4", "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4", "critic.ppo_micro_batch_size_per_gpu": "4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "8",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "8",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "160", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "160",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "160",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "512", "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "2",
+    "reward_model.overlong_buffer.len": "4", "trainer.n_gpus_per_node": "2", "trainer.nnodes": "1",
+    "actor_rollout_ref.rollout.name": "native", "trainer.device": "cpu",
+}
+
+
+def script_args(name: str, tmp_path, *extra) -> list[str]:
+    """The script's arguments with only :data:`SIZES` replaced, plus 3 steps, a run directory and ``extra``."""
+    args = json.loads((SCRIPTS / f"{name}.json").read_text())["args"]
+    out, seen = [], set()
+    for a in args:
+        key = a.split("=", 1)[0].lstrip("+")
+        seen.add(key)
+        out.append(f"{key}={SIZES[key]}" if key in SIZES else a)
+    out += [f"{k}={v}" for k, v in SIZES.items() if k not in seen and k.startswith(("trainer.device", "actor_rollout_ref.rollout.name"))]
+    return ["--config-name=ppo_trainer", *out, "trainer.total_training_steps=3", f"trainer.default_local_dir={tmp_path}",
+            *extra]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(shared_ray, tmp_path_factory):
+    d = tmp_path_factory.mktemp("trackers")
+    os.environ.update(MLFLOW_TRACKING_URI=f"sqlite:///{d}/mlflow.db", WANDB_MODE="offline", WANDB_DIR=str(d))
+    yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
+
+
+def _train(args):
+    from trainer.config import load_config
+    from trainer.main import train
+
+    cfg = load_config(args)
+    return cfg, train(cfg)
+
+
+def test_verl_dapo_recipe_on_fsdp_with_ulysses(tmp_path):
+    cfg, out = _train(script_args("run_dapo_qwen2.5_32b_fsdp", tmp_path / "dapo"))
+    a = cfg.actor_rollout_ref.actor
+    assert a.strategy == "fsdp" and a.ulysses_sequence_parallel_size == 2 and a.use_remove_padding and a.use_dynamic_bsz
+    assert a.fsdp_config.param_offload and a.fsdp_config.optimizer_offload  # on CPU: host memory already
+    h = [r for r in out["history"] if r["step"] > 0]  # step 0: validation before training
+    assert [r["step"] for r in h] == [1, 2, 3]
+    assert all(r["sync/verified"] == 1.0 and r["actor/grad_norm"] > 0 for r in h)
+    assert h[0]["actor/lr"] < h[-1]["actor/lr"]  # the recipe's 10-step warmup, step by step
+
+
+def test_verl_grpo_example_on_fsdp_with_kl_against_fsdp_reference(tmp_path):
+    cfg, out = _train(script_args("run_qwen2-7b_math", tmp_path / "grpo"))
+    assert cfg.actor_rollout_ref.ref.strategy == "fsdp" and cfg.actor_rollout_ref.model.enable_gradient_checkpointing
+    h = [r for r in out["history"] if r["step"] > 0]  # step 0: validation before training
+    assert [r["step"] for r in h] == [1, 2, 3]
+    # the reference is the initial policy and the script's lr (1e-6) barely moves the actor: the KL stays at the
+    # bf16 rounding level (a reference with other weights gives orders of magnitude more)
+    assert all(0 <= r["actor/kl_loss"] < 1e-3 for r in h) and all(r["actor/grad_norm"] > 0 for r in h)
+
+
+@pytest.fixture(scope="module")
+def ppo_uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ppo") / "uninterrupted"
+    cfg, out = _train(script_args("run_gemma", d, "trainer.save_freq=1"))
+    return d, cfg, out
+
+
+def test_verl_ppo_example_with_fsdp_critic(ppo_uninterrupted):
+    d, cfg, out = ppo_uninterrupted
+    assert cfg.critic.strategy == "fsdp" and cfg.algorithm.adv_estimator == "gae"
+    h = [r for r in out["history"] if r["step"] > 0]  # step 0: validation before training
+    assert [r["step"] for r in h] == [1, 2, 3]
+    assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 for r in h)
+    for role in ("actor", "critic"):  # verl's FSDP checkpoint layout, one file per rank and kind
+        names = set(os.listdir(d / "global_step_1" / role))
+        for kind in ("model", "optim", "extra_state"):
+            assert {f"{kind}_world_size_2_rank_0.pt", f"{kind}_world_size_2_rank_1.pt"} <= names, (role, names)
+
+
+def test_sigkill_mid_step_then_resume_is_identical_on_fsdp(ppo_uninterrupted, tmp_path):
+    """The PPO script with an FSDP actor and critic: the driver SIGKILLed inside step 2 resumes (from verl's FSDP
+    layout) to the uninterrupted run's metrics and exported weights."""
+    from tests.support.tiny import checkpoint_history, start_cli
+
+    ref_dir, _, _ = ppo_uninterrupted
+    cut = tmp_path / "killed"
+    args = script_args("run_gemma", cut, "trainer.save_freq=1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(tmp_path / "cut.log", "w") as log:
+        p = start_cli(args, env, log)
+        latest = cut / "latest_checkpointed_iteration.txt"
+        t0 = time.time()
+        while not (latest.exists() and latest.read_text().strip() == "1"):
+            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 2
+        p.wait()
+    with open(tmp_path / "resume.log", "w") as log:
+        assert start_cli(args, env, log).wait(600) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    assert "resumed from" in (tmp_path / "resume.log").read_text()
+    volatile = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
+    a = [{k: v for k, v in h.items() if not k.startswith(volatile)} for h in checkpoint_history(ref_dir)]
+    b = [{k: v for k, v in h.items() if not k.startswith(volatile)} for h in checkpoint_history(cut)]
+    assert [h["step"] for h in a] == [0, 1, 2, 3] == [h["step"] for h in b]  # 0: validation before training
+    assert a == b and a[-1]["critic/vf_loss"] > 0
+    wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))
+    wb = load_file(str(cut / "hf_export" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
