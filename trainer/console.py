@@ -219,7 +219,8 @@ def help_keys_lines(root=None) -> list[str]:
         for f in dataclasses.fields(cls):
             key = prefix + f.name
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            desc = notes.get((cls.__name__, f.name), "")
+            # a subclass (RefMegatronConfig, RefFSDPConfig) describes only what it changes: the rest is its base's
+            desc = next((notes[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in notes), "")
             if dataclasses.is_dataclass(default):
                 lines.append("")
                 lines.append(f"[{key}]" + (f"  {desc}" if desc else ""))

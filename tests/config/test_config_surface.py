@@ -143,14 +143,35 @@ def test_megatron_scripts_without_unbuilt_features_resolve():
         assert name in resolved, name
 
 
-def test_fsdp_script_names_every_line_to_change():
+FSDP_SCRIPTS = ["run_dapo", "run_gemma", "run_qwen2-7b_math", "run_dapo_qwen2.5_32b_fsdp"]
+
+
+@pytest.mark.parametrize("name", FSDP_SCRIPTS)
+def test_fsdp_script_resolves_on_verl_fsdp_defaults(name):
+    """verl's FSDP scripts on verl's FSDP base (``--config-name=ppo_trainer``, main_ppo's default): every role on
+    strategy=fsdp, every fsdp_config line a setting, nothing refused."""
+    args = _args(ROOT / "tests" / "data" / "verl_scripts" / f"{name}.json")
+    if not any(a.startswith("actor_rollout_ref.rollout.name=") for a in args):  # the DAPO recipe's yaml names vllm
+        args.append("actor_rollout_ref.rollout.name=sglang")
+    cfg = load_config(["--config-name=ppo_trainer", *args])
+    given = dict(a.lstrip("+").split("=", 1) for a in args if "=" in a)
+    for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref, cfg.critic, cfg.reward_model):
+        assert role.strategy == "fsdp"
+    for key, val in given.items():
+        if "fsdp_config" in key:
+            assert str(OmegaConf.select(cfg, key)) == val, key
+
+
+def test_fsdp_script_on_megatron_names_both_fixes_for_every_line():
+    """The same script on the megatron default: each FSDP line is named with both ways out (the role on FSDP, or
+    its megatron equivalent)."""
     args = _args(ROOT / "tests" / "data" / "verl_scripts" / "run_dapo.json")
     _, probs = _problems(args)
     fsdp_lines = [a.split("=")[0] for a in args if "fsdp_config" in a and not a.endswith("=False")]
+    assert fsdp_lines
     for key in fsdp_lines:
-        assert any(key in p and "actor_rollout_ref" in p and "megatron" in p for p in probs), key
-    fsdp = _problems(["--config-name=ppo_trainer", "actor_rollout_ref.rollout.name=native"])[1]
-    assert any("--config-name=ppo_trainer" in p and "ppo_megatron_trainer" in p for p in fsdp)
+        role = key.split(".fsdp_config")[0]
+        assert any(key.rsplit(".", 1)[0] in p and f"{role}.strategy=fsdp" in p and "megatron" in p for p in probs), key
 
 
 def test_five_kinds_of_problem_in_one_cli_run(tmp_path):

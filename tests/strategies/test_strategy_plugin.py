@@ -87,7 +87,9 @@ def _log_softmax64(theta):
 
 def test_registry_names_the_built_ins_and_refuses_an_unknown_name():
     assert STRATEGIES == {"megatron": "trainer.strategies.megatron:MegatronStrategy",
-                          "deepspeed": "trainer.strategies.deepspeed:DeepSpeedStrategy"}
+                          "deepspeed": "trainer.strategies.deepspeed:DeepSpeedStrategy",
+                          "fsdp2": "trainer.strategies.fsdp2:FSDP2Strategy",
+                          "fsdp": "trainer.strategies.fsdp2:FSDP2Strategy"}  # verl's FSDP1 name runs on FSDP2
     with pytest.raises(ValueError, match="unknown training strategy 'fsdp9'"):
         load_strategy("fsdp9")
     assert load_strategy(f"{__name__}:UnigramStrategy") is UnigramStrategy

@@ -192,6 +192,12 @@ def _changed(node, default, prefix: str) -> list[str]:
     return out
 
 
+def _dig(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
 def fsdp_errors(cfg) -> list[str]:
     """verl's FSDP keys: on a role of another strategy, refused with the megatron equivalent; on an FSDP role,
     what FSDP2 here cannot take."""
@@ -204,12 +210,13 @@ def fsdp_errors(cfg) -> list[str]:
             default = OmegaConf.to_container(OmegaConf.structured(type(OmegaConf.to_object(fc))), resolve=True)
             changed = [k for k in _changed(OmegaConf.to_container(fc, resolve=True), default, "")
                        if k not in ("forward_only", "strategy")]
-            given = [f"{fc_key}.{{{', '.join(changed)}}}"] if changed else []
+            flat = OmegaConf.to_container(fc, resolve=True)
+            given = [f"{fc_key}.{k}={_dig(flat, k)}" for k in changed]
             if sp != 1 and not (prefix == "actor_rollout_ref.ref" and not used[prefix]):
                 given.append(f"{prefix}.ulysses_sequence_parallel_size={sp}")
             if given:
                 hint = megatron_equivalent(fc_key if changed else f"{prefix}.ulysses_sequence_parallel_size")
-                errs.append(f"{' and '.join(given)} configure verl's FSDP, but {prefix}.strategy={role.strategy}: set "
+                errs.append(f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} verl's FSDP, but {prefix}.strategy={role.strategy}: set "
                             f"{prefix}.strategy=fsdp (or --config-name=ppo_trainer, verl's FSDP defaults for every "
                             f"role)" + (f", or use {hint}" if hint and role.strategy == "megatron" else ", or remove them")
                             + ".")

@@ -22,6 +22,11 @@ holds one :class:`Strategy`, which does the rest:
   passes every role the same way (its section, its optimizer, the launch settings) and never reads a
   strategy's keys itself.
 
+The built-in strategies: ``megatron`` (megatron-core through ``megatron_bridge``), ``deepspeed`` (ZeRO on the HF
+model) and ``fsdp2`` (PyTorch FSDP2 on the HF model, with Ulysses sequence parallelism from ``ulysses``; verl's
+``fsdp`` name runs on it too). ``hf_model`` holds what the two HF-model strategies share (loading, the per-token
+outputs, the export).
+
 The registry is a plain dict from a strategy's name (``*.strategy`` in the config) to
 ``"pkg.module:Class"``; ``"pkg.module:Class"`` itself names a user's own. A new strategy is one module
 with a :class:`Strategy` subclass plus one line in :data:`STRATEGIES` (or none: name it as
