@@ -103,21 +103,28 @@ def job(kind, stage, src, port, extra=None):
     cx = data.scatter(dp, {"values": batch.values, "returns": batch.returns})[dp_rank]
     cres = critic.update_critic(mine, rows, cx, settings=vl, counts=counts)
     values_after = torch.as_tensor(critic.values(whole, settings=fwd)["values"])
+    blocks = None
+    if kind == "fsdp2":  # this rank's direct-reshard blocks, each with the values it would write
+        s = actor.strategy
+        blocks = [(b.hf_name, b.rows, b.cols, b.src(s.local_param(b.param)).clone()) for b in s.reshard_blocks()]
+        full = {n: t.clone() for n, t in s.hf_params()}  # collective: every rank
     return {"before": before, "after": after, "metrics": res["metrics"], "values": values,
-            "values_after": values_after, "critic_metrics": cres["metrics"], "dp": dp, "dp_rank": dp_rank}
+            "values_after": values_after, "critic_metrics": cres["metrics"], "dp": dp, "dp_rank": dp_rank,
+            "blocks": blocks, "full": full if blocks is not None else None}
 
 
-def _run(kind, stage, src, world, extra=None):
+def _run(kind, stage, src, world, extra=None, every=False):
     from megatron_bridge.launch import find_free_port, spawn
 
     out = spawn(job, world, kind, stage, src, find_free_port(), extra)
+    ranks = out
     from trainer.workers.metrics import reduce_partials
 
     dp = out[0].get("dp", world)
     first = [next(o for o in out if o["dp_rank"] == d) for d in range(dp)]  # one rank per DP shard, as RoleGroup reads
     m = reduce_partials([o["metrics"] for o in first], dp)[0]
     cm = reduce_partials([o["critic_metrics"] for o in first], dp)[0]
-    return out[0], m, cm
+    return (out[0], m, cm, ranks) if every else (out[0], m, cm)
 
 
 @pytest.fixture(scope="module")
@@ -191,5 +198,15 @@ def test_fsdp2_matches_megatron_tp1(opts, model_dir, megatron_ref):
     log-probs and values before, the actor's and the critic's loss, gradient norm and learning rate, and
     the log-probs and values after one step."""
     ref, m_ref, cm_ref = megatron_ref
-    out, m, cm = _run("fsdp2", 0, model_dir, 2, opts)
+    out, m, cm, every = _run("fsdp2", 0, model_dir, 2, opts, every=True)
     _matches_megatron(out, m, cm, ref, m_ref, cm_ref)
+    # the direct-reshard plan (shared-memory weight sync): the ranks' row blocks tile every HF tensor exactly once
+    # (a hybrid mesh's replicas write nothing) and hold its values
+    full = every[0]["full"]
+    seen = {n: torch.zeros(t.shape[0], dtype=torch.int64) for n, t in full.items()}
+    for o in every:
+        for name, (r0, r1), (c0, c1), vals in o["blocks"]:
+            seen[name][r0:r1] += 1
+            assert (c0, c1) == (0, full[name][0].numel())
+            torch.testing.assert_close(vals, full[name].reshape(full[name].shape[0], -1)[r0:r1], atol=0, rtol=0)
+    assert all((c == 1).all() for c in seen.values()), {n: c.tolist() for n, c in seen.items() if not (c == 1).all()}

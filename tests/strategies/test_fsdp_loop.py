@@ -79,6 +79,8 @@ def test_verl_dapo_recipe_on_fsdp_with_ulysses(tmp_path):
     h = [r for r in out["history"] if r["step"] > 0]  # step 0: validation before training
     assert [r["step"] for r in h] == [1, 2, 3]
     assert all(r["sync/verified"] == 1.0 and r["actor/grad_norm"] > 0 for r in h)
+    # each rank writes its own FSDP shard rows into the hybrid engines' shared weights: no gather
+    assert all(r["sync/shared_memory"] == 1.0 for r in h)
     assert h[0]["actor/lr"] < h[-1]["actor/lr"]  # the recipe's 10-step warmup, step by step
 
 

@@ -12,7 +12,8 @@ holds one :class:`Strategy`, which does the rest:
   padded rows, and ``min_micro_batches`` (an interleaved pipeline needs one per stage);
 * the weights the transports read (:mod:`trainer.sync`): ``hf_buckets(bucket_bytes)``, ``hf_params()``
   (HF-named full tensors, collective over the model group) and ``reshard_blocks()`` (this rank's own
-  blocks of the HF tensors, or None where the strategy cannot say);
+  blocks of the HF tensors, or None where the strategy cannot say) with ``local_param(ref)``, the local
+  tensor a block reads;
 * ``save`` / ``load`` / ``export_hf``; ``load_state`` / ``offload_state`` / ``offload_status`` (what is
   kept in host memory between calls); ``rng_state`` / ``set_rng_state``; ``mesh``, the rank's
   coordinates (``dp_rank``, ``dp_size``, ``tp_*``, ``pp_*``, ``vpp_size``, ``cp_*``, ``ep_*``).
@@ -140,8 +141,12 @@ class Strategy(abc.ABC):
         yield from bucketed(self.hf_params(), bucket_bytes)
 
     def reshard_blocks(self) -> list | None:
-        """This rank's blocks of the HF tensors (``megatron_bridge.reshard``); None: not supported."""
+        """This rank's blocks of the HF tensors (``megatron_bridge.reshard.Block``); None: not supported."""
         return None
+
+    def local_param(self, ref: str) -> torch.Tensor:
+        """The local tensor a block of :meth:`reshard_blocks` reads (``Block.param``)."""
+        raise NotImplementedError(f"{type(self).__name__} plans no reshard blocks")
 
     # ------------------------------------------------------------------ checkpoints
     @abc.abstractmethod

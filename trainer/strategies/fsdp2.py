@@ -39,7 +39,9 @@ follow the same schedule. The global gradient norm is clipped (``optim.clip_grad
 skips the step, as verl does.
 
 Weights: ``hf_params`` all-gathers one parameter at a time (``DTensor.full_tensor``), so a weight sync or
-an export holds one full tensor (or one bucket) beyond the shards, never the whole model.
+an export holds one full tensor (or one bucket) beyond the shards, never the whole model. On one node with a
+CPU actor, ``reshard_blocks`` lets each rank write its own dim-0 shard (a row block of each HF tensor) straight
+into the engines' shared weights, with no gather (``trainer.sync.shared_memory``).
 
 Checkpoints follow verl's FSDP layout inside the driver's atomic step directory: per rank
 ``model_world_size_{W}_rank_{r}.pt`` (its shards), ``optim_world_size_{W}_rank_{r}.pt`` (its Adam states)
@@ -63,6 +65,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from megatron_bridge.reshard import Block
 from megatron_bridge.train import OptimConfig, make_scheduler
 from trainer.strategies import DTYPES, Strategy
 from trainer.strategies.hf_model import align, load_hf_model, next_token_outputs, param_groups, write_hf_dir
@@ -275,6 +278,40 @@ class FSDP2Strategy(Strategy):
                 continue
             t = p.full_tensor() if isinstance(p, DTensor) else p
             yield name, t.detach().to(self.device)
+
+    def reshard_blocks(self) -> list | None:
+        """This rank's rows of each HF tensor: FSDP2 shards dim 0 in ``torch.chunk``'s way (chunks of ``ceil(N / S)``
+        rows over the ``S`` ranks of the shard dimension; the last ones may be short or empty), and a shard is a
+        contiguous row block of the HF tensor, written by the shard-group's replica 0 only (hybrid sharding keeps
+        identical copies on the other replicas)."""
+        shard_dim = self.fsdp_mesh.ndim - 1
+        coords = self.fsdp_mesh.get_coordinate()
+        if coords is None or any(c != 0 for c in coords[:shard_dim]):
+            return []
+        r, S = coords[shard_dim], self.fsdp_mesh.size(shard_dim)
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        blocks = []
+        for name, p in self.model.named_parameters():
+            if tied and name == "lm_head.weight":
+                continue
+            if not isinstance(p, DTensor):
+                return None
+            local, N = p.to_local(), p.shape[0]
+            if p.device.type != "cpu" or not local.is_contiguous():
+                return None
+            c = -(-N // S)
+            lo, hi = min(r * c, N), min((r + 1) * c, N)
+            if local.shape[0] != hi - lo:  # not the chunking this plan assumes: let the transports gather
+                return None
+            if hi > lo:
+                cols = p.numel() // N
+                blocks.append(Block(hf_name=name, hf_shape=tuple(p.shape), rows=(lo, hi), cols=(0, cols), param=name,
+                                    offset=0, row_stride=cols))
+        return blocks
+
+    def local_param(self, ref: str) -> torch.Tensor:
+        p = dict(self.model.named_parameters())[ref]
+        return p.to_local() if isinstance(p, DTensor) else p
 
     # ------------------------------------------------------------------ checkpoints (verl's FSDP layout)
     def _files(self, ckpt_dir: str) -> dict:

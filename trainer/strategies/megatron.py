@@ -25,7 +25,7 @@ from megatron_bridge.export import export_hf, iter_hf_param, iter_hf_weights
 from megatron_bridge.hf_config import read_hf_config
 from megatron_bridge.logprobs import compute_logprobs
 from megatron_bridge.model import build_model, compile_model
-from megatron_bridge.reshard import local_blocks
+from megatron_bridge.reshard import local_blocks, local_param
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
@@ -150,6 +150,9 @@ class MegatronStrategy(Strategy):
 
     def reshard_blocks(self) -> list | None:
         return local_blocks(self.module())
+
+    def local_param(self, ref: str) -> torch.Tensor:
+        return local_param(self.module(), ref)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:

@@ -122,17 +122,15 @@ class Half:
 
 def reshard_plan(owner) -> tuple[list, dict] | None:
     """An actor rank's blocks of the HF tensors (``megatron_bridge.reshard``, through the training worker's
-    ``_reshard_blocks``) and the local parameter each reads from; None where the strategy cannot plan
+    ``_reshard_blocks``) and the local parameter each reads from (``_local_param``); None where the strategy cannot plan
     them (the transports that need them decline)."""
-    from megatron_bridge.reshard import local_param  # heavy: megatron-core, present on the actor ranks only
-
     try:
         blocks = owner._reshard_blocks()
     except NotImplementedError:
         return None
     if blocks is None:
         return None
-    return blocks, {b.param: local_param(owner._module(), b.param) for b in blocks}
+    return blocks, {b.param: owner._local_param(b.param) for b in blocks}
 
 
 def plan_of(blocks: list) -> list[tuple]:

@@ -23,7 +23,7 @@ from trainer.sync.base import params_resident
 
 class SenderEndpoints:
     """What the driver calls on a training rank during a sync, for a worker that provides ``rank``,
-    ``_module``, ``_hf_buckets``, ``_hf_params``, ``_reshard_blocks``, ``_load_state`` and ``_offload_state``
+    ``_module``, ``_hf_buckets``, ``_hf_params``, ``_reshard_blocks``, ``_local_param``, ``_load_state`` and ``_offload_state``
     (``trainer.workers.train_worker.TrainWorker``).
 
     ``sync_send(transport, op, *args)`` runs ``op`` on this rank's sender half of ``transport`` (made at

@@ -111,6 +111,9 @@ class TrainWorker(SenderEndpoints):
     def _reshard_blocks(self) -> list | None:
         return self.strategy.reshard_blocks()
 
+    def _local_param(self, ref: str):
+        return self.strategy.local_param(ref)
+
     def layout(self) -> dict:
         """The rank's place in the mesh, its device (``device_name``: the GPU's name, or ``cpu``) and its
         intra-op threads: the driver looks up (or measures) the device's peak for ``perf/mfu/*``."""
