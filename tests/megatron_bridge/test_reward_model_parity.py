@@ -134,7 +134,7 @@ def test_retokenised_inputs_score_as_transformers_on_the_rm_template(tmp_path, t
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-def job(kind, src, port, tp=1, zero_stage=1):
+def job(kind, src, port, tp=1, zero_stage=1, sp=1):
     import torch.distributed as dist
 
     from trainer.plan import ForwardSettings
@@ -147,6 +147,13 @@ def job(kind, src, port, tp=1, zero_stage=1):
         from trainer.workers.megatron_worker import MegatronWorker
 
         w = MegatronWorker(tp=tp, sequence_parallel=tp > 1, **common)
+    elif kind == "fsdp2":
+        from megatron_bridge import cpu_shims
+
+        from trainer.workers.train_worker import TrainWorker
+
+        cpu_shims.uninstall_mode()  # an FSDP rank runs plain torch
+        w = TrainWorker(strategy="fsdp2", param_dtype="fp32", sp=sp, **common)
     else:
         from megatron_bridge import cpu_shims
 
@@ -198,6 +205,15 @@ def test_megatron_tp2_sequence_parallel_scores_equal_transformers(rm):
 def test_deepspeed_scores_equal_transformers(rm, world, stage):
     src, want = rm
     for got in _spawn(world, "deepspeed", src, zero_stage=stage):
+        for name, g in got.items():
+            torch.testing.assert_close(g, want, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_fsdp2_scores_equal_transformers(rm, sp):
+    """FSDP2 on two ranks (sharded; with Ulysses SP=2 each rank runs half of every row), padded and packed."""
+    src, want = rm
+    for got in _spawn(2, "fsdp2", src, sp=sp):
         for name, g in got.items():
             torch.testing.assert_close(g, want, **TOL, msg=name)
 

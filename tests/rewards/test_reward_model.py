@@ -71,7 +71,7 @@ def test_a_complete_reward_model_config_loads():
     ("reward_model.use_reward_loop=false", "reward loop"),
     ("reward_model.megatron.use_dist_checkpointing=true", "distributed checkpoints are not implemented"),
     ("reward_model.overlong_buffer.enable=true", "verl never shapes it"),
-    ("reward_model.strategy=fsdp", "is not one of ['megatron', 'deepspeed']"),
+    ("reward_model.strategy=zero3", "is not one of ['megatron', 'deepspeed', 'fsdp2', 'fsdp']"),
     ("reward_model.megatron.tensor_model_parallel_size=3", "does not divide the world size"),
     ("reward_model.deepspeed_config.zero_stage=3", "reward_model.strategy=megatron"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "scoring whole episodes with a reward model is not built"),
