@@ -408,8 +408,12 @@ class FSDP2Strategy(Strategy):
                 self._resident[part] = False
 
     def offload_status(self) -> dict:
+        """Per part that offloads (``param_offload`` / ``optimizer_offload``, on an accelerator): whether it is in
+        host memory now, the bytes it moved the last time, and the bytes it holds on the accelerator right now
+        (0 while offloaded). On a CPU device no part offloads: everything is host memory already."""
         on = {"params": self.param_offload, "optimizer": self.optimizer_offload}
+        tensors = {"params": list(self.model.parameters()), "optimizer": self._optim_tensors()}
         return {"offloaded": {k: not self._resident[k] for k, v in on.items() if v},
                 "bytes": dict(self.offloaded_bytes),
-                "resident": {k: 0 if not self._resident[k] else None for k, v in on.items() if v},
-                "device": self.device.type}
+                "resident": {k: sum(t.numel() * t.element_size() for t in tensors[k] if t.device.type != "cpu")
+                             for k, v in on.items() if v}}
