@@ -458,6 +458,10 @@ class SafetensorsDir:
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.where[name]).get_tensor(name)
 
+    def get_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of one tensor (dim 0), read without the rest of it."""
+        return self._handle(self.where[name]).get_slice(name)[lo:hi]
+
     def spec(self, name: str) -> tuple[tuple[int, ...], str]:
         """``(shape, safetensors dtype string such as "BF16")`` of one tensor, from its file header."""
         sl = self._handle(self.where[name]).get_slice(name)

@@ -106,6 +106,7 @@ def job(kind, stage, src, port, extra=None):
     blocks = None
     if kind == "fsdp2":  # this rank's direct-reshard blocks, each with the values it would write
         s = actor.strategy
+        assert s.read_rows and critic.strategy.read_rows  # built from each rank's own checkpoint rows
         blocks = [(b.hf_name, b.rows, b.cols, b.src(s.local_param(b.param)).clone()) for b in s.reshard_blocks()]
         full = {n: t.clone() for n, t in s.hf_params()}  # collective: every rank
     return {"before": before, "after": after, "metrics": res["metrics"], "values": values,

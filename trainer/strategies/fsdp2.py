@@ -49,12 +49,17 @@ and ``extra_state_world_size_{W}_rank_{r}.pt`` (the LR schedule), read back with
 world size must match to resume (re-sharding a checkpoint is not built). HF export gathers and writes
 safetensors with the source's config and tokenizer files.
 
-Left out: meta-device initialisation (every rank reads the whole checkpoint once before sharding) and
-FSDP1's size-based wrapping (``wrap_policy.min_num_params``, refused).
+Building never holds the whole model on a rank: the model is made with its parameters on the meta device,
+sharded, allocated, and each rank reads only its own rows of each checkpoint tensor (safetensors slices).
+Where a model's parameters do not map 1:1 by name and shape onto the checkpoint (a conversion transformers
+applies at load), every rank loads it whole through transformers instead, then shards it.
+
+Left out: FSDP1's size-based wrapping (``wrap_policy.min_num_params``, refused).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from datetime import timedelta
@@ -67,8 +72,11 @@ from torch.distributed.tensor import DTensor
 
 from megatron_bridge.reshard import Block
 from megatron_bridge.train import OptimConfig, make_scheduler
+from trainer.hf_io import SafetensorsDir
+from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
-from trainer.strategies.hf_model import align, load_hf_model, next_token_outputs, param_groups, write_hf_dir
+from trainer.strategies.hf_model import (align, critic_head_init, load_hf_model, model_class, next_token_outputs,
+                                         param_groups, role_config, write_hf_dir)
 from trainer.strategies.ulysses import ATTN_NAME, SeqContext, attention_mask, gather_seq, set_seq_context
 
 # verl's precision spellings (PrecisionType) -> torch dtypes
@@ -82,6 +90,36 @@ def precision(name, key: str) -> torch.dtype:
         return PRECISIONS[str(name)]
     except KeyError:
         raise ValueError(f"{key}={name!r}: use fp32, bf16 or fp16 (or float32, bfloat16, float16)") from None
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Parameters registered inside are moved to the meta device as they are created (no memory kept), while
+    buffers stay real: a model's non-persistent buffers (RoPE's ``inv_freq``) are computed at construction and
+    are in no checkpoint, so they must survive the empty re-allocation that follows."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def shard_rows(p, mesh) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of ``p``'s dim 0 that this rank's FSDP2 shard holds: ``torch.chunk``'s split, chunks
+    of ``ceil(N / S)`` rows over the ``S`` ranks of the mesh's last (shard) dimension; the last may be short or
+    empty."""
+    S, r = mesh.size(mesh.ndim - 1), mesh.get_coordinate()[mesh.ndim - 1]
+    N = p.shape[0]
+    c = -(-N // S)
+    lo = min(r * c, N)
+    return lo, min(lo + c, N)
 
 
 def _ckpt_name(kind: str, world: int, rank: int) -> str:
@@ -149,14 +187,16 @@ class FSDP2Strategy(Strategy):
             self.fsdp_mesh = init_device_mesh(dev_type, (world_size // fsdp_size, fsdp_size),
                                               mesh_dim_names=("ddp", "fsdp"))
 
-        model = load_hf_model(role, model_path, precision(model_dtype, "fsdp_config.model_dtype"), hf_overrides,
-                              attn_implementation=ATTN_NAME)
+        dtype = precision(model_dtype, "fsdp_config.model_dtype")
+        model, sources = self._empty_model(role, model_path, dtype, hf_overrides)
+        self.read_rows = sources is not None  # each rank read only its own rows of the checkpoint
+        if sources is None:  # names or shapes that do not map 1:1 onto the checkpoint: transformers loads it whole
+            model = load_hf_model(role, model_path, dtype, hf_overrides, attn_implementation=ATTN_NAME).to(self.device)
         if sp > 1 and model.config.num_attention_heads % sp:
             raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the model's "
                              f"{model.config.num_attention_heads} attention heads")
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
         # a forward-only reference keeps its shards in host memory (verl's choice for the reference)
         self.host_shards = bool(offload_policy or optim is None) and use_cuda
         kw = dict(mesh=self.fsdp_mesh, reshard_after_forward=bool(reshard_after_forward),
@@ -174,6 +214,13 @@ class FSDP2Strategy(Strategy):
         for m in units:
             fully_shard(m, **kw)
         fully_shard(model, **kw)
+        if sources is not None:  # allocate this rank's shards, then fill them from the checkpoint's rows
+            buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+            model.to_empty(device=torch.device("cpu") if self.host_shards else self.device)
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    b.copy_(buffers[n])
+            self._load_rows(model, SafetensorsDir(model_path), sources)
         if forward_prefetch:  # each unit also starts the next unit's all-gather (verl's forward_prefetch)
             for a, b in zip(units, units[1:]):
                 a.set_modules_to_forward_prefetch([b])
@@ -194,6 +241,50 @@ class FSDP2Strategy(Strategy):
                                                eps=self.optim.adam_eps)
             self.scheduler = make_scheduler(self.optimizer, self.optim)
         self.offload_state()
+
+    # ------------------------------------------------------------------ building: every rank reads its own rows
+    def _empty_model(self, role: str, path: str, dtype: torch.dtype, overrides):
+        """The role's model with its parameters on the meta device, and where each parameter comes from in the
+        checkpoint (its key, or None for a critic's / reward model's head the checkpoint lacks); ``(None, None)``
+        when the parameters do not map 1:1 by name and shape onto the checkpoint's tensors (a conversion
+        transformers applies at load): then the caller loads it whole."""
+        cfg = role_config(role, path, overrides)
+        if role == "reward":  # its trained head or nothing (trainer.rewards.reward_model)
+            check_score_head(path, cfg.hidden_size)
+        with params_on_meta():
+            model = model_class(role).from_config(cfg, dtype=dtype, attn_implementation=ATTN_NAME)
+        ckpt = SafetensorsDir(path)
+        prefix = getattr(model, "base_model_prefix", "") + "."
+        sources = {}
+        for name, p in model.named_parameters():
+            key = name if name in ckpt else name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in ckpt else None
+            if key is None and self.is_critic and name.startswith("score."):
+                sources[name] = None  # initialised as load_hf_model initialises it
+                continue
+            if key is None or tuple(ckpt.spec(key)[0]) != tuple(p.shape):
+                return None, None
+            sources[name] = key
+        return model, sources
+
+    def _load_rows(self, model, ckpt: SafetensorsDir, sources: dict) -> None:
+        """Fill each parameter's local shard with its rows of the checkpoint tensor (``safetensors`` slices: no
+        rank reads more than its shards), cast to the parameter's dtype."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                local = p.to_local()
+                lo, hi = shard_rows(p, self.fsdp_mesh)
+                if local.shape[0] != hi - lo:
+                    raise RuntimeError(f"{name}: FSDP2 holds {local.shape[0]} rows here, the row plan {hi - lo}")
+                if hi == lo:
+                    continue
+                key = sources[name]
+                if key is not None:
+                    rows = ckpt.get_rows(key, lo, hi)
+                elif name == "score.weight" and self.role == "critic":
+                    rows = critic_head_init(p.shape[1], torch.float32)[lo:hi]
+                else:  # a head bias the checkpoint lacks: 0
+                    rows = torch.zeros((hi - lo, *p.shape[1:]))
+                local.copy_(rows.to(local.dtype))
 
     # ------------------------------------------------------------------ forward
     def _rows(self, mb: dict):
@@ -284,11 +375,9 @@ class FSDP2Strategy(Strategy):
         rows over the ``S`` ranks of the shard dimension; the last ones may be short or empty), and a shard is a
         contiguous row block of the HF tensor, written by the shard-group's replica 0 only (hybrid sharding keeps
         identical copies on the other replicas)."""
-        shard_dim = self.fsdp_mesh.ndim - 1
         coords = self.fsdp_mesh.get_coordinate()
-        if coords is None or any(c != 0 for c in coords[:shard_dim]):
+        if coords is None or any(c != 0 for c in coords[:-1]):
             return []
-        r, S = coords[shard_dim], self.fsdp_mesh.size(shard_dim)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         blocks = []
         for name, p in self.model.named_parameters():
@@ -296,15 +385,14 @@ class FSDP2Strategy(Strategy):
                 continue
             if not isinstance(p, DTensor):
                 return None
-            local, N = p.to_local(), p.shape[0]
+            local = p.to_local()
             if p.device.type != "cpu" or not local.is_contiguous():
                 return None
-            c = -(-N // S)
-            lo, hi = min(r * c, N), min((r + 1) * c, N)
+            lo, hi = shard_rows(p, self.fsdp_mesh)
             if local.shape[0] != hi - lo:  # not the chunking this plan assumes: let the transports gather
                 return None
             if hi > lo:
-                cols = p.numel() // N
+                cols = p.numel() // p.shape[0]
                 blocks.append(Block(hf_name=name, hf_shape=tuple(p.shape), rows=(lo, hi), cols=(0, cols), param=name,
                                     offset=0, row_stride=cols))
         return blocks

@@ -43,14 +43,33 @@ def hf_config_with_overrides(path: str, overrides=None, **kw):
     return cfg
 
 
+def role_config(role: str, path: str, overrides=None):
+    """The transformers config a role's model is built from (a critic's or a reward model's: one label, no
+    dropout before the head)."""
+    if role not in ("critic", "reward"):
+        return hf_config_with_overrides(path, overrides)
+    cfg = hf_config_with_overrides(path, overrides, num_labels=1)
+    cfg.classifier_dropout = 0.0  # the megatron critic has no dropout before its head
+    return cfg
+
+
+def model_class(role: str):
+    return AutoModelForTokenClassification if role in ("critic", "reward") else AutoModelForCausalLM
+
+
+def critic_head_init(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """The megatron critic's value-head init (``megatron_bridge.model.ValueHead``), for a checkpoint without a
+    trained head: ``randn(1, h) / (h + 1)`` from a generator seeded 0 (the same on every rank and strategy)."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, hidden, generator=g, dtype=torch.float32) / (hidden + 1)).to(dtype)
+
+
 def load_hf_model(role: str, path: str, dtype: torch.dtype, overrides=None, **kw):
     """The role's HF model in ``dtype``: a causal LM for a policy, a one-label token classifier for a critic
     (``critic``) or a reward model (``reward``). ``kw``: more from_pretrained keywords (``attn_implementation``)."""
+    cfg = role_config(role, path, overrides)
     if role not in ("critic", "reward"):
-        return AutoModelForCausalLM.from_pretrained(path, config=hf_config_with_overrides(path, overrides), dtype=dtype,
-                                                    **kw)
-    cfg = hf_config_with_overrides(path, overrides, num_labels=1)
-    cfg.classifier_dropout = 0.0  # the megatron critic has no dropout before its head
+        return AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, **kw)
     if role == "reward":  # its trained head or nothing (trainer.rewards.reward_model)
         check_score_head(path, cfg.hidden_size)
     model, info = AutoModelForTokenClassification.from_pretrained(path, config=cfg, dtype=dtype,
@@ -62,10 +81,8 @@ def load_hf_model(role: str, path: str, dtype: torch.dtype, overrides=None, **kw
                 model.score.bias.zero_()
     elif any(k.startswith("score.") for k in info.get("missing_keys", [])):
         # no trained head in the checkpoint: the megatron critic's init (megatron_bridge.model.ValueHead)
-        h = model.config.hidden_size
-        g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            model.score.weight.copy_((torch.randn(1, h, generator=g, dtype=torch.float32) / (h + 1)).to(dtype))
+            model.score.weight.copy_(critic_head_init(model.config.hidden_size, dtype))
             if model.score.bias is not None:
                 model.score.bias.zero_()
     return model
