@@ -1,4 +1,5 @@
-"""The DeepSpeed strategy in the training loop, on a real local Ray cluster with two ranks.
+"""The DeepSpeed strategy in the training loop, on a real local Ray cluster with two ranks (and an FSDP2 actor
+beside a megatron reference, against the same megatron run).
 
 * A DeepSpeed ZeRO-2 actor (hybrid engine, colocated) against the Megatron actor on the same seed:
   the first step samples the same batch (the same engine and weights) and its update gives the same
@@ -52,6 +53,13 @@ def test_deepspeed_actor_trains_like_the_megatron_actor(tmp_path, monkeypatch):
     for k in KEYS + ("actor/kl_loss",):
         assert ds[k] == pytest.approx(mg[k], rel=1e-4, abs=1e-7), (k, ds[k], mg[k])
     assert ds["actor/grad_norm"] > 0 and ds["sync/verified"] == 1.0
+    # mixing strategies: an FSDP2 actor (Ulysses SP=2, packed rows) against the megatron reference trains alike too
+    fs = run(tmp_path, "fs", "trainer.total_training_steps=1", kl, "actor_rollout_ref.actor.strategy=fsdp2",
+             "actor_rollout_ref.actor.fsdp_config.dtype=fp32", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+             "actor_rollout_ref.model.use_remove_padding=true")["history"][-1]
+    for k in KEYS + ("actor/kl_loss",):
+        assert fs[k] == pytest.approx(mg[k], rel=1e-4, abs=1e-7), (k, fs[k], mg[k])
+    assert fs["sync/verified"] == 1.0 and fs["sync/shared_memory"] == 1.0
     # the HF export of the DeepSpeed actor loads as a plain HF checkpoint with the model's names
     exported = load_file(str(tmp_path / "ds" / "hf_export" / "model.safetensors"))
     assert "model.embed_tokens.weight" in exported and "model.layers.0.self_attn.q_proj.weight" in exported

@@ -212,7 +212,8 @@ def fsdp_errors(cfg) -> list[str]:
                        if k not in ("forward_only", "strategy")]
             flat = OmegaConf.to_container(fc, resolve=True)
             given = [f"{fc_key}.{k}={_dig(flat, k)}" for k in changed]
-            if sp != 1 and not (prefix == "actor_rollout_ref.ref" and not used[prefix]):
+            follows = prefix == "actor_rollout_ref.ref" and sp == cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+            if sp != 1 and used[prefix] and not follows:  # the reference's size follows the actor's unless set
                 given.append(f"{prefix}.ulysses_sequence_parallel_size={sp}")
             if given:
                 hint = megatron_equivalent(fc_key if changed else f"{prefix}.ulysses_sequence_parallel_size")
