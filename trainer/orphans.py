@@ -139,6 +139,10 @@ def mark_run() -> str:
     here on inherits it. A marker inherited from another process (a driver started by a test, or by another
     driver) is replaced: each driver reaps only what it started."""
     mine = f"{os.getpid()}-"
+    # Ray's agents retitle themselves with setproctitle, which by default moves the environment block to make
+    # room for a long title, so /proc/<pid>/environ no longer shows the marker and the reaper cannot find them;
+    # SPT_NOENV keeps the environment where it is (titles are then cut to the original argv's length).
+    os.environ["SPT_NOENV"] = "1"
     if not os.environ.get(RUN_MARKER, "").startswith(mine):
         os.environ[RUN_MARKER] = mine + uuid.uuid4().hex
     return os.environ[RUN_MARKER]
