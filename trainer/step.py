@@ -313,8 +313,8 @@ class Step:
             kl_ref = self.ref if use_kl else None  # by reference, rank to rank
             res = self.actor.update(data, settings, [self.old, kl_ref, data.scatter(self.actor.dp, loss_fields(batch, p))],
                                     seed=self.step, on_policy=on_policy, rollout_is=p.rollout_is,
-                                    bypass=dict(loss=p.bypass, rollout_is=p.rollout_is,
-                                                rejection=p.rejection) if self.bypass else None)
+                                    bypass=dict(loss=p.bypass, rollout_is=p.rollout_is, rejection=p.rejection,
+                                                batch_normalize=p.is_batch_normalize) if self.bypass else None)
             if on_policy:  # the update's own old log-probs: the IS metrics (its ranks applied the weights)
                 res, batch.old_log_probs, self.entropy = res[0], (res[1] or {}).get("old_log_probs"), res[2]
                 m.update(apply_rollout_is(batch, p.rollout_is, weights=False) if p.rollout_is else {})

@@ -205,9 +205,6 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
      "replaying routes from a file is not built; remove the line"),
     ("reward_model.micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set reward_model.micro_batch_size_per_gpu"),
-    ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v, c: bool(v) and bool(
-        c.algorithm.rollout_correction.bypass_mode), "batch-normalised IS weights inside the bypass-mode loss are not "
-     "built yet (issue #15); they are in decoupled mode (bypass_mode=false)"),
 ]
 
 

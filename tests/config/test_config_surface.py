@@ -162,6 +162,23 @@ def test_fsdp_script_resolves_on_verl_fsdp_defaults(name):
             assert str(OmegaConf.select(cfg, key)) == val, key
 
 
+@pytest.mark.parametrize("name", ["run_with_rollout_corr", "run_with_rollout_corr_multi_rs"])
+def test_rollout_correction_examples_resolve(name):
+    """verl's ``examples/rollout_correction`` scripts on verl's FSDP base, as written apart from a group size (they
+    leave ``rollout.n`` at 1, which a group estimator refuses): bypass mode with ``loss_type=reinforce`` and, in
+    the first, batch-normalised sequence-level IS weights (built inside the loss:
+    ``tests/megatron_bridge/test_bypass_mode.py``)."""
+    from trainer.plan import Plan
+
+    args = _args(ROOT / "tests" / "data" / "verl_scripts" / f"{name}.json")
+    cfg = load_config(["--config-name=ppo_trainer", *args, "actor_rollout_ref.rollout.name=sglang",
+                       "actor_rollout_ref.rollout.n=4"])
+    given = dict(a.split("=", 1) for a in args if "=" in a)
+    plan = Plan.from_config(cfg, total_steps=1)
+    assert plan.bypass == given["algorithm.rollout_correction.loss_type"]
+    assert plan.is_batch_normalize == (given["algorithm.rollout_correction.rollout_is_batch_normalize"] == "true")
+
+
 def test_fsdp_script_on_megatron_names_both_fixes_for_every_line():
     """The same script on the megatron default: each FSDP line is named with both ways out (the role on FSDP, or
     its megatron equivalent)."""

@@ -32,7 +32,10 @@ advantages are then zeroed outside ``m'``. Rejected rows are counted in their ow
 Bypass mode (``rollout_correction.bypass_mode``): the old log-probs ARE the sampler's, so ``log rho``
 is the current policy against the sampler. ``ppo_clip``: the PPO ratio pi / pi_rollout already is the
 correction, so no IS weights are returned (their metrics still are); ``reinforce``: the weights
-multiply the policy gradient. Both reject on the original mask.
+multiply the policy gradient. Both reject on the original mask. In bypass mode the weights exist only inside
+the loss, one micro-batch at a time, so their batch normalisation is verl's: the mean over the micro-batch
+being trained, summed over every rank that trains its share of it (``batch_reduce``, an all-reduce over the
+strategy's loss group; verl's ``distributed_masked_mean``), not over the whole batch.
 
 Metrics: the IS and mismatch metrics of ``compute_rollout_is_weights`` (``mismatch/`` prefix),
 ``rollout_is_batch_norm_factor`` when normalising, and per rejection option the metrics of
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -95,18 +98,24 @@ def _option(r) -> dict:
     return dict(divergence=r.divergence, agg=r.agg, lower=r.lower, upper=r.upper)
 
 
-def _normalize(w: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, float]:
+def _normalize(w: torch.Tensor, mask: torch.Tensor, level: str,
+               reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> tuple[torch.Tensor, float]:
     """Weights over their batch mean (tokens at token level, rows otherwise), and that mean (1.0 when
-    it is ~0, where the weights are left as they are)."""
-    m = mask.to(w.dtype)  # [B, T]
+    it is ~0, where the weights are left as they are). ``reduce``: sums a tensor over the ranks that hold
+    the rest of the batch (None: this batch is all of it)."""
+    m = mask.to(torch.float64)  # [B, T]; the sums in float64, so the mean does not depend on the split
+    w64 = w.to(torch.float64)
     if level == "token":
-        mean = (w * m).sum() / m.sum().clamp_min(1)
+        sums = torch.stack([(w64 * m).sum(), m.sum()])
     else:  # one weight per sequence
         rows = m.sum(-1) > 0  # [B]
-        seq_w = (w * m).sum(-1) / m.sum(-1).clamp_min(1)  # [B]
-        mean = seq_w[rows].mean() if bool(rows.any()) else w.new_ones(())
-    if float(mean) > 1e-8:
-        return w / mean, float(mean)
+        seq_w = (w64 * m).sum(-1) / m.sum(-1).clamp_min(1)  # [B]
+        sums = torch.stack([seq_w[rows].sum(), rows.sum().to(torch.float64)])
+    if reduce is not None:
+        sums = reduce(sums)
+    mean = float(sums[0] / sums[1]) if float(sums[1]) > 0 else 1.0
+    if mean > 1e-8:
+        return w / mean, mean
     return w, 1.0
 
 
@@ -147,6 +156,7 @@ def compose_correction(
     bypass: Optional[str] = None,
     apply_weights: bool = True,
     batch_normalize: bool = False,
+    batch_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     with_metrics: bool = True,
 ) -> Correction:
     """The loss mask, IS weights and metrics of one batch (see the module doc).
@@ -158,7 +168,9 @@ def compose_correction(
     ``rejection``: options, each with ``divergence, agg, lower, upper`` (``trainer.plan.Rejection`` or
     a mapping); None or empty = no rejection. ``bypass``: None, ``"ppo_clip"`` (weights computed for
     their metrics, not returned) or ``"reinforce"``. ``apply_weights=False``: metrics only.
-    ``batch_normalize``: the weights divided by their batch mean, taken on ``response_mask``.
+    ``batch_normalize``: the weights divided by their batch mean, taken on ``response_mask``;
+    ``batch_reduce`` sums the mean's numerator and count over the ranks holding the rest of the batch
+    (bypass mode, inside the loss: see the module doc).
     ``with_metrics=False`` (inside a loss, where nobody reads them): IS is computed only where its
     weights are returned, and no metrics come back. A mask with no valid token returns it unchanged with no weights and no metrics."""
     if bypass is not None and bypass not in BYPASS_LOSSES:
@@ -175,7 +187,8 @@ def compose_correction(
         metrics.update(is_m)
         if weights is not None and batch_normalize:
             weights, metrics["rollout_is_batch_norm_factor"] = _normalize(weights, response_mask,
-                                                                          kw.get("rollout_is_level", "token"))
+                                                                          kw.get("rollout_is_level", "token"),
+                                                                          batch_reduce)
     loss_mask = response_mask
     if rejection:
         loss_mask, rs_m = _reject(log_prob, rollout_log_prob, response_mask, [_option(r) for r in rejection])

@@ -9,7 +9,8 @@ holds one :class:`Strategy`, which does the rest:
   ``sum pi^2``, or a critic's values); ``train_step(mbs, loss_fn, ...)``: forward and backward over the
   micro-batches with the worker's loss, then one optimizer step;
 * how a micro-batch is laid out: ``packs`` (one THD row of the real tokens, ``pack`` / ``unpack``) or
-  padded rows, and ``min_micro_batches`` (an interleaved pipeline needs one per stage);
+  padded rows, and ``min_micro_batches`` (an interleaved pipeline needs one per stage); ``loss_group()``, the
+  ranks that run the loss on the other rows of a micro-batch (a collective inside the loss runs over it);
 * the weights the transports read (:mod:`trainer.sync`): ``hf_buckets(bucket_bytes)``, ``hf_params()``
   (HF-named full tensors, collective over the model group) and ``reshard_blocks()`` (this rank's own
   blocks of the HF tensors, or None where the strategy cannot say) with ``local_param(ref)``, the local
@@ -111,6 +112,25 @@ class Strategy(abc.ABC):
     @property
     def min_micro_batches(self) -> int:
         return 1
+
+    def loss_group(self):
+        """The process group of the ranks that run the loss over different rows of the same micro-batch, in
+        lockstep (one call per micro-batch each), or None when this rank is alone. A collective inside the
+        loss runs over it (bypass mode's batch-normalised IS weights). It may also hold ranks with copies of
+        the same rows (sequence parallel peers here; megatron's override leaves its tensor-parallel peers
+        out): what is reduced over it is a ratio of sums, which copies do not change. The default is the
+        role's whole world."""
+        ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return torch.distributed.group.WORLD if ok and torch.distributed.get_world_size() > 1 else None
+
+    def group_reduce(self, t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+        """``t`` reduced (``sum`` or ``max``) over ``group`` on the group's device (NCCL needs the GPU);
+        returned on ``t``'s device."""
+        dist = torch.distributed
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else t.device
+        x = t.to(dev).clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        return x.to(t.device)
 
     def pack(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
         """A micro-batch of padded rows as one packed row (``input_ids [1, N]``, ``cu_seqlens``, and

@@ -14,6 +14,7 @@ megatron-core is imported at the top here and never in the driver.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from omegaconf import OmegaConf
 
 from megatron_bridge import launch
@@ -128,6 +129,12 @@ class MegatronStrategy(Strategy):
     def min_micro_batches(self) -> int:
         # the interleaved schedule (virtual pipeline stages) needs a micro-batch per pipeline stage
         return self.mesh["pp_size"] if self.mesh.get("vpp_size", 1) > 1 else 1
+
+    def loss_group(self):
+        # the data-parallel peers of this rank's stage: tensor-parallel peers hold the same rows, context-parallel
+        # peers gather their tokens back into whole rows before the loss (megatron_bridge.logprobs.head_outputs),
+        # and only the last pipeline stage runs the loss (its DP group is made of last-stage ranks)
+        return parallel_state.get_data_parallel_group() if self.mesh["dp_size"] > 1 else None
 
     def compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,
                 with_sum_pi_squared: bool = False) -> list[dict]:

@@ -125,17 +125,29 @@ class TrainWorker(SenderEndpoints):
         return os.getpid()
 
     # ------------------------------------------------------------------ micro-batches
-    def _micro_batches(self, batch: RolloutBatch, settings, fields: tuple[str, ...]) -> list[dict]:
+    def _micro_batches(self, batch: RolloutBatch, settings, fields: tuple[str, ...], lockstep=None) -> list[dict]:
         """The batch's micro-batches (``settings``: a ``ForwardSettings`` or ``UpdateSettings``):
         ``micro_batch_size`` rows each or filled up to ``max_token_len`` tokens
         (``trainer.batch.micro_batch_groups``); ``packed`` (where the strategy packs): one THD row of
         the real tokens (``pack_index`` maps them back to the ``[b, P+T]`` grid), else the padded rows.
-        ``rows``: each micro-batch's rows of ``batch``; ``fields``: per-row tensors the loss reads."""
+        ``rows``: each micro-batch's rows of ``batch``; ``fields``: per-row tensors the loss reads.
+        ``lockstep``: a process group whose ranks must all get the same number of micro-batches (a
+        collective runs inside the loss): the largest count among them (verl's ``same_micro_num_in_dp``)."""
         s = self.strategy
         packed = settings.packed and s.packs  # e.g. HF attention on CPU has no packed path: padded rows
-        groups = micro_batch_groups(batch.num_tokens.tolist(), size=settings.micro_batch_size,
-                                    max_tokens=settings.max_token_len, budget_key=settings.budget_key,
-                                    min_groups=s.min_micro_batches)
+        tokens = batch.num_tokens.tolist()
+        groups = micro_batch_groups(tokens, size=settings.micro_batch_size, max_tokens=settings.max_token_len,
+                                    budget_key=settings.budget_key, min_groups=s.min_micro_batches)
+        if lockstep is not None:
+            most = int(s.group_reduce(torch.tensor([len(groups)]), lockstep, op="max"))
+            if most > len(groups):
+                groups = micro_batch_groups(tokens, size=settings.micro_batch_size, max_tokens=settings.max_token_len,
+                                            budget_key=settings.budget_key, min_groups=most)
+            if len(groups) != most:
+                raise ValueError(f"this rank's {len(tokens)} rows cannot make the {most} micro-batches another "
+                                 f"data-parallel rank has, and bypass mode's batch-normalised IS weights need the "
+                                 f"same count on every rank: give every rank at least {most} rows per mini-batch "
+                                 f"(a larger ppo_mini_batch_size) or a larger micro-batch / token budget")
         out = []
         for rows in groups:
             idx = torch.as_tensor(rows, dtype=torch.long)
@@ -240,6 +252,10 @@ class TrainWorker(SenderEndpoints):
         fields = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_probs",
                   "rollout_log_probs")
         apply_is = rollout_is is not None and rollout_is.rollout_is
+        # bypass mode's batch-normalised IS weights (verl): each micro-batch's mean over every rank's share of it
+        norm = bool(bypass and bypass.get("batch_normalize"))
+        group = self.strategy.loss_group() if norm else None
+        reduce = functools.partial(self.strategy.group_reduce, group=group) if group is not None else None
         out, captured = [], []
         for k, rows in enumerate(mini_batches):
             batch = full[torch.as_tensor(rows, dtype=torch.long)]
@@ -262,7 +278,8 @@ class TrainWorker(SenderEndpoints):
                 elif bypass:  # old = the sampler's; IS / rejection from the current (detached) vs the sampler's
                     old = mb["rollout_log_probs"]
                     c = compose_correction(logp.detach(), old, mask, rollout_is=bypass["rollout_is"],
-                                           rejection=bypass["rejection"], bypass=bypass["loss"], with_metrics=False)
+                                           rejection=bypass["rejection"], bypass=bypass["loss"], with_metrics=False,
+                                           batch_normalize=norm, batch_reduce=reduce)
                     mask, is_w = c.loss_mask, c.weights  # ppo_clip: no weights, the ratio does it
                 pg, metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=mb["advantages"],
                                           response_mask=mask, agg=agg, rollout_is_weights=is_w,
@@ -286,7 +303,7 @@ class TrainWorker(SenderEndpoints):
 
             # entropy enters the graph only when it is trained on; on-policy it is still computed, detached,
             # for the logged rollout entropy (the skipped old-log-prob pass used to provide it)
-            m = self.strategy.train_step(self._micro_batches(batch, settings, fields), loss_fn,
+            m = self.strategy.train_step(self._micro_batches(batch, settings, fields, lockstep=group), loss_fn,
                                          temperature=settings.temperature,
                                          with_entropy=bool(pl.entropy_coeff) or on_policy,
                                          entropy_grad=bool(pl.entropy_coeff))
