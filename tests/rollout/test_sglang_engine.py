@@ -352,6 +352,24 @@ def test_combine_digests_equals_checksum_named_tensors():
         assert wf.combine_digests(digests) == checksum_named_tensors(named, dtype=dt)
 
 
+def test_readback_compares_the_unpadded_region_and_wants_zero_padding():
+    """SGLang may hold ``down_proj`` with its intermediate size padded (columns beyond the model's): the rows read
+    back are compared on the model's region, and the padding must be zero."""
+    want = torch.randn(4, 200, generator=torch.Generator().manual_seed(0))
+    padded = torch.zeros(4, 224)
+    padded[:, :200] = want
+    assert wf.readback_error(want.clone(), want) == 0.0
+    assert wf.readback_error(padded, want) == 0.0
+    off = padded.clone()
+    off[1, 3] += 0.5
+    assert wf.readback_error(off, want) == pytest.approx(0.5)
+    dirty = padded.clone()
+    dirty[2, 210] = 1e-3  # a padding column that is not zero would add to every output
+    assert wf.readback_error(dirty, want) == float("inf")
+    assert wf.readback_error(want[:, :150], want) == float("inf")  # shorter: not the same tensor
+    assert wf.readback_error(want.flatten(), want) == float("inf")
+
+
 def test_default_probe_names(ckpts):
     specs, _ = wf.read_checkpoint_index(ckpts["llama"][1])
     assert wf.default_probe_names(specs) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",

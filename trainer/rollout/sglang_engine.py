@@ -147,7 +147,8 @@ from trainer.rollout import sglang_cpu
 from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, tensor_digest
 from trainer.rollout.registry import Capabilities
 from trainer.rollout.weights import (combine_digests, default_probe_names, flatten_bucket, iter_cast_buckets, probe_rows,
-                                     read_checkpoint_index, unflatten_bucket, validate_named_tensors)
+                                     read_checkpoint_index, readback_error, unflatten_bucket,
+                                     validate_named_tensors)
 from trainer.rollout.sglang_cpu import SGLANG_VERSION
 INSTALL_HINT = (f"GPU: pip install 'coxswain[sglang]' (sglang=={SGLANG_VERSION}); "
                 f"CPU: python -m trainer.rollout.sglang_cpu install (a venv at .venv-sglang-cpu)")
@@ -772,8 +773,7 @@ class SGLangEngine(RolloutEngine):
             if got is None:
                 result[name] = None
                 continue
-            got_t = torch.tensor(got, dtype=torch.float32)
-            result[name] = float((got_t - want).abs().max()) if got_t.shape == want.shape else float("inf")
+            result[name] = readback_error(torch.tensor(got, dtype=torch.float32), want)
         return result
 
     def shutdown(self) -> None:

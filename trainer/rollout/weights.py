@@ -156,6 +156,24 @@ def default_probe_names(names: Iterable[str]) -> list[str]:
     return [p for p in picks if p is not None]
 
 
+def readback_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max ``|got - want|`` of read-back probe rows, where the engine may hold the tensor PADDED: SGLang pads
+    some dimensions for its kernels (an MLP's intermediate size to a multiple of its block, so ``down_proj``'s
+    rows come back longer). The region ``want`` covers is compared, and the padding must be zero (the padded
+    columns meet zero activations only while they are zero); a padding that is not, or a shape that is
+    smaller or of another rank, is ``inf``."""
+    if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
+        return float("inf")
+    region = tuple(slice(0, w) for w in want.shape)
+    diff = float((got[region] - want).abs().max()) if want.numel() else 0.0
+    if got.shape != want.shape:
+        pad = got.clone()
+        pad[region] = 0
+        if bool(pad.ne(0).any()):
+            return float("inf")
+    return diff
+
+
 def probe_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``rows`` rows (elements, for 1-D) of ``t`` as the engine holds them: cast to the
     engine dtype, then to float32 (exact), as ``get_weights_by_name`` reports them. Always a copy: for an
