@@ -604,9 +604,14 @@ GPU_VOCAB = 128
 GPU_ENGINE_KW = dict(attention_backend="triton", disable_cuda_graph=True, enable_tf32_matmul=False)
 
 
+# not a multiple of 32: SGLang's CPU path pads the MLP's intermediate size to 384 (update_config.py,
+# adjust_config_with_unaligned_cpu_tp), so pushes, checksums and down_proj's read-back meet a padded tensor
+INTERMEDIATE = 360
+
+
 def gpu_model(arch: str, seed: int):
     # head_dim 64 (hidden 256 / 4 heads) is a size every SGLang kernel takes; no rope scaling, no EOS.
-    return make_hf_model(arch, seed=seed, vocab_size=GPU_VOCAB, hidden_size=256, intermediate_size=512,
+    return make_hf_model(arch, seed=seed, vocab_size=GPU_VOCAB, hidden_size=256, intermediate_size=INTERMEDIATE,
                          num_attention_heads=4, num_key_value_heads=2, rope_scaling=None, tie_word_embeddings=False,
                          max_position_embeddings=2048)  # room for the abort test's long responses
 
@@ -843,6 +848,8 @@ def test_cpu_update_weights_bucketed_verified_and_restored(gpu_models, cpu_engin
     assert cpu_engine.weights_checksum() == checksum_named_tensors(w_b.items(), dtype=torch.float32)
     got = cpu_engine.verify_weights_on_gpu(rows=2)
     assert got and set(got.values()) == {0.0}
+    down = next(n for n in got if n.endswith("down_proj.weight"))  # read back on the model's region, padding zero
+    assert len(cpu_engine.engine.get_weights_by_name(down, truncate_size=1)[0]) == 384 > INTERMEDIATE  # SGLang padded it
     after = cpu_engine.generate(prompts, greedy)  # the adapter flushed the stale prefix cache first
     for p, (o,) in zip(prompts, after):
         assert o.token_ids == hf_greedy(hf_b, p, 10)
