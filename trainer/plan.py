@@ -172,6 +172,7 @@ class Plan:
     # schedule
     test_freq: int
     val_before_train: bool
+    balance_batch: bool  # verl's trainer.balance_batch: token-balanced DP shards, else contiguous chunks
     save_freq: int
     one_step_off: bool = False  # async_training.mode=one_step_off (trainer.batch_source)
     fully_async: Optional[Any] = None  # async_training.mode=fully_async: trainer.async_rollout.AsyncSettings
@@ -212,7 +213,8 @@ class Plan:
             gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo,
             use_kl_in_reward=bool(al.use_kl_in_reward), kl_penalty=al.kl_penalty, need_ref=need_ref(cfg),
             need_critic=need_critic(cfg), critic_warmup=cfg.trainer.critic_warmup, test_freq=cfg.trainer.test_freq,
-            val_before_train=cfg.trainer.val_before_train, save_freq=cfg.trainer.save_freq,
+            val_before_train=cfg.trainer.val_before_train, balance_batch=bool(cfg.trainer.balance_batch),
+            save_freq=cfg.trainer.save_freq,
             one_step_off=cfg.async_training.mode == "one_step_off", fully_async=async_settings(cfg), adv_kwargs=adv_kwargs(al),
             reward_keys=tuple(al.gdpo_reward_keys or ()) if al.adv_estimator == "gdpo" else (),
             rm_scores=rm_forward(cfg), adca=adca_settings(cfg), rollout_only=bool(cfg.trainer.debug.rollout_only),

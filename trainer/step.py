@@ -219,7 +219,9 @@ class Step:
             p = self.plan
             self.data = StepData(self.batch, self.rt.cluster.transport,
                                  with_rollout_log_probs=(self.on_policy and p.rollout_is is not None) or self.bypass,
-                                 with_routed_experts=p.sampling.return_routed_experts)
+                                 with_routed_experts=p.sampling.return_routed_experts, balanced=p.balance_batch)
+            if self.actor is not None:  # verl's global_seqlen/* of the actor's data-parallel split
+                self.metrics.update(self.data.partition(self.actor.dp).seqlen_metrics())
         return self.data
 
     # ------------------------------------------------------------------ 4-5 forward passes

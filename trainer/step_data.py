@@ -46,16 +46,32 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 class Partition:
     """The step's batch over ``dp`` ranks: ``index_lists[d]`` (rows of the batch on rank d, in shard
-    order) and ``widths[d]`` (the shard's response width, ``T_d <= T``)."""
+    order) and ``widths[d]`` (the shard's response width, ``T_d <= T``). ``balanced`` (verl's
+    ``trainer.balance_batch``): shards of equal size whose token sums are balanced (Karmarkar-Karp);
+    otherwise contiguous chunks of the batch in the sampler's order (the first ``B mod dp`` one row longer)."""
 
-    def __init__(self, batch: RolloutBatch, dp: int):
+    def __init__(self, batch: RolloutBatch, dp: int, balanced: bool = True):
         self.dp, self.B, self.T = dp, batch.num_samples, batch.response_width
+        self.tokens = batch.num_tokens.tolist()  # [B] prompt + response tokens of each row
         # the partitioner alone (``balanced_split`` would also copy every field of every part)
-        self.index_lists = karmarkar_karp(batch.num_tokens.tolist(), dp, equal_size=True)
+        self.index_lists = (karmarkar_karp(self.tokens, dp, equal_size=True) if balanced
+                            else [c.tolist() for c in np.array_split(np.arange(self.B), dp)])
         self.rows = [torch.tensor(ix, dtype=torch.long) for ix in self.index_lists]
         lengths = batch.response_length  # [B]
         self.widths = [max(1, int(lengths[r].max())) if len(r) else 1 for r in self.rows]
         self._inv = inverse_permutation(self.index_lists)
+
+    def seqlen_metrics(self) -> dict[str, float]:
+        """verl's ``global_seqlen/*`` (``log_seqlen_unbalance``): the token sums of the batch's contiguous
+        chunks of ``B // dp`` rows (``min``, ``max``, ``minmax_diff``, ``mean`` over the ranks) and of the
+        shards as sent (``balanced_min``, ``balanced_max``)."""
+        size = max(1, self.B // self.dp)
+        chunks = [sum(self.tokens[o:o + size]) for o in range(0, self.B, size)]
+        shards = [sum(self.tokens[i] for i in ix) for ix in self.index_lists]
+        return {"global_seqlen/min": float(min(chunks)), "global_seqlen/max": float(max(chunks)),
+                "global_seqlen/minmax_diff": float(max(chunks) - min(chunks)),
+                "global_seqlen/balanced_min": float(min(shards)), "global_seqlen/balanced_max": float(max(shards)),
+                "global_seqlen/mean": float(sum(chunks)) / self.dp}
 
     def scatter(self, x: torch.Tensor) -> list[np.ndarray]:
         """``[B, T]`` (or ``[B]``) -> per shard ``[b_d, T_d]`` (``[b_d]``) numpy, in shard row order."""
@@ -96,8 +112,8 @@ class StepData:
     """One step's batch, sharded once per DP size and put once; see the module docstring."""
 
     def __init__(self, batch: RolloutBatch, transport, *, with_rollout_log_probs: bool = False,
-                 with_routed_experts: bool = False):
-        self.batch, self.transport = batch, transport
+                 with_routed_experts: bool = False, balanced: bool = True):
+        self.batch, self.transport, self.balanced = batch, transport, balanced
         self.fields = MODEL_FIELDS + (("rollout_log_probs",) if with_rollout_log_probs else ()) \
             + (("routed_experts",) if with_routed_experts else ())
         if with_routed_experts and batch.routed_experts is None:
@@ -108,7 +124,7 @@ class StepData:
 
     def partition(self, dp: int) -> Partition:
         if dp not in self._parts:
-            self._parts[dp] = Partition(self.batch, dp)
+            self._parts[dp] = Partition(self.batch, dp, self.balanced)
         return self._parts[dp]
 
     def shards(self, dp: int) -> list:

@@ -539,6 +539,7 @@ class TrainerConfig:
     critic_warmup: int = 0  # critic-only steps before the actor trains
     test_freq: int = -1  # eval every N steps (-1 = never)
     val_before_train: bool = True  # eval at step 0
+    balance_batch: bool = True  # shards of equal size balanced on tokens over the data-parallel ranks (Karmarkar-Karp); false: contiguous chunks in the sampler's order
     save_freq: int = -1  # checkpoint every N steps (-1 = never)
     max_actor_ckpt_to_keep: Optional[int] = None  # keep the newest N global_step_* checkpoints; None or <= 0 = keep all
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # run directory: global_step_N/{actor,critic}, latest_checkpointed_iteration.txt, resolved config, report
