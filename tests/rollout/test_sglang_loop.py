@@ -3,8 +3,10 @@ rollout workers each holding a real ``sglang.Engine`` (SGLang's CPU path), synce
 colocated (an engine per actor slot; weights through the object store) and split (the engine on its own slot:
 ``trainer.placement=split``; weights broadcast from actor rank 0 over a gloo group, SGLang's
 ``update_weights_from_distributed``: ``rollout.weight_sync=distributed_group``).
-The model is the recipe's tiny Qwen2 with its MLP's intermediate size made 200 (random weights, the same
-tokenizer): not a multiple of 32, so SGLang's CPU path pads it (to 224) and every push lands in a padded tensor.
+The model is the recipe's trained tiny Qwen2 with its MLP widened from 256 to 264 by zero rows (gate, up) and
+zero columns (down): the same function (silu(0)*0 = 0, and those weights get zero gradients), so rewards vary
+and the policy gets a gradient, but 264 is not a multiple of 32: SGLang's CPU path pads it (to 288) and every
+push lands in a padded tensor.
 Runs in the SGLang CPU venv (tests/rollout/sglang_cpu_support.py), the run itself in a child process."""
 
 from __future__ import annotations
@@ -18,22 +20,30 @@ import pytest
 from trainer.rollout import sglang_cpu
 
 ROOT = str(sglang_cpu.REPO_ROOT)
-INTERMEDIATE = 200
+INTERMEDIATE = 264
 
 
 def unaligned_model(path: str) -> str:
-    """The recipe's tiny model with intermediate_size=INTERMEDIATE (seeded random weights) and its tokenizer."""
+    """The recipe's tiny model with its MLP zero-widened to INTERMEDIATE (the same function), and its tokenizer."""
     import shutil
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     src = os.path.join(ROOT, "recipes", "cpu", "tiny_model")
-    cfg = AutoConfig.from_pretrained(src)
-    assert cfg.intermediate_size % 32 == 0 and INTERMEDIATE % 32  # the recipe's model is aligned; this one is not
-    cfg.intermediate_size = INTERMEDIATE
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    old = m.config.intermediate_size
+    assert old % 32 == 0 and INTERMEDIATE % 32 and INTERMEDIATE > old  # the recipe's model is aligned; this one is not
+    m.config.intermediate_size = INTERMEDIATE
+    with torch.no_grad():
+        for layer in m.model.layers:
+            mlp = layer.mlp
+            for name in ("gate_proj", "up_proj"):
+                w = getattr(mlp, name).weight
+                getattr(mlp, name).weight = torch.nn.Parameter(torch.cat([w, w.new_zeros(INTERMEDIATE - old, w.shape[1])]))
+            w = mlp.down_proj.weight
+            mlp.down_proj.weight = torch.nn.Parameter(torch.cat([w, w.new_zeros(w.shape[0], INTERMEDIATE - old)], 1))
+    m.save_pretrained(path, safe_serialization=True)
     for f in os.listdir(src):
         if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or f.endswith(".jinja"):
             shutil.copy(os.path.join(src, f), path)
