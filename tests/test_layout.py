@@ -82,3 +82,9 @@ def test_imports_inside_functions_stay_rare():
 def test_no_function_of_100_lines_or_more():
     h = measure()
     assert not h.long_functions, f"functions of 100+ lines: {h.long_functions}"
+
+
+def test_config_checks_stay_short():
+    """#37: no check function of trainer/config over 60 lines (one concern each, readable beside its schema)."""
+    long = [(f, n, ln) for f, n, ln in measure(long_lines=61).long_functions if f.startswith("trainer/config/")]
+    assert not long, f"config check functions over 60 lines: {long}"

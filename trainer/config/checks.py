@@ -205,66 +205,83 @@ def fsdp_errors(cfg) -> list[str]:
     used = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": need_ref(cfg), "critic": need_critic(cfg),
             "reward_model": bool(cfg.reward_model.enable)}
     for prefix, (role, fc, fc_key) in fsdp_sections(cfg).items():
-        sp = role.ulysses_sequence_parallel_size
         if role.strategy not in FSDP_STRATEGIES:
-            default = OmegaConf.to_container(OmegaConf.structured(type(OmegaConf.to_object(fc))), resolve=True)
-            changed = [k for k in _changed(OmegaConf.to_container(fc, resolve=True), default, "")
-                       if k not in ("forward_only", "strategy")]
-            flat = OmegaConf.to_container(fc, resolve=True)
-            given = [f"{fc_key}.{k}={_dig(flat, k)}" for k in changed]
-            follows = prefix == "actor_rollout_ref.ref" and sp == cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-            if sp != 1 and used[prefix] and not follows:  # the reference's size follows the actor's unless set
-                given.append(f"{prefix}.ulysses_sequence_parallel_size={sp}")
-            if given:
-                hint = megatron_equivalent(fc_key if changed else f"{prefix}.ulysses_sequence_parallel_size")
-                errs.append(f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} verl's FSDP, but {prefix}.strategy={role.strategy}: set "
-                            f"{prefix}.strategy=fsdp (or --config-name=ppo_trainer, verl's FSDP defaults for every "
-                            f"role)" + (f", or use {hint}" if hint and role.strategy == "megatron" else ", or remove them")
-                            + ".")
-            continue
-        if not used[prefix]:
-            continue
-        if fc.strategy not in FSDP_STRATEGIES:
-            errs.append(f"{fc_key}.strategy={fc.strategy!r}: verl's copy of the role's strategy is fsdp or fsdp2.")
-        mg = role.megatron
-        big = {k: mg[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                                  "expert_model_parallel_size") if mg[k] not in (None, 1)}
-        if big:
-            errs.append(f"{prefix}.strategy={role.strategy} shards by FSDP over data parallelism (and Ulysses), but "
-                        f"{prefix}.megatron asks for model parallelism {big}: set those to 1, or use strategy=megatron.")
-        if ws % sp:
-            errs.append(f"{prefix}.ulysses_sequence_parallel_size={sp} does not divide the role's {ws} ranks.")
-        if fc.fsdp_size == 0 or (0 < fc.fsdp_size < ws and ws % fc.fsdp_size):
-            errs.append(f"{fc_key}.fsdp_size={fc.fsdp_size}: use -1 (shard over all {ws} ranks) or a divisor of {ws} "
-                        f"(hybrid sharding).")
-        if fc.wrap_policy.min_num_params:
-            errs.append(f"{fc_key}.wrap_policy.min_num_params={fc.wrap_policy.min_num_params}: FSDP1's size-based "
-                        f"wrapping is not built; FSDP2 makes each decoder layer a unit (as verl's fsdp2 does): remove the "
-                        f"line, or name the classes in {fc_key}.wrap_policy.transformer_layer_cls_to_wrap.")
-        mp = OmegaConf.to_container(fc.mixed_precision, resolve=True) if fc.mixed_precision is not None else {}
-        for k, v in [("model_dtype", fc.model_dtype), ("dtype", fc.dtype)] + [(f"mixed_precision.{k}", v) for k, v in mp.items()]:
-            if k.startswith("mixed_precision.") and k.split(".", 1)[1] not in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-                errs.append(f"{fc_key}.{k}: mixed_precision takes param_dtype, reduce_dtype and buffer_dtype.")
-            elif str(v) not in PRECISION_NAMES:
-                errs.append(f"{fc_key}.{k}={v!r}: use fp32, bf16 or fp16.")
-        if str(mp.get("buffer_dtype", "fp32")) not in ("fp32", "float32", "32"):
-            errs.append(f"{fc_key}.mixed_precision.buffer_dtype={mp['buffer_dtype']!r}: FSDP2 keeps buffers in "
-                        f"model_dtype; only fp32 is built.")
-        if getattr(role, "router_replay", None) is not None and role.router_replay.mode != "disabled":
-            errs.append(f"{prefix}.router_replay with strategy={role.strategy}: routing replay is built into the "
-                        f"megatron routers only; use strategy=megatron for MoE routing replay.")
-        optim = getattr(role, "optim", None)
-        if optim is not None and prefix != "actor_rollout_ref.ref" and optim.optimizer != "adam":
-            errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy={role.strategy}: the FSDP strategy "
-                        f"trains with AdamW (optimizer=adam).")
-        if prefix == "actor_rollout_ref.actor":
-            a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-            dp = ws // sp if ws % sp == 0 else ws
-            mini = a.ppo_mini_batch_size * r.n
-            if mini % dp:
-                errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x actor_rollout_ref."
-                            f"rollout.n={r.n} = {mini} responses do not split over the data-parallel size {dp} (world "
-                            f"{ws} / Ulysses {sp}).")
+            errs += _fsdp_keys_elsewhere(cfg, prefix, role, fc, fc_key, used[prefix])
+        elif used[prefix]:
+            errs += _fsdp_role_errors(cfg, prefix, role, fc, fc_key, ws)
+    return errs
+
+
+def _fsdp_keys_elsewhere(cfg, prefix: str, role, fc, fc_key: str, used: bool) -> list[str]:
+    """FSDP keys changed from their defaults on a role that is not on FSDP: one line naming them and the fix."""
+    sp = role.ulysses_sequence_parallel_size
+    default = OmegaConf.to_container(OmegaConf.structured(type(OmegaConf.to_object(fc))), resolve=True)
+    changed = [k for k in _changed(OmegaConf.to_container(fc, resolve=True), default, "")
+               if k not in ("forward_only", "strategy")]
+    flat = OmegaConf.to_container(fc, resolve=True)
+    given = [f"{fc_key}.{k}={_dig(flat, k)}" for k in changed]
+    follows = prefix == "actor_rollout_ref.ref" and sp == cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    if sp != 1 and used and not follows:  # the reference's size follows the actor's unless set
+        given.append(f"{prefix}.ulysses_sequence_parallel_size={sp}")
+    if not given:
+        return []
+    hint = megatron_equivalent(fc_key if changed else f"{prefix}.ulysses_sequence_parallel_size")
+    return [f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} verl's FSDP, but {prefix}.strategy={role.strategy}: set "
+            f"{prefix}.strategy=fsdp (or --config-name=ppo_trainer, verl's FSDP defaults for every "
+            f"role)" + (f", or use {hint}" if hint and role.strategy == "megatron" else ", or remove them") + "."]
+
+
+def _fsdp_role_errors(cfg, prefix: str, role, fc, fc_key: str, ws: int) -> list[str]:
+    """What an FSDP role asks for that FSDP2 here cannot take: sizes, wrapping, precisions, replay, optimizer."""
+    errs, sp = [], role.ulysses_sequence_parallel_size
+    if fc.strategy not in FSDP_STRATEGIES:
+        errs.append(f"{fc_key}.strategy={fc.strategy!r}: verl's copy of the role's strategy is fsdp or fsdp2.")
+    mg = role.megatron
+    big = {k: mg[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                              "expert_model_parallel_size") if mg[k] not in (None, 1)}
+    if big:
+        errs.append(f"{prefix}.strategy={role.strategy} shards by FSDP over data parallelism (and Ulysses), but "
+                    f"{prefix}.megatron asks for model parallelism {big}: set those to 1, or use strategy=megatron.")
+    if ws % sp:
+        errs.append(f"{prefix}.ulysses_sequence_parallel_size={sp} does not divide the role's {ws} ranks.")
+    if fc.fsdp_size == 0 or (0 < fc.fsdp_size < ws and ws % fc.fsdp_size):
+        errs.append(f"{fc_key}.fsdp_size={fc.fsdp_size}: use -1 (shard over all {ws} ranks) or a divisor of {ws} "
+                    f"(hybrid sharding).")
+    if fc.wrap_policy.min_num_params:
+        errs.append(f"{fc_key}.wrap_policy.min_num_params={fc.wrap_policy.min_num_params}: FSDP1's size-based "
+                    f"wrapping is not built; FSDP2 makes each decoder layer a unit (as verl's fsdp2 does): remove the "
+                    f"line, or name the classes in {fc_key}.wrap_policy.transformer_layer_cls_to_wrap.")
+    errs += _fsdp_precision_errors(fc, fc_key)
+    if getattr(role, "router_replay", None) is not None and role.router_replay.mode != "disabled":
+        errs.append(f"{prefix}.router_replay with strategy={role.strategy}: routing replay is built into the "
+                    f"megatron routers only; use strategy=megatron for MoE routing replay.")
+    optim = getattr(role, "optim", None)
+    if optim is not None and prefix != "actor_rollout_ref.ref" and optim.optimizer != "adam":
+        errs.append(f"{prefix}.optim.optimizer={optim.optimizer!r} with strategy={role.strategy}: the FSDP strategy "
+                    f"trains with AdamW (optimizer=adam).")
+    if prefix == "actor_rollout_ref.actor":
+        a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        dp = ws // sp if ws % sp == 0 else ws
+        mini = a.ppo_mini_batch_size * r.n
+        if mini % dp:
+            errs.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} x actor_rollout_ref."
+                        f"rollout.n={r.n} = {mini} responses do not split over the data-parallel size {dp} (world "
+                        f"{ws} / Ulysses {sp}).")
+    return errs
+
+
+def _fsdp_precision_errors(fc, fc_key: str) -> list[str]:
+    """model_dtype, dtype and mixed_precision.*: known names only; buffers stay fp32."""
+    errs = []
+    mp = OmegaConf.to_container(fc.mixed_precision, resolve=True) if fc.mixed_precision is not None else {}
+    for k, v in [("model_dtype", fc.model_dtype), ("dtype", fc.dtype)] + [(f"mixed_precision.{k}", v) for k, v in mp.items()]:
+        if k.startswith("mixed_precision.") and k.split(".", 1)[1] not in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            errs.append(f"{fc_key}.{k}: mixed_precision takes param_dtype, reduce_dtype and buffer_dtype.")
+        elif str(v) not in PRECISION_NAMES:
+            errs.append(f"{fc_key}.{k}={v!r}: use fp32, bf16 or fp16.")
+    if str(mp.get("buffer_dtype", "fp32")) not in ("fp32", "float32", "32"):
+        errs.append(f"{fc_key}.mixed_precision.buffer_dtype={mp['buffer_dtype']!r}: FSDP2 keeps buffers in "
+                    f"model_dtype; only fp32 is built.")
     return errs
 
 
