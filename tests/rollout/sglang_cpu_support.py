@@ -17,7 +17,8 @@ import pytest
 from trainer.rollout import sglang_cpu
 
 # The modules that need sglang importable in the interpreter that runs them.
-SGLANG_MODULES = ("tests/rollout/test_sglang_engine.py", "tests/rollout/test_sglang_loop.py")
+SGLANG_MODULES = ("tests/rollout/test_sglang_engine.py", "tests/rollout/test_sglang_loop.py",
+                  "tests/rollout/test_sglang_routes.py")
 
 
 def in_ci() -> bool:

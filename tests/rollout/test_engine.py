@@ -93,3 +93,28 @@ def test_a_column_block_digests_like_its_contiguous_copy(dtype, shape, c0):
     b = a.clone()
     b.view(torch.uint8)[-1, -1] ^= 1
     assert tensor_digest("w[0:1]", b[:, c0:]) != tensor_digest("w[0:1]", block)
+
+
+def test_routes_travel_in_sglangs_wire_form():
+    """R3 routes between processes: base64 of int32 [tokens, layers, top_k] (SGLang PR #12162's
+    meta_info["routed_experts"]); decoded to the batch's int16, the row count checked, never reshaped silently."""
+    import base64
+
+    import numpy as np
+
+    from trainer.rollout.engine import decode_routes, encode_routes
+
+    t = torch.randint(0, 300, (7, 3, 2))
+    text = encode_routes(t)
+    # SGLang's own encoding of the same array (tokenizer_manager: b64encode(tensor.numpy().tobytes()))
+    assert text == base64.b64encode(t.to(torch.int32).numpy().tobytes()).decode()
+    back = decode_routes(text, 3, 2, rows=7)
+    assert back.dtype == torch.int16 and torch.equal(back.long(), t)
+    assert np.array_equal(decode_routes(text, 3, 2).numpy(), t.numpy())  # no expected count: every row
+    with pytest.raises(ValueError, match="7 rows of 3 layers x top-2 int32, but 6 input tokens"):
+        decode_routes(text, 3, 2, rows=6)
+    with pytest.raises(ValueError, match="rows of 4 layers"):
+        decode_routes(text, 4, 2)  # 42 ints are not whole rows of 8
+    with pytest.raises(ValueError, match="not base64"):
+        decode_routes("@@@", 3, 2)
+    assert decode_routes("", 3, 2, rows=0).shape == (0, 3, 2)

@@ -27,11 +27,17 @@ where ``logits_t`` are the model's raw next-token logits at step t, ``T`` the sa
 Weight sync is checked with :func:`checksum_named_tensors`, a pure function that both sides compute:
 the engine over the weights it holds (:meth:`RolloutEngine.weights_checksum`), the trainer over the
 HF-named stream it sends; a mismatch (or a failed push) is a :class:`WeightSyncError`, whoever checks.
+
+Routed experts (R3 routing replay) travel between processes in SGLang's form (sgl-project/sglang PR #12162,
+``meta_info["routed_experts"]``): the base64 of int32 ``[tokens, layers, top_k]`` in native byte order, one row
+per input token (every prompt token, every sampled token but the last); :func:`encode_routes` /
+:func:`decode_routes` are that form, used by the SGLang adapter, the HTTP fleet client and the native server.
 """
 
 from __future__ import annotations
 
 import abc
+import base64
 import ctypes
 import xxhash
 from collections.abc import Container, Iterable, Iterator, Sequence
@@ -129,7 +135,8 @@ class RolloutEngine(abc.ABC):
         """One engine as ``actor_rollout_ref.rollout`` describes it (what the rollout worker calls):
         ``dtype`` a torch dtype's name, ``engine_kwargs`` the user's ``rollout.engine_kwargs``,
         ``settings`` verl's other engine keys (tensor_model_parallel_size, gpu_memory_utilization, seed,
-        max_num_batched_tokens, enable_chunked_prefill, enforce_eager) for the engines that read them.
+        max_num_batched_tokens, enable_chunked_prefill, enforce_eager; enable_rollout_routing_replay when R3 is
+        on) for the engines that read them.
         By default ``cls(model_path, max_batch_size=, max_seq_len=, dtype=torch.<dtype>, **engine_kwargs)``."""
         return cls(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=getattr(torch, dtype),
                    **(engine_kwargs or {}))
@@ -237,6 +244,31 @@ def tensor_digest(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) 
     h.update(b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
     _hash_rows(h, t)
     return h.digest()
+
+
+def encode_routes(routes: torch.Tensor) -> str:
+    """int ``[tokens, layers, top_k]`` -> SGLang's wire form (base64 of int32, native byte order)."""
+    return base64.b64encode(routes.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
+
+
+def decode_routes(text: str, layers: int, top_k: int, rows: int | None = None) -> torch.Tensor:
+    """SGLang's wire form -> int16 ``[rows, layers, top_k]`` (the batch's ``routed_experts`` dtype).
+
+    ``rows``, when given, is what the caller expects (prompt + sampled tokens - 1); a reply with another row
+    count, or whose length is not a whole number of ``layers x top_k`` rows, is a ``ValueError`` naming both:
+    a silent reshape would replay one token's experts on another."""
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise ValueError(f"routed_experts is not base64 ({e})") from None
+    per_row = 4 * layers * top_k
+    if len(raw) % per_row or (rows is not None and len(raw) // per_row != rows):
+        raise ValueError(f"routed_experts holds {len(raw)} bytes = {len(raw) / per_row:g} rows of {layers} layers x "
+                         f"top-{top_k} int32, but {rows} input tokens were routed (prompt + sampled - 1)")
+    if not raw:
+        return torch.empty((0, layers, top_k), dtype=torch.int16)
+    t = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(len(raw) // per_row, layers, top_k)
+    return t.to(torch.int16)
 
 
 class WeightSyncError(RuntimeError):

@@ -144,7 +144,7 @@ import torch
 
 from trainer.hf_io import iter_safetensors, load_config_json, overridden_fields
 from trainer.rollout import sglang_cpu
-from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, tensor_digest
+from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, decode_routes, tensor_digest
 from trainer.rollout.registry import Capabilities
 from trainer.rollout.weights import (combine_digests, default_probe_names, flatten_bucket, iter_cast_buckets, probe_rows,
                                      read_checkpoint_index, readback_error, unflatten_bucket,
@@ -268,13 +268,14 @@ def output_logprobs(meta_info: Mapping) -> tuple[list[float], list[int]]:
     return [float(e[0]) for e in entries], [int(e[1]) for e in entries]
 
 
-def to_generation_output(out: Mapping) -> GenerationOutput:
+def to_generation_output(out: Mapping, routes: "RouteShape | None" = None) -> GenerationOutput:
     """One SGLang result dict (``{"output_ids", "meta_info"}``) -> :class:`GenerationOutput`.
 
     Checks what the trainer relies on: one log-prob per token, for the same token ids, and on
     "stop" the matched stop token as the last token. An aborted request may carry fewer log-probs
     than tokens (a request aborted while retracted, output_streamer.py ~585); it is cut to the
-    tokens that have one.
+    tokens that have one. ``routes``: the request asked for its routed experts (R3), which then must
+    cover every input token (the prompt's and every kept sampled token but the last).
     """
     meta = out["meta_info"]
     reason = finish_reason_of(meta.get("finish_reason"))
@@ -293,19 +294,57 @@ def to_generation_output(out: Mapping) -> GenerationOutput:
         if isinstance(matched, int) and (not ids or ids[-1] != matched):
             raise ValueError(f"request {meta.get('id')}: finished on stop token {matched} but the last "
                              f"output token is {ids[-1] if ids else None}")
-    return GenerationOutput(token_ids=ids, logprobs=lps, finish_reason=reason)
+    routed = None
+    if routes is not None:
+        routed = routes_of(meta, routes, rows=routes.prompt_len + len(ids) - 1, cut=reason == "abort")
+    return GenerationOutput(token_ids=ids, logprobs=lps, finish_reason=reason, routed_experts=routed)
 
 
-def group_outputs(outs: Sequence[Mapping], req: ExpandedRequests) -> list[list[GenerationOutput]]:
-    """SGLang's result list (one per expanded request, in request order) -> ``out[i][j]``."""
+@dataclass(frozen=True)
+class RouteShape:
+    """What one request's routed experts must look like: the model's MoE layers and top-k, its prompt length."""
+
+    layers: int
+    top_k: int
+    prompt_len: int = 0
+
+
+def routes_of(meta: Mapping, shape: RouteShape, rows: int, cut: bool = False) -> "torch.Tensor":
+    """``meta_info["routed_experts"]`` -> int16 ``[rows, layers, top_k]``; ``cut`` (an aborted request): the
+    reply may route more tokens than were kept, and is cut to ``rows``."""
+    text = meta.get("routed_experts")
+    if not isinstance(text, str):
+        raise ValueError(f"request {meta.get('id')}: routed experts were asked for, but the reply has none (the "
+                         f"engine or server must run with enable_return_routed_experts)")
+    t = decode_routes(text, shape.layers, shape.top_k, None if cut else rows)
+    if len(t) < rows:
+        raise ValueError(f"request {meta.get('id')}: routed experts for {len(t)} input tokens, {rows} expected")
+    return t[:rows]
+
+
+def moe_shape(config: Mapping) -> RouteShape | None:
+    """The routed-experts shape of an HF config: every layer is a MoE layer (trainer.hf_io refuses mixed
+    dense/MoE stacks), ``num_experts_per_tok`` experts each; None for a dense model."""
+    k = config.get("num_experts_per_tok")
+    n = config.get("num_experts", config.get("num_local_experts"))
+    if not k or not n:
+        return None
+    return RouteShape(layers=int(config["num_hidden_layers"]), top_k=int(k))
+
+
+def group_outputs(outs: Sequence[Mapping], req: ExpandedRequests,
+                  routes: RouteShape | None = None) -> list[list[GenerationOutput]]:
+    """SGLang's result list (one per expanded request, in request order) -> ``out[i][j]``; ``routes``: the
+    requests asked for their routed experts (R3), of that shape."""
     if len(outs) != len(req.index):
         raise ValueError(f"{len(req.index)} requests sent but {len(outs)} results returned")
     grouped: list[list[GenerationOutput | None]] = [[None] * n for n in req.num_samples]
-    for o, rid, (i, j) in zip(outs, req.rids, req.index):
+    for o, rid, ids, (i, j) in zip(outs, req.rids, req.input_ids, req.index):
         got = o.get("meta_info", {}).get("id")
         if got is not None and got != rid:
             raise ValueError(f"result for request {got!r} where {rid!r} was expected")
-        grouped[i][j] = to_generation_output(o)
+        shape = None if routes is None else RouteShape(routes.layers, routes.top_k, len(ids))
+        grouped[i][j] = to_generation_output(o, shape)
     return grouped  # type: ignore[return-value]
 
 
@@ -406,10 +445,11 @@ class SGLangEngine(RolloutEngine):
     :mod:`trainer.rollout.sglang_cpu`). It decides the engine arguments only.
     """
 
-    # weights by SGLang's broadcast (trainer/sync/broadcast.py) or buckets through the object store; no
-    # partial rollout, routed experts or adapters yet; serves as real sglang.launch_server processes
+    # weights by SGLang's broadcast (trainer/sync/broadcast.py) or buckets through the object store; routed
+    # experts (R3) with enable_return_routed_experts; no partial rollout or adapters yet; serves as real
+    # sglang.launch_server processes
     capabilities = Capabilities(weight_protocols=("broadcast", "object_store"), partial_rollout=False,
-                                routing_replay=False, multi_turn=True, devices=("cpu", "cuda"),
+                                routing_replay=True, multi_turn=True, devices=("cpu", "cuda"),
                                 server="trainer.rollout.fleet:SGLangServers")
 
     @classmethod
@@ -462,6 +502,9 @@ class SGLangEngine(RolloutEngine):
         self.tp_size = int(args["tp_size"])
         self.bucket_bytes = int(bucket_bytes)
         self.specs, self.skip = read_checkpoint_index(self.model_path)
+        # R3: the shape of the routes SGLang returns (None: dense model, or the capture is off)
+        hf_cfg = {**load_config_json(self.model_path), **json.loads(args.get("json_model_override_args") or "{}")}
+        self.routes = moe_shape(hf_cfg) if args.get("enable_return_routed_experts") else None
         self.probe_names = list(probe_names) if probe_names is not None else default_probe_names(self.specs)
         self.sleep_tags = MEMORY_TAGS if release_weights_on_sleep else ("kv_cache", "cuda_graph")
         # Released weights keep their contents only with the memory saver off (nothing is released)
@@ -506,6 +549,7 @@ class SGLangEngine(RolloutEngine):
         enforce_eager: bool = False,
         engine_kwargs: Mapping | None = None,
         hf_overrides: Mapping | None = None,
+        enable_rollout_routing_replay: bool = False,
     ) -> "SGLangEngine":
         """Build from plain values named as in ``actor_rollout_ref.rollout`` (verl's names).
 
@@ -523,6 +567,8 @@ class SGLangEngine(RolloutEngine):
             mapped["chunked_prefill_size"] = int(max_num_batched_tokens)
         if enforce_eager:
             mapped["disable_cuda_graph"] = True
+        if enable_rollout_routing_replay:  # R3: SGLang captures each token's experts (a host buffer, KV-pool sized)
+            mapped["enable_return_routed_experts"] = True
         if hf_overrides:  # verl's model.override_config, as the other readers apply it (trainer.hf_io.apply_overrides)
             mapped["json_model_override_args"] = json.dumps(overridden_fields(load_config_json(model_path), hf_overrides))
         mapped.update(server)
@@ -538,6 +584,13 @@ class SGLangEngine(RolloutEngine):
         req = expand_requests(prompt_token_ids, params)
         if not req.index:
             return [[] for _ in req.num_samples]
+        plist = [params] if isinstance(params, SamplingParams) else list(params)
+        routed = any(p.return_routed_experts for p in plist)
+        if routed and self.routes is None:
+            raise ValueError("return_routed_experts asks for MoE routing, but this engine does not capture it: "
+                             + ("the model has no MoE layers" if moe_shape(load_config_json(self.model_path)) is None
+                                else "start it with enable_rollout_routing_replay=True (engine_kwargs "
+                                     "enable_return_routed_experts)"))
         with self._gen_lock:
             self._gen_epoch += 1
             self._generating = True
@@ -546,11 +599,11 @@ class SGLangEngine(RolloutEngine):
             if self._needs_flush:
                 self.flush_cache()
             outs = self.engine.generate(input_ids=req.input_ids, sampling_params=req.sampling_params,
-                                        return_logprob=True, rid=req.rids)
+                                        return_logprob=True, rid=req.rids, return_routed_experts=routed)
         finally:
             with self._gen_lock:
                 self._generating = False
-        return group_outputs(outs, req)
+        return group_outputs(outs, req, self.routes if routed else None)
 
     def abort(self) -> None:
         """End the running :meth:`generate` (called from another thread): every request of the engine

@@ -170,6 +170,7 @@ class Cluster:
                     settings=dict(**({"hf_overrides": _plain(cfg.actor_rollout_ref.model.override_config)}
                                      if cfg.actor_rollout_ref.model.override_config else {}),
                                   device=t.device,  # the engines run where the trainer does
+                                  **({"enable_rollout_routing_replay": True} if r.enable_rollout_routing_replay else {}),
                                   tensor_model_parallel_size=r.tensor_model_parallel_size,
                                   gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
                                   max_num_batched_tokens=r.max_num_batched_tokens,
