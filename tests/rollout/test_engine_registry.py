@@ -32,7 +32,7 @@ def test_builtin_names_resolve_to_their_classes_and_capabilities():
     nat, sg = capabilities("native"), capabilities("sglang")
     assert nat.partial_rollout and nat.routing_replay and nat.compiled_decode and nat.concurrent_generate
     assert set(nat.weight_protocols) == {"shared_memory", "dist_group", "hybrid", "object_store"}
-    assert not (sg.partial_rollout or sg.routing_replay or sg.compiled_decode or sg.concurrent_generate)
+    assert sg.routing_replay and not (sg.partial_rollout or sg.compiled_decode or sg.concurrent_generate)
     assert set(sg.weight_protocols) == {"broadcast", "object_store"}
     assert server_adapter("native") is NativeServers and server_adapter("sglang") is SGLangServers
 
