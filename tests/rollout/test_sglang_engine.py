@@ -991,3 +991,22 @@ def test_cpu_flush_and_abort(gpu_models, cpu_engine):
     cpu_engine.abort()
     (o,), = cpu_engine.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=4))
     assert o.finish_reason == "length" and len(o.token_ids) == 4
+
+
+def test_a_tied_moe_checkpoint_is_refused_before_sglang_starts(tmp_path):
+    """SGLang 0.5.21's Qwen3-MoE / Qwen2-MoE ignore tie_word_embeddings: a tied checkpoint would be served from an
+    unloaded head (log-probs off by up to 0.8 against transformers, measured, while every weight check passes).
+    The adapter and the fleet refuse it with the fix; an untied one, or a tied dense Qwen2, is served."""
+    import json
+
+    from trainer.rollout import fleet as fl
+
+    cfg = {"model_type": "qwen3_moe", "tie_word_embeddings": True}
+    assert "save the checkpoint untied" in se.model_refusal(cfg, "m")
+    assert se.model_refusal({**cfg, "tie_word_embeddings": False}, "m") is None
+    assert se.model_refusal({"model_type": "qwen2", "tie_word_embeddings": True}, "m") is None
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="tie_word_embeddings=true, which sglang"):
+        se.SGLangEngine(str(tmp_path), device="cpu")
+    with pytest.raises(fl.FleetError, match="tie_word_embeddings=true, which sglang"):
+        fl.Fleet(str(tmp_path), backend="sglang", log_dir=str(tmp_path / "logs")).start()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.tiny import tiny_config
+from tests.support.tiny import tiny_config, tiny_moe_twin
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -61,38 +61,12 @@ def test_cp2_actor_and_reference_match_cp1_in_the_loop(tmp_path, monkeypatch):
         assert abs(got[k] - ref[k]) < 1e-4 * max(1.0, abs(ref[k])), (k, got[k], ref[k])
 
 
-def _tiny_moe(path: Path, router_std: float = 1.0, experts: int = 4, expert_std: float | None = None) -> str:
-    """A random Qwen3-MoE twin of the tiny model (same tokenizer): 4 experts, top-2, 2 layers."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    base = json.loads((Path(TINY) / "config.json").read_text())
-    cfg = Qwen3MoeConfig(vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
-                         num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=base["max_position_embeddings"], tie_word_embeddings=True,
-                         eos_token_id=base.get("eos_token_id"), bos_token_id=base.get("bos_token_id"))
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("mlp.gate.weight"):
-                p.normal_(0, router_std)  # 1.0: a router far from uniform; small: near-ties everywhere
-            elif expert_std is not None and ".experts." in n:
-                p.normal_(0, expert_std)  # experts that differ enough for the choice to matter
-    m.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(Path(TINY) / f, path / f)
-    return str(path)
-
-
 def test_moe_actor_ep2_matches_ep1_in_the_loop(tmp_path, monkeypatch):
     """A mixture-of-experts policy (Qwen3-MoE) through the whole loop: the native engine samples from it,
     the megatron actor trains it with its experts split over two ranks (EP=2) or not, and one GRPO step
     gives the same losses and gradient norm; the checksum-verified sync carries the experts back."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    moe = _tiny_moe(tmp_path / "moe")
+    moe = tiny_moe_twin(tmp_path / "moe")
     common = ["trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
               f"actor_rollout_ref.model.path={moe}",
               "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01"]
@@ -114,7 +88,7 @@ def test_routing_replay_cuts_the_moe_mismatch_in_the_loop(tmp_path, monkeypatch)
     log-probs. Without replay the two often route a token to different experts; with it the actor uses
     the engine's experts, and the rollout-vs-trainer KL falls. The samples are the same in both runs."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    moe = _tiny_moe(tmp_path / "moe", router_std=0.01, experts=32, expert_std=0.5)
+    moe = tiny_moe_twin(tmp_path / "moe", router_std=0.01, experts=32, expert_std=0.5)
     common = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
               f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.dtype=bfloat16",
               "data.max_response_length=12", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",

@@ -5,12 +5,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_MODEL = os.path.join(ROOT, "recipes", "cpu", "tiny_model")
 TINY_YAML = os.path.join(ROOT, "recipes", "cpu", "tiny_grpo.yaml")
 # the recipe keeps verl's bf16 defaults; the tests' references are fp32 (recipes/cpu/fp32.yaml)
 FP32_YAML = os.path.join(ROOT, "recipes", "cpu", "fp32.yaml")
@@ -65,3 +67,32 @@ def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
         r = ids[n_p:]
         out[i, :len(r)] = logp[n_p - 1:-1].gather(-1, r[:, None])[:, 0]
     return out
+
+
+def tiny_moe_twin(path: Path, router_std: float = 1.0, experts: int = 4, expert_std: float | None = None,
+                  tied: bool = True) -> str:
+    """A random Qwen3-MoE twin of the tiny model (same tokenizer): 4 experts, top-2, 2 layers; ``tied``: the
+    output head is the embedding (SGLang 0.5.21's Qwen3-MoE cannot load that: the SGLang tests untie it)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # heavy: only the MoE tests build one
+
+    base = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    cfg = Qwen3MoeConfig(vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                         num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=base["max_position_embeddings"], tie_word_embeddings=tied,
+                         eos_token_id=base.get("eos_token_id"), bos_token_id=base.get("bos_token_id"))
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0, router_std)  # 1.0: a router far from uniform; small: near-ties everywhere
+            elif expert_std is not None and ".experts." in n:
+                p.normal_(0, expert_std)  # experts that differ enough for the choice to matter
+    m.save_pretrained(path)
+    path = Path(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(Path(TINY_MODEL) / f, path / f)
+    return str(path)

@@ -65,6 +65,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.hf_io import load_config_json
 from trainer.orphans import supervised
 from trainer.rollout import sglang_cpu
 # the client lives in fleet_client; its names are re-exported here, where callers have always found them
@@ -72,6 +73,7 @@ from trainer.rollout.engine import WeightSyncError
 from trainer.rollout.fleet_client import (FleetClient, FleetError, FleetStats, generate_payload,
                                           parse_generate_response, parse_output, prompt_seed)
 from trainer.rollout.registry import server_adapter
+from trainer.rollout.sglang_engine import model_refusal
 from trainer.rollout.sglang_http import server_command
 from trainer.net import SGLANG_NATIVE_READY_PREFIX as SERVER_READY_PREFIX
 from trainer.net import free_port, ready_url
@@ -598,6 +600,9 @@ class SGLangServers:
 
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
+        why = model_refusal(load_config_json(fleet.model), fleet.model)
+        if why:
+            raise FleetError(why)
         if fleet.hosts is not None:
             raise FleetError("a fleet of SGLang servers runs on the trainer's host: its weight route (SGLang's "
                              "update_weights_from_tensor) shares memory with the sender; use backend='native' "

@@ -332,6 +332,24 @@ def moe_shape(config: Mapping) -> RouteShape | None:
     return RouteShape(layers=int(config["num_hidden_layers"]), top_k=int(k))
 
 
+# Model types whose SGLang 0.5.21 class builds its own lm_head and never reads tie_word_embeddings
+# (models/qwen3_moe.py, qwen2_moe.py): a tied checkpoint has no lm_head.weight, so that head stays as allocated.
+IGNORES_TIED_HEAD = frozenset({"qwen3_moe", "qwen2_moe"})
+
+
+def model_refusal(config: Mapping, model_path: str) -> str | None:
+    """Why SGLang cannot serve this HF config faithfully, with the fix; None when it can. Found by comparing
+    SGLang's log-probs with transformers': a tied Qwen3-MoE sampled from a head that was never loaded
+    (log-probs off by up to 0.8, silently; every weight check passes, since the head is not a weight it takes)."""
+    mt = config.get("model_type")
+    if mt in IGNORES_TIED_HEAD and config.get("tie_word_embeddings"):
+        return (f"{model_path}: a {mt} model with tie_word_embeddings=true, which sglang {SGLANG_VERSION} does not tie "
+                f"(its {mt} class loads lm_head.weight, which a tied checkpoint lacks, and would sample from an "
+                f"unloaded head): save the checkpoint untied (lm_head.weight = the embedding, tie_word_embeddings="
+                f"false), or use the native engine (actor_rollout_ref.rollout.name=native)")
+    return None
+
+
 def group_outputs(outs: Sequence[Mapping], req: ExpandedRequests,
                   routes: RouteShape | None = None) -> list[list[GenerationOutput]]:
     """SGLang's result list (one per expanded request, in request order) -> ``out[i][j]``; ``routes``: the
@@ -501,6 +519,9 @@ class SGLangEngine(RolloutEngine):
         self.dtype = resolve_dtype(dtype)
         self.tp_size = int(args["tp_size"])
         self.bucket_bytes = int(bucket_bytes)
+        why = model_refusal(load_config_json(self.model_path), self.model_path)
+        if why:
+            raise ValueError(why)
         self.specs, self.skip = read_checkpoint_index(self.model_path)
         # R3: the shape of the routes SGLang returns (None: dense model, or the capture is off)
         hf_cfg = {**load_config_json(self.model_path), **json.loads(args.get("json_model_override_args") or "{}")}
