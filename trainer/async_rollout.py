@@ -86,7 +86,7 @@ import torch
 from trainer.algos.filtering import group_filter, select_filter_metric
 from trainer.batch import RolloutBatch
 from trainer.generation import PipelineError, fit_rows, generate_scored, score_outputs
-from trainer.rollout.engine import GenerationOutput
+from trainer.rollout.engine import GenerationOutput, resumed_routes
 
 FRONTIER_FILE = "async_frontier.json"
 
@@ -123,7 +123,7 @@ class _Prompt:
     epoch: int
     origin: tuple  # (sampler state before its draw, the draw's size, its place in the draw)
     params: dict  # its sampling params (n, budget, seed)
-    outs: list = field(default_factory=list)  # n GenerationOutput-like [tokens, logprobs, versions, finish]
+    outs: list = field(default_factory=list)  # n GenerationOutput-like [tokens, logprobs, versions, finish, routed_experts]
 
 
 class AsyncBatchSource:
@@ -418,7 +418,7 @@ class AsyncBatchSource:
                 params.append(pr.params)
                 slots.append((pr, None))
                 continue
-            for j, (toks, lps, vers, fin) in enumerate(pr.outs):
+            for j, (toks, lps, vers, fin, _) in enumerate(pr.outs):
                 if fin != "abort":
                     continue
                 budget = pr.params["max_new_tokens"] - len(toks)
@@ -432,13 +432,13 @@ class AsyncBatchSource:
             outs = self.rollout.generate(prompts, params[0])
         for (pr, j), got in zip(slots, outs):
             if j is None:
-                pr.outs = [[list(o.token_ids), list(o.logprobs), [version] * len(o.token_ids), o.finish_reason]
-                           for o in got]
+                pr.outs = [[list(o.token_ids), list(o.logprobs), [version] * len(o.token_ids), o.finish_reason,
+                            o.routed_experts] for o in got]
             else:
                 o = got[0]
-                toks, lps, vers, _ = pr.outs[j]
+                toks, lps, vers, _, routes = pr.outs[j]
                 pr.outs[j] = [toks + list(o.token_ids), lps + list(o.logprobs), vers + [version] * len(o.token_ids),
-                              o.finish_reason]
+                              o.finish_reason, resumed_routes(routes, o.routed_experts, len(pr.item["input_ids"]) + len(toks))]
 
     def _generate_and_queue(self, work: list[_Prompt]) -> None:
         p, g, m = self.plan, self.gen, {}
@@ -454,7 +454,7 @@ class AsyncBatchSource:
                                            reward_keys=getattr(p, "reward_keys", ()), reward_model=g.reward_model,
                                            hooks=g.hooks)
                 for w in work:
-                    w.outs = [[None, None, None, "stop"]]
+                    w.outs = [[None, None, None, "stop", None]]
                 batch.set_meta("token_versions", [[version] * int(n) for n in batch.response_length.tolist()])
             else:
                 self._call(work)
@@ -469,11 +469,11 @@ class AsyncBatchSource:
         complete = [w for w in work if all(o[3] != "abort" for o in w.outs)]
         aborted = [w for w in work if any(o[3] == "abort" for o in w.outs)]
         if batch is None and complete:
-            outs = [[GenerationOutput(o[0], o[1], o[3]) for o in w.outs] for w in complete]
+            outs = [[GenerationOutput(o[0], o[1], o[3], o[4]) for o in w.outs] for w in complete]
             batch, m = score_outputs(g.reward_mgr, g.tok, [w.item for w in complete], outs, [w.gid for w in complete],
                                      gen_params, m, max_prompt_length=p.max_prompt_length, overlong=p.overlong,
                                      reward_keys=getattr(p, "reward_keys", ()), reward_model=g.reward_model, hooks=g.hooks)
-            batch.set_meta("token_versions", [vers for w in complete for (_, _, vers, _) in w.outs])
+            batch.set_meta("token_versions", [vers for w in complete for (_, _, vers, _, _) in w.outs])
         m["timing_s/generate"] = m.get("timing_s/generate", 0.0) or (time.perf_counter() - t0)
         groups: dict[int, object] = {}
         if batch is not None:

@@ -257,3 +257,33 @@ def test_update_weights_from_tensor_json():
         parse_update_weights_from_tensor({"serialized_named_tensors": ["x"], "load_format": None})
     with pytest.raises(ProtocolError, match="base64"):
         parse_update_weights_from_tensor({"serialized_named_tensors": ["@@@"], "load_format": "safetensors"})
+
+
+def test_routed_experts_round_trip_in_sglangs_form():
+    """R3 over HTTP: the client asks with SGLang's ``return_routed_experts``; the server hands the flag to the engine
+    and answers each sample's routes in ``meta_info.routed_experts`` (base64 int32, SGLang's form); the client
+    decodes them to the model's shape, checking that every input token (prompt + sampled - 1) is covered."""
+    from trainer.rollout.engine import RouteShape
+
+    sp = SamplingParams(n=2, max_new_tokens=3, stop_token_ids=(1,), seed=4, return_routed_experts=True)
+    body = json.loads(json.dumps(generate_payload([3, 4, 5], sp)))
+    assert body["return_routed_experts"] is True and "return_routed_experts" not in generate_payload([3], SamplingParams())
+    req = parse(body)
+    assert req.params[0].return_routed_experts
+    g = torch.Generator().manual_seed(0)
+    outs = [GenerationOutput([7, 8, 1], [-1.0, -2.0, -0.5], "stop", torch.randint(0, 8, (3 + 3 - 1, 2, 2), generator=g,
+                                                                                     dtype=torch.int16)),
+            GenerationOutput([9], [-0.25], "length", torch.randint(0, 8, (3 + 1 - 1, 2, 2), generator=g, dtype=torch.int16))]
+    reply = json.loads(json.dumps(generate_response(req, [outs])))
+    assert base64.b64decode(reply[0]["meta_info"]["routed_experts"]) == outs[0].routed_experts.int().numpy().tobytes()
+    got = parse_generate_response(reply, 2, RouteShape(layers=2, top_k=2, prompt_len=3))
+    for a, b in zip(got, outs):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert a.routed_experts.dtype == torch.int16 and torch.equal(a.routed_experts, b.routed_experts)
+    with pytest.raises(FleetError, match="5 rows of 2 layers x top-2 int32, but 6 input tokens"):  # a prompt of 4: 6 rows
+        parse_generate_response(reply, 2, RouteShape(layers=2, top_k=2, prompt_len=4))
+    del reply[1]["meta_info"]["routed_experts"]
+    with pytest.raises(FleetError, match="the reply has none"):
+        parse_generate_response(reply, 2, RouteShape(layers=2, top_k=2, prompt_len=3))
+    with pytest.raises(ProtocolError, match="return_routed_experts must be true or false"):
+        parse({"input_ids": [3], "return_routed_experts": "yes"})

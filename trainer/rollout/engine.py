@@ -40,7 +40,7 @@ import abc
 import base64
 import ctypes
 import xxhash
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -269,6 +269,48 @@ def decode_routes(text: str, layers: int, top_k: int, rows: int | None = None) -
         return torch.empty((0, layers, top_k), dtype=torch.int16)
     t = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(len(raw) // per_row, layers, top_k)
     return t.to(torch.int16)
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """What one request's routed experts must look like: the model's MoE layers and top-k, its prompt length."""
+
+    layers: int
+    top_k: int
+    prompt_len: int = 0
+
+
+def routes_of(meta: Mapping, shape: RouteShape, rows: int, cut: bool = False) -> torch.Tensor:
+    """``meta_info["routed_experts"]`` -> int16 ``[rows, layers, top_k]``; ``cut`` (an aborted request): the
+    reply may route more tokens than were kept, and is cut to ``rows``."""
+    text = meta.get("routed_experts")
+    if not isinstance(text, str):
+        raise ValueError(f"request {meta.get('id')}: routed experts were asked for, but the reply has none (the "
+                         f"engine or server must run with enable_return_routed_experts)")
+    t = decode_routes(text, shape.layers, shape.top_k, None if cut else rows)
+    if len(t) < rows:
+        raise ValueError(f"request {meta.get('id')}: routed experts for {len(t)} input tokens, {rows} expected")
+    return t[:rows]
+
+
+def moe_shape(config: Mapping) -> RouteShape | None:
+    """The routed-experts shape of an HF config: every layer is a MoE layer (trainer.hf_io refuses mixed
+    dense/MoE stacks), ``num_experts_per_tok`` experts each; None for a dense model."""
+    k = config.get("num_experts_per_tok")
+    n = config.get("num_experts", config.get("num_local_experts"))
+    if not k or not n:
+        return None
+    return RouteShape(layers=int(config["num_hidden_layers"]), top_k=int(k))
+
+
+def resumed_routes(before: torch.Tensor | None, after: torch.Tensor | None, fed: int) -> torch.Tensor | None:
+    """The routes of a response resumed after an abort (partial rollout): the resumed request's prompt was the
+    ``fed`` tokens (prompt + the prefix sampled so far), so it routes them again, possibly with newer weights.
+    Every token keeps the experts it was routed to when it was fed while sampling: rows ``[0, fed - 1)`` from
+    the earlier segment, the rest (the prefix's last token onwards) from the resumed one."""
+    if after is None or before is None:
+        return after
+    return torch.cat([before[: fed - 1], after[fed - 1:]])
 
 
 class WeightSyncError(RuntimeError):

@@ -69,7 +69,7 @@ from trainer.hf_io import load_config_json
 from trainer.orphans import supervised
 from trainer.rollout import sglang_cpu
 # the client lives in fleet_client; its names are re-exported here, where callers have always found them
-from trainer.rollout.engine import WeightSyncError
+from trainer.rollout.engine import WeightSyncError, moe_shape
 from trainer.rollout.fleet_client import (FleetClient, FleetError, FleetStats, generate_payload,
                                           parse_generate_response, parse_output, prompt_seed)
 from trainer.rollout.registry import server_adapter
@@ -253,8 +253,14 @@ class Fleet:
     device: str = "cpu"  # sglang: the servers' device (cpu: SGLang's CPU path, trainer/rollout/sglang_cpu)
     max_total_tokens: int = 4096  # sglang on CPU: the KV cache's size in tokens
     server_python: str | None = None  # sglang: the interpreter with sglang (default sglang_cpu.server_python())
+    # R3 routing replay: the servers capture each token's experts (SGLang: --enable-return-routed-experts; the
+    # native server always can) and the client decodes them to the model's MoE shape
+    routed_experts: bool = False
 
     def __post_init__(self):
+        self.route_shape = moe_shape(load_config_json(self.model)) if self.routed_experts else None
+        if self.routed_experts and self.route_shape is None:
+            raise FleetError(f"routed_experts=True (R3 routing replay), but {self.model} has no MoE layers")
         # how this engine runs as servers: the adapter its class declares (capabilities.server)
         self.kind = server_adapter(self.backend)(self)
         self.servers: list[_Server] = []
@@ -291,7 +297,8 @@ class Fleet:
             self.servers = [self._await_server(k, p, path, 0) for k, (p, path) in enumerate(procs)]
             self._start_router()
             self.client = FleetClient(self.router_url, self.server_urls, on_failure=self._on_failure, stats=self.stats,
-                                      api_key=self.api_key, **self.kind.client_kwargs(dict(self.client_kwargs)))
+                                      api_key=self.api_key, route_shape=self.route_shape,
+                                      **self.kind.client_kwargs(dict(self.client_kwargs)))
             self.kind.check_start_weights()
         except BaseException:
             self.close()
@@ -620,7 +627,8 @@ class SGLangServers:
                              # no --context-length: SGLang derives it from the model (as the in-worker
                              # adapter); a longer one than the model's positions is refused by SGLang
                              dtype=f.dtype, admin_key=f.api_key,
-                             max_total_tokens=f.max_total_tokens, extra=f.server_args)
+                             max_total_tokens=f.max_total_tokens,
+                             extra=[*(["--enable-return-routed-experts"] if f.routed_experts else []), *f.server_args])
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(f.threads_per_server))
         if f.device == "cpu":
             sglang_cpu.activate(env)

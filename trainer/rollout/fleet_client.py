@@ -84,7 +84,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.hf_io import iter_safetensors
-from trainer.rollout.engine import (GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError,
+from trainer.rollout.engine import (GenerationOutput, RolloutEngine, RouteShape, SamplingParams, WeightSyncError, routes_of,
                                     checksum_named_tensors, iter_buckets, tensor_digest)
 from trainer.rollout.sglang_http import serialize_flat
 from trainer.rollout.weights import (PROBE_SUFFIXES, combine_digests, default_probe_names, flatten_bucket,
@@ -127,13 +127,17 @@ def sglang_sampling_params(params: SamplingParams, seed: int | None = None) -> d
 
 def generate_payload(prompt_ids: Sequence[int], params: SamplingParams, seed: int | None = None) -> dict:
     """One SGLang ``/generate`` body for one prompt, asking for the sampled tokens' log-probs."""
-    return {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sglang_sampling_params(params, seed),
+    body = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sglang_sampling_params(params, seed),
             "return_logprob": True, "logprob_start_len": -1, "stream": False}
+    if params.return_routed_experts:  # R3: SGLang's own request field (PR #12162), the native servers' too
+        body["return_routed_experts"] = True
+    return body
 
 
-def parse_output(item: dict) -> GenerationOutput:
+def parse_output(item: dict, routes: RouteShape | None = None) -> GenerationOutput:
     """One SGLang output object -> :class:`GenerationOutput` (tokens from ``meta_info.output_token_logprobs``,
-    checked against ``output_ids``)."""
+    checked against ``output_ids``); ``routes``: the request asked for its routed experts (R3), which must
+    cover its every input token (``meta_info.routed_experts``)."""
     try:
         meta = item["meta_info"]
         triples = meta["output_token_logprobs"]
@@ -147,15 +151,21 @@ def parse_output(item: dict) -> GenerationOutput:
     kind = fr.get("type") if isinstance(fr, dict) else fr
     if kind not in ("stop", "length", "abort"):
         raise FleetError(f"unknown finish_reason {fr!r}")
-    return GenerationOutput(ids, lps, kind)
+    routed = None
+    if routes is not None:
+        try:
+            routed = routes_of(meta, routes, rows=routes.prompt_len + len(ids) - 1, cut=kind == "abort")
+        except ValueError as e:
+            raise FleetError(str(e)) from None
+    return GenerationOutput(ids, lps, kind, routed)
 
 
-def parse_generate_response(body: Any, n: int) -> list[GenerationOutput]:
+def parse_generate_response(body: Any, n: int, routes: RouteShape | None = None) -> list[GenerationOutput]:
     """A ``/generate`` response for one prompt sampled ``n`` times: one object (n == 1) or a list of n."""
     items = body if isinstance(body, list) else [body]
     if len(items) != n:
         raise FleetError(f"expected {n} outputs, got {len(items)}")
-    return [parse_output(it) for it in items]
+    return [parse_output(it, routes) for it in items]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,9 +194,10 @@ class FleetClient(RolloutEngine):
                  bucket_bytes: int = 64 << 20, on_failure: Callable[[str], None] | None = None,
                  stats: FleetStats | None = None, per_sample_requests: bool = False, api_key: str | None = None,
                  weight_protocol: str = "coxswain", retain_push: bool = True, model_dir: str | None = None,
-                 model_dtype: torch.dtype | str = torch.float32):
+                 model_dtype: torch.dtype | str = torch.float32, route_shape: RouteShape | None = None):
         if weight_protocol not in ("coxswain", "sglang"):
             raise ValueError(f"weight_protocol={weight_protocol!r}: 'coxswain' (native servers) or 'sglang' (real SGLang)")
+        self.route_shape = route_shape  # the model's MoE layers and top-k: what R3 routes decode to (None: dense)
         self.api_key = api_key  # the servers' Bearer key (their weight and control endpoints need it)
         self.weight_protocol = weight_protocol
         # SGLang protocol: keep the last push's flat buckets (one copy of the weights in the engine dtype, in
@@ -287,6 +298,11 @@ class FleetClient(RolloutEngine):
         import aiohttp  # heavy to import: loaded once the client starts its loop
 
         url, last = self.router_url, ""
+        if payload.get("return_routed_experts") and self.worker_urls:
+            # sglang-router 0.3.2 re-serialises /generate bodies without return_routed_experts (checked: its reply
+            # has no routes), so an R3 request goes to a worker directly, round-robin as the router would
+            url = self.worker_urls[self._rr % len(self.worker_urls)]
+            self._rr = (self._rr + 1) % len(self.worker_urls)
         for attempt in range(self.max_retries + 1):
             try:
                 async with self._session.post(url + "/generate", json=payload,
@@ -324,7 +340,12 @@ class FleetClient(RolloutEngine):
         try:
             async with self._sem:
                 body = await self._post_generate(generate_payload(prompt_ids, params, seed))
-            outs = parse_generate_response(body, params.n)
+            shape = None
+            if params.return_routed_experts:
+                if self.route_shape is None:
+                    raise FleetError("return_routed_experts asks for MoE routing, but the fleet's model has no MoE layers")
+                shape = RouteShape(self.route_shape.layers, self.route_shape.top_k, len(prompt_ids))
+            outs = parse_generate_response(body, params.n, shape)
         finally:
             self._inflight -= 1
             if self._inflight == 0:

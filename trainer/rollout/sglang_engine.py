@@ -144,7 +144,8 @@ import torch
 
 from trainer.hf_io import iter_safetensors, load_config_json, overridden_fields
 from trainer.rollout import sglang_cpu
-from trainer.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, decode_routes, tensor_digest
+from trainer.rollout.engine import (GenerationOutput, RolloutEngine, RouteShape, SamplingParams, moe_shape, routes_of,
+                                    tensor_digest)
 from trainer.rollout.registry import Capabilities
 from trainer.rollout.weights import (combine_digests, default_probe_names, flatten_bucket, iter_cast_buckets, probe_rows,
                                      read_checkpoint_index, readback_error, unflatten_bucket,
@@ -268,7 +269,7 @@ def output_logprobs(meta_info: Mapping) -> tuple[list[float], list[int]]:
     return [float(e[0]) for e in entries], [int(e[1]) for e in entries]
 
 
-def to_generation_output(out: Mapping, routes: "RouteShape | None" = None) -> GenerationOutput:
+def to_generation_output(out: Mapping, routes: RouteShape | None = None) -> GenerationOutput:
     """One SGLang result dict (``{"output_ids", "meta_info"}``) -> :class:`GenerationOutput`.
 
     Checks what the trainer relies on: one log-prob per token, for the same token ids, and on
@@ -298,38 +299,6 @@ def to_generation_output(out: Mapping, routes: "RouteShape | None" = None) -> Ge
     if routes is not None:
         routed = routes_of(meta, routes, rows=routes.prompt_len + len(ids) - 1, cut=reason == "abort")
     return GenerationOutput(token_ids=ids, logprobs=lps, finish_reason=reason, routed_experts=routed)
-
-
-@dataclass(frozen=True)
-class RouteShape:
-    """What one request's routed experts must look like: the model's MoE layers and top-k, its prompt length."""
-
-    layers: int
-    top_k: int
-    prompt_len: int = 0
-
-
-def routes_of(meta: Mapping, shape: RouteShape, rows: int, cut: bool = False) -> "torch.Tensor":
-    """``meta_info["routed_experts"]`` -> int16 ``[rows, layers, top_k]``; ``cut`` (an aborted request): the
-    reply may route more tokens than were kept, and is cut to ``rows``."""
-    text = meta.get("routed_experts")
-    if not isinstance(text, str):
-        raise ValueError(f"request {meta.get('id')}: routed experts were asked for, but the reply has none (the "
-                         f"engine or server must run with enable_return_routed_experts)")
-    t = decode_routes(text, shape.layers, shape.top_k, None if cut else rows)
-    if len(t) < rows:
-        raise ValueError(f"request {meta.get('id')}: routed experts for {len(t)} input tokens, {rows} expected")
-    return t[:rows]
-
-
-def moe_shape(config: Mapping) -> RouteShape | None:
-    """The routed-experts shape of an HF config: every layer is a MoE layer (trainer.hf_io refuses mixed
-    dense/MoE stacks), ``num_experts_per_tok`` experts each; None for a dense model."""
-    k = config.get("num_experts_per_tok")
-    n = config.get("num_experts", config.get("num_local_experts"))
-    if not k or not n:
-        return None
-    return RouteShape(layers=int(config["num_hidden_layers"]), top_k=int(k))
 
 
 # Model types whose SGLang 0.5.21 class builds its own lm_head and never reads tie_word_embeddings

@@ -117,7 +117,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from trainer.rollout.engine import GenerationOutput, SamplingParams
+from trainer.rollout.engine import GenerationOutput, SamplingParams, encode_routes
 from trainer.serving.app import (parse_json_body, EngineServer, add_engine_args, error_body, json_error, load_engine,
                                  model_dir_arg, path_problem, read_capped, request_limits, serve, serve_until_signal, served_model_name)
 from trainer.net import SGLANG_NATIVE_READY_PREFIX as READY_PREFIX
@@ -147,7 +147,7 @@ _SP_DEFAULTS = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
 # GenerateReqInput fields that change the output and are not implemented: must be falsy (None, False,
 # 0, empty). Everything not listed here or handled below is ignored (log_metrics, no_logs, priority, ...).
 _REQ_MUST_BE_UNSET = ("input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
-                      "return_hidden_states", "return_routed_experts", "session_params", "lora_path", "lora_id",
+                      "return_hidden_states", "session_params", "lora_path", "lora_id",
                       "custom_logit_processor", "bootstrap_host", "bootstrap_room", "return_bytes",
                       "return_entropy", "return_prompt_token_ids", "background", "positional_embed_overrides")
 
@@ -282,6 +282,11 @@ def parse_generate_request(body: Any, *, vocab_size: int, max_seq_len: int, eos_
                 f"Requested token count exceeds the model's maximum context length of {max_seq_len} tokens. "
                 f"You requested a total of {len(p) + sp.max_new_tokens} tokens: {len(p)} tokens from the input "
                 f"messages and {sp.max_new_tokens} tokens for the completion (prompt {i}).")
+    routes = body.get("return_routed_experts", False)
+    if not isinstance(routes, bool):
+        raise ProtocolError(f"return_routed_experts must be true or false, got {routes!r}")
+    if routes:  # R3: each input token's experts in meta_info.routed_experts (SGLang's base64 int32 form)
+        params = [replace(p, return_routed_experts=True) for p in params]
     n = params[0].n
     lp = [bool(x) for x in _per_prompt(body.get("return_logprob", False), b, "return_logprob")]
     for s in _per_prompt(body.get("logprob_start_len"), b, "logprob_start_len"):
@@ -329,6 +334,8 @@ def output_json(out: GenerationOutput, *, rid: str, prompt: Sequence[int], retur
         texts = token_texts if token_texts is not None else [None] * len(out.token_ids)
         meta["input_token_logprobs"] = [[None, int(prompt[-1]), None]]  # logprob_start_len == -1 (SGLang)
         meta["output_token_logprobs"] = [[float(lp), int(t), s] for lp, t, s in zip(out.logprobs, out.token_ids, texts)]
+    if out.routed_experts is not None:
+        meta["routed_experts"] = encode_routes(out.routed_experts)
     meta["completion_tokens"] = len(out.token_ids)
     meta["cached_tokens"] = 0
     meta["e2e_latency"] = e2e_latency

@@ -222,7 +222,8 @@ class Cluster:
                                 max_batch_size=r.max_num_seqs, max_seq_len=rkw["max_seq_len"], dtype=r.dtype,
                                 tokenizer_path=rkw["tokenizer_path"], bucket_bytes=bucket,
                                 log_dir=os.path.join(cfg.trainer.default_local_dir, "fleet_logs"), hosts=hosts,
-                                backend=r.name, device=cfg.trainer.device, transports=transports)
+                                backend=r.name, device=cfg.trainer.device, transports=transports,
+                                routed_experts=bool(r.enable_rollout_routing_replay))
         if self.hybrid:
             return HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
                                  transports=transports)

@@ -253,14 +253,14 @@ class FleetRollout:
     def __init__(self, model_path: str, *, num_servers: int, threads_per_server: int, max_batch_size: int,
                  max_seq_len: int, dtype: str, tokenizer_path: str | None, log_dir: str, bucket_bytes: int = 512 << 20,
                  hosts: list[dict] | None = None, backend: str = "native", device: str = "cpu",
-                 transports: tuple[str, ...] = ("http_push",)):
+                 transports: tuple[str, ...] = ("http_push",), routed_experts: bool = False):
         self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None
         self.dtype, self.bucket_bytes = dtype, int(bucket_bytes)
         self.engine_dtype = dtype
         os.makedirs(log_dir, exist_ok=True)
         self.fleet = Fleet(model_path, num_servers=num_servers, threads_per_server=threads_per_server,
                            max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                           log_dir=log_dir, hosts=hosts, backend=backend, device=device,
+                           log_dir=log_dir, hosts=hosts, backend=backend, device=device, routed_experts=routed_experts,
                            # SGLang on CPU sizes its KV cache by tokens: room for every sequence of a full batch
                            max_total_tokens=max(4096, max_batch_size * max_seq_len)).start()
         self.client = self.fleet.client
