@@ -106,7 +106,8 @@ def _run(tmp_path, name: str, *overrides: str) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_routing_replay_through_sglang_cuts_the_moe_mismatch(tmp_path):
-    """R3 with SGLang (verl's router-replay setting, rollout.mode=sync): a bf16 SGLang engine samples from a MoE
+    """R3 with SGLang, in the rollout workers (rollout.mode=sync) and as a fleet of SGLang servers (rollout.mode=
+    async, verl's router-replay example's setting): a bf16 SGLang engine samples from a MoE
     policy whose router nearly ties (32 experts, small scores); the fp32 actor recomputes the log-probs. Without
     replay the two route many tokens to different experts; with SGLang's captured routes replayed the actor uses
     the engine's experts, and the rollout-vs-trainer KL falls by orders of magnitude."""
@@ -124,4 +125,10 @@ def test_routing_replay_through_sglang_cuts_the_moe_mismatch(tmp_path):
     # k3 = E[ratio - 1 - log ratio] >= 0 per token: the flipped tokens' large log-ratios dominate it
     kl_free, kl_r3 = sum(free["mismatch/mismatch_k3_kl"]), sum(r3["mismatch/mismatch_k3_kl"])
     print("mismatch_k3_kl free", kl_free, "R3", kl_r3)
-    assert kl_r3 * 50 < kl_free, (kl_free, kl_r3)  # measured 2.9e-4 vs 1.3e-6 at step 1 (222x), as the native engine (220x)
+    assert kl_r3 * 50 < kl_free, (kl_free, kl_r3)
+    # the same from a fleet of real SGLang servers (rollout.mode=async; --enable-return-routed-experts)
+    fleet = _run(tmp_path, "fleet", *common, "actor_rollout_ref.actor.router_replay.mode=R3",
+                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.rollout.mode=async")
+    kl_fleet = sum(fleet["mismatch/mismatch_k3_kl"])
+    print("mismatch_k3_kl SGLang fleet R3", kl_fleet)
+    assert len(fleet["actor/pg_loss"]) == 2 and kl_fleet * 50 < kl_free, (kl_free, kl_fleet)  # measured 2.9e-4 vs 1.3e-6 at step 1 (222x), as the native engine (220x)
