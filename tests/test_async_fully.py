@@ -222,3 +222,58 @@ def test_config_keys_follow_verl_and_refuse_what_is_not_built():
         with pytest.raises(ConfigError) as e:
             tiny_config(bad)
         assert want in str(e.value), (bad, str(e.value))
+
+
+def _routes_under(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' top-k experts (sorted) of every input token of ``ids`` under the MoE at ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = m(ids[None], output_router_logits=True)
+    logits = torch.stack([r.reshape(len(ids), -1) for r in out.router_logits], 1)
+    return logits.topk(m.config.num_experts_per_tok, -1).indices.sort(-1).values
+
+
+@pytest.mark.slow
+def test_partial_rollout_keeps_the_routes_each_token_was_sampled_with(tmp_path, _mlflow, monkeypatch):
+    """R3 with fully-async partial rollout: a response aborted by a push resumes under the new weights, and the
+    engine routes its prefix again; the batch keeps, for every input token, the experts it was routed to when it
+    was fed to sample the next token (trainer.rollout.engine.resumed_routes). Checked against transformers'
+    routing under each version's saved weights, on responses that span two versions."""
+    from trainer.debug import load_batch
+    from tests.support.tiny import tiny_moe_twin
+
+    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.08")
+    moe = tiny_moe_twin(tmp_path / "moe")  # a decisive router: the versions' routes are told apart exactly
+    dumps, K, steps = tmp_path / "dumps", 2, 4
+    h = run(tmp_path, f"actor_rollout_ref.model.path={moe}", f"trainer.total_training_steps={steps}",
+            f"async_training.trigger_parameter_sync_step={K}", "async_training.staleness_threshold=0.5",
+            "async_training.partial_rollout=true", f"trainer.save_freq={K}", "actor_rollout_ref.actor.optim.lr=3e-2",
+            "actor_rollout_ref.actor.entropy_coeff=0.5",  # a gradient even where every advantage is zero: the router moves
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+            "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            f"trainer.debug.dump_batch_path={dumps}", name="r3")["history"]
+    assert sum(x["async/partial_samples"] for x in h) > 0
+    weights = {0: moe, **{v: str(tmp_path / "r3" / f"global_step_{v * K}" / "actor" / "huggingface") for v in (1,)}}
+    split = differ = 0
+    for t in range(1, steps + 1):
+        b = load_batch(str(dumps / f"step_{t:06d}"))
+        tv, P = b.get_meta("token_versions"), b.prompt_width
+        for i, vers in enumerate(tv):
+            real = b.attention_mask[i].bool()
+            ids, n_p = b.input_ids[i][real], int(real[:P].sum())
+            got = b.routed_experts[i][real]
+            assert (got[:-1] >= 0).all() and (got[-1] == -1).all()  # every input token routed; the last is never fed
+            if len(set(vers)) == 1:
+                continue
+            split += 1
+            # row r was fed to sample token r + 1: the prompt's rows and the response's rows alike
+            want_v = torch.tensor([vers[max(r + 1 - n_p, 0)] for r in range(len(ids) - 1)])
+            for v in sorted(set(vers)):
+                want = _routes_under(weights[v], ids)[:-1]
+                sel = want_v == v
+                assert torch.equal(got[:-1][sel].long().sort(-1).values, want[sel]), (t, i, v)
+                differ += int((want[sel] != _routes_under(weights[1 - v], ids)[:-1][sel]).any(-1).sum())
+    assert split > 0, "no response was continued across a push"
+    assert differ > 0, "the two versions route these tokens alike: the check could not tell them apart"
