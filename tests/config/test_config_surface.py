@@ -324,3 +324,16 @@ def test_compile_switch_fills_only_what_engine_kwargs_leaves_unset():
     assert kw({"x": 1}, name="sglang") == {"x": 1}
     assert kw({}, model_path=moe) == {}
     assert tiny_config(["trainer.compile=true"]).trainer.compile is True
+
+
+def test_verl_router_replay_example_resolves_with_sglang():
+    """verl's router-replay example with R3 (``examples/router_replay``, ROUTING_REPLAY_MODE=R3 and
+    enable_rollout_routing_replay=True as its comment says; rollout.name=sglang for vllm): R3 through the HTTP fleet
+    (rollout.mode=async) with balance_batch=False resolves as written; it trains at tiny size in
+    tests/rollout/test_sglang_loop.py."""
+    cfg, probs = _problems(_args(ROOT / "tests" / "data" / "verl_scripts" / "run_qwen30_a3b_megatron_vllm.json"))
+    assert probs == [] and cfg is not None
+    r = cfg.actor_rollout_ref
+    assert (r.actor.router_replay.mode, r.rollout.enable_rollout_routing_replay, r.rollout.name, r.rollout.mode) == \
+        ("R3", True, "sglang", "async")
+    assert cfg.trainer.balance_batch is False and r.actor.megatron.expert_model_parallel_size == 8
