@@ -239,7 +239,7 @@ def _routes_under(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
 def test_partial_rollout_keeps_the_routes_each_token_was_sampled_with(tmp_path, _mlflow, monkeypatch):
     """R3 with fully-async partial rollout: a response aborted by a push resumes under the new weights, and the
     engine routes its prefix again; the batch keeps, for every input token, the experts it was routed to when it
-    was fed to sample the next token (trainer.rollout.engine.resumed_routes). Checked against transformers'
+    was fed to sample the next token (trainer.rollout.engine.extend_routes). Checked against transformers'
     routing under each version's saved weights, on responses that span two versions."""
     from trainer.debug import load_batch
     from tests.support.tiny import tiny_moe_twin

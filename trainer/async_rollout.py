@@ -86,7 +86,7 @@ import torch
 from trainer.algos.filtering import group_filter, select_filter_metric
 from trainer.batch import RolloutBatch
 from trainer.generation import PipelineError, fit_rows, generate_scored, score_outputs
-from trainer.rollout.engine import GenerationOutput, resumed_routes
+from trainer.rollout.engine import GenerationOutput, extend_routes
 
 FRONTIER_FILE = "async_frontier.json"
 
@@ -438,7 +438,7 @@ class AsyncBatchSource:
                 o = got[0]
                 toks, lps, vers, _, routes = pr.outs[j]
                 pr.outs[j] = [toks + list(o.token_ids), lps + list(o.logprobs), vers + [version] * len(o.token_ids),
-                              o.finish_reason, resumed_routes(routes, o.routed_experts, len(pr.item["input_ids"]) + len(toks))]
+                              o.finish_reason, extend_routes(routes, o.routed_experts)]
 
     def _generate_and_queue(self, work: list[_Prompt]) -> None:
         p, g, m = self.plan, self.gen, {}

@@ -119,7 +119,7 @@ def test_cross_field_errors_name_every_key():
 
 def test_routing_replay_keys():
     """verl's R3 keys: the replaying role and the recording engines need each other; R2, the file
-    dumps and multi-turn are refused with the reason; the good pair resolves, with the native engine or SGLang
+    dumps are refused with the reason; the good pair resolves, with the native engine or SGLang
     (its adapter returns SGLang's captured routes: tests/rollout/test_sglang_routes.py), in workers or as the
     HTTP fleet (rollout.mode=async)."""
     R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
@@ -131,7 +131,6 @@ def test_routing_replay_keys():
         ("actor_rollout_ref.actor.router_replay.mode=R2",): "R2 routing replay",
         ("actor_rollout_ref.actor.router_replay.mode=R4",): "'R4' is not one of",
         (*R3, "actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"): "dumping routes to a file is not built",
-        (*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"): "multi-turn rollouts is not built yet",
     }
     assert tiny_config(R3 + ["actor_rollout_ref.rollout.name=sglang"]).actor_rollout_ref.rollout.name == "sglang"
     assert tiny_config(R3 + ["actor_rollout_ref.rollout.mode=async"]).actor_rollout_ref.rollout.mode == "async"

@@ -120,16 +120,20 @@ def test_routes_travel_in_sglangs_wire_form():
     assert decode_routes("", 3, 2, rows=0).shape == (0, 3, 2)
 
 
-def test_resumed_routes_keep_each_token_as_it_was_routed_while_sampling():
-    """Partial rollout with R3: a response aborted after 2 of its tokens (prompt of 3) resumes as a request whose
-    prompt is those 5 tokens; its routes re-route all of them (newer weights). The first 3 + 2 - 1 = 4 input rows
-    keep the earlier segment's experts; the prefix's last token, fed first in the resumed request, and every
-    later one take the resumed segment's."""
-    from trainer.rollout.engine import resumed_routes
+def test_segment_routes_keep_each_token_as_it_was_first_fed():
+    """R3 over segments. Partial rollout: a response aborted after 2 of its tokens (prompt of 3) resumes as a
+    request whose prompt is those 5 tokens; the first 3 + 2 - 1 = 4 input rows keep the earlier segment's experts,
+    the prefix's last token (fed first in the resumed request) and every later one take the resumed segment's.
+    Multi-turn: turn 2's prompt is turn 1's context + its 3 sampled tokens + 2 tool tokens (10 fed tokens)."""
+    from trainer.rollout.engine import extend_routes
 
     before = torch.full((4, 2, 2), 1, dtype=torch.int16)  # prompt 3 + 2 sampled - 1
     after = torch.full((5 + 3 - 1, 2, 2), 2, dtype=torch.int16)  # prompt' 5 + 3 sampled - 1
-    got = resumed_routes(before, after, fed=5)
+    got = extend_routes(before, after)
     assert got.shape == (3 + 5 - 1, 2, 2)  # the whole response: prompt 3 + 5 sampled - 1
     assert (got[:4] == 1).all() and (got[4:] == 2).all()
-    assert resumed_routes(None, after, 5) is after and resumed_routes(before, None, 5) is None
+    assert extend_routes(None, after) is after and extend_routes(before, None) is None
+    turn1 = torch.full((5 + 3 - 1, 2, 2), 1, dtype=torch.int16)  # context 5, 3 sampled
+    turn2 = torch.full((10 + 4 - 1, 2, 2), 2, dtype=torch.int16)  # context 5 + 3 + 2 tool tokens, 4 sampled
+    got = extend_routes(turn1, turn2)
+    assert got.shape[0] == 13 and (got[:7] == 1).all() and (got[7:] == 2).all()  # row 7: turn 1's last token

@@ -582,3 +582,47 @@ def test_episode_budget_from_settings_and_loop_kwargs():
         b.max_user_turns = 9
     with pytest.raises(ValueError, match="max_assistant_turns"):
         EpisodeBudget(max_assistant_turns=0)
+
+
+def test_routed_experts_of_every_turn_cover_the_whole_episode(tmp_path):
+    """R3 with multi-turn: each turn's request re-feeds the episode so far; the trajectory keeps every input
+    token's experts from the turn that first fed it (trainer.rollout.engine.extend_routes), tool tokens included,
+    and the batch lays them on the prompt/response grid. Against transformers' own routing of the final token
+    stream (one weight version here, so every turn routes alike: this checks coverage and alignment; which turn's
+    rows are kept is checked in tests/rollout/test_engine.py and, across a weight push, tests/test_async_fully.py)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from trainer.envs.puzzle import make_tasks
+    from trainer.rollout.native import NativeEngine
+
+    tok = char_tokenizer("chatml")
+    cfg = Qwen3MoeConfig(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(1)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[2] *= 6.0  # <|im_end|> likely: turns end with the stop token
+    model.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    params = SamplingParams(temperature=0.9, max_new_tokens=10, stop_token_ids=(im_end,), seed=5, return_routed_experts=True)
+    trajs = run_multi_turn(NativeEngine(str(tmp_path), max_batch_size=8, max_seq_len=1024), tok, "hanoi",
+                           make_tasks(3, seed=0, max_discs=2), params, n=2, concurrency=4,
+                           budget=EpisodeBudget(max_assistant_turns=3, max_user_turns=3, max_tokens_per_trajectory=900))
+    assert max(t.num_turns for t in trajs) >= 2 and any(t.num_user_turns for t in trajs)
+    batch = trajectories_to_batch(trajs, pad_id=0)
+    P = batch.prompt_width
+    for i, t in enumerate(trajs):
+        ids = t.token_ids
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_router_logits=True)
+        want = torch.stack([r.reshape(len(ids), -1) for r in out.router_logits], 1).topk(2, -1).indices.sort(-1).values
+        # every token up to the last turn's last sampled one was fed, except that one (tool tokens appended
+        # after the last turn, cut by a budget, were never fed either)
+        last_fed = len(t.prompt_ids) + t.turn_spans[-1][1] - 1
+        assert t.routes.shape == (last_fed, 2, 2), (t.routes.shape, len(ids), t.finish_reason)
+        assert torch.equal(t.routes.long().sort(-1).values, want[:last_fed])
+        grid = batch.routed_experts[i][P - len(t.prompt_ids):]  # the episode's tokens, then padding
+        assert torch.equal(grid[:last_fed], t.routes) and (grid[last_fed:] == -1).all()

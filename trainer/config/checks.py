@@ -371,9 +371,6 @@ def _routing_replay_errors(cfg: DictConfig) -> list[str]:
         adapter = engine_class(r.name).__name__.removesuffix("Engine")
         errs.append(f"R3 routing replay with actor_rollout_ref.rollout.name={r.name} is not built yet (the {adapter} "
                     "adapter does not return routed experts: capabilities.routing_replay); it runs with the native engine.")
-    if replaying and r.multi_turn.enable:
-        errs.append("R3 routing replay with multi-turn rollouts is not built yet: each turn re-prefills the context, "
-                    "so a trajectory has no single recorded routing; remove router_replay or multi_turn.enable.")
     return errs
 
 

@@ -303,14 +303,16 @@ def moe_shape(config: Mapping) -> RouteShape | None:
     return RouteShape(layers=int(config["num_hidden_layers"]), top_k=int(k))
 
 
-def resumed_routes(before: torch.Tensor | None, after: torch.Tensor | None, fed: int) -> torch.Tensor | None:
-    """The routes of a response resumed after an abort (partial rollout): the resumed request's prompt was the
-    ``fed`` tokens (prompt + the prefix sampled so far), so it routes them again, possibly with newer weights.
-    Every token keeps the experts it was routed to when it was fed while sampling: rows ``[0, fed - 1)`` from
-    the earlier segment, the rest (the prefix's last token onwards) from the resumed one."""
+def extend_routes(before: torch.Tensor | None, after: torch.Tensor | None) -> torch.Tensor | None:
+    """The routes of a sequence generated in segments: a response resumed after an abort (partial rollout) or
+    the next turn of an episode (multi-turn). The later request's prompt is the whole sequence so far, so the
+    engine routes those tokens again (possibly with newer weights, and for the tokens after the last fed one
+    for the first time). Every token keeps the experts it was routed to when it was first fed while sampling:
+    the earlier segment's rows, then the later one's rows beyond them (the last sampled token of the earlier
+    segment, any tool tokens, and the new segment's input tokens)."""
     if after is None or before is None:
         return after
-    return torch.cat([before[: fed - 1], after[fed - 1:]])
+    return torch.cat([before, after[len(before):]])
 
 
 class WeightSyncError(RuntimeError):

@@ -62,8 +62,8 @@ import torch
 
 from trainer.batch import RolloutBatch
 from trainer.envs import Environment, env_factory
-from trainer.rollout.engine import GenerationOutput, SamplingParams
-from trainer.rollout.single_turn import pad_left, pad_right
+from trainer.rollout.engine import GenerationOutput, SamplingParams, extend_routes
+from trainer.rollout.single_turn import pad_left, pad_right, routes_grid
 
 AGenerate = Callable[[list[int], SamplingParams], Awaitable[list[GenerationOutput]]]
 FINISH_REASONS = ("done", "max_assistant_turns", "max_user_turns", "length", "abort")
@@ -137,6 +137,9 @@ class Trajectory:
     finish_reason: str = ""  # one of FINISH_REASONS
     info: dict = field(default_factory=dict)  # the last step's info
     data_source: str = ""  # the task's data_source
+    # R3 (params.return_routed_experts): the experts each input token of token_ids was routed to when it was first
+    # fed while sampling, [rows, layers, top_k] (trainer.rollout.engine.extend_routes over the turns); None: not asked
+    routes: torch.Tensor | None = None
 
     @property
     def num_turns(self) -> int:
@@ -235,6 +238,8 @@ async def run_trajectory(
             break
         sp = replace(params, n=1, max_new_tokens=cap, seed=turn_seed(seed, index, turn))
         out = (await agenerate(traj.token_ids, sp))[0]
+        if params.return_routed_experts:
+            traj.routes = extend_routes(traj.routes, out.routed_experts)
         start = len(traj.response_ids)
         append(out.token_ids, 1, out.logprobs, turn)
         traj.turn_spans.append((start, len(traj.response_ids)))
@@ -406,7 +411,9 @@ def trajectories_to_batch(
     }
     for k, vals in (meta or {}).items():
         rows[k] = [vals[t.task_index] for t in trajs]
+    extra = {"routed_experts": routes_grid([t.routes for t in trajs], [len(t.prompt_ids) for t in trajs], P, T)} \
+        if any(t.routes is not None for t in trajs) else {}
     return RolloutBatch.from_tokens(
         p_ids, r_ids, p_mask, r_attn, response_mask=loss, meta=rows,
         rollout_log_probs=lps, step_ids=steps, group_ids=torch.as_tensor(gids, dtype=torch.long),
-        acc=torch.tensor([float(t.success) for t in trajs], dtype=torch.float32))
+        acc=torch.tensor([float(t.success) for t in trajs], dtype=torch.float32), **extra)
