@@ -70,18 +70,19 @@ def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
 
 
 def tiny_moe_twin(path: Path, router_std: float = 1.0, experts: int = 4, expert_std: float | None = None,
-                  tied: bool = True) -> str:
-    """A random Qwen3-MoE twin of the tiny model (same tokenizer): 4 experts, top-2, 2 layers; ``tied``: the
-    output head is the embedding (SGLang 0.5.21's Qwen3-MoE cannot load that: the SGLang tests untie it)."""
+                  tied: bool = True, base_model: str = TINY_MODEL, max_positions: int | None = None) -> str:
+    """A random Qwen3-MoE twin of the tiny model, or of ``base_model`` (same tokenizer): 4 experts, top-2, 2 layers;
+    ``tied``: the output head is the embedding (SGLang 0.5.21's Qwen3-MoE cannot load that: the SGLang tests untie
+    it); ``max_positions``: the base model's by default."""
     import shutil
 
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # heavy: only the MoE tests build one
 
-    base = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    base = json.loads((Path(base_model) / "config.json").read_text())
     cfg = Qwen3MoeConfig(vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
                          num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=base["max_position_embeddings"], tie_word_embeddings=tied,
+                         max_position_embeddings=max_positions or base["max_position_embeddings"], tie_word_embeddings=tied,
                          eos_token_id=base.get("eos_token_id"), bos_token_id=base.get("bos_token_id"))
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(cfg).float()
@@ -94,5 +95,5 @@ def tiny_moe_twin(path: Path, router_std: float = 1.0, experts: int = 4, expert_
     m.save_pretrained(path)
     path = Path(path)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(Path(TINY_MODEL) / f, path / f)
+        shutil.copy(Path(base_model) / f, path / f)
     return str(path)
