@@ -46,7 +46,8 @@ _QUIET_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not
                    "`torch.distributed.reduce_scatter_tensor` is deprecated",
                    "`torch.distributed.all_gather_into_tensor` is deprecated",
                    # megatron_bridge on gloo (CPU): said once by the driver's config notes, not once per worker
-                   "distributed optimizer needs reduce-scatter, which gloo lacks")
+                   # (a prefix without its comma: PYTHONWARNINGS splits its filters at commas)
+                   "distributed optimizer needs reduce-scatter")
 # Ray's zero-copy tensors (turned on above, on purpose): Ray warns that they are safe only for tensors
 # nobody writes, and its deserializer's torch.from_numpy over the read-only buffer makes torch warn the
 # same. A batch shard is read and never written in place (trainer.batch copies read-only arrays unless
