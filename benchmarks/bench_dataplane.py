@@ -45,6 +45,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _common import load_average, machine, summary, table, write_json  # noqa: E402
+from trainer.plan import ForwardSettings  # noqa: E402
+from trainer.step import loss_fields  # noqa: E402  (imported here, not in the timed step: ~3 s the first time)
+from trainer.workers.dataplane import StepData  # noqa: E402
 from trainer.workers.metrics import MEAN  # noqa: E402
 
 
@@ -176,10 +179,6 @@ def previous_step(group, batch, mini_batch_size: int) -> int:
 
 def by_reference_step(actor, ref, transport, batch, settings) -> int:
     """The product's step: ``StepData`` + the role groups' typed calls, as ``trainer/main.py`` runs them."""
-    from trainer.step import loss_fields
-    from trainer.plan import ForwardSettings
-    from trainer.workers.dataplane import StepData
-
     transport.take_metrics()
     data = StepData(batch, transport)
     fwd = ForwardSettings(micro_batch_size=8)
@@ -232,6 +231,10 @@ def main() -> None:
     print(f"machine: {machine(f'{dp} DP ranks (NullWorker) on a local Ray cluster')}")
     print(f"step: {B} sequences x {P} + {T} tokens, {n_mb} mini-batches, GRPO + KL loss + token TIS\n")
     res = {name: {"cpu": [], "overhead": [], "wall": [], "bytes": []} for name in ("previous", "by reference")}
+    # one untimed round first: the workers' first data call imports the dataplane's modules (about 6 s at the
+    # first by-reference call here, once per worker process)
+    previous_step(groups["actor"], base.clone(), B // n_mb)
+    by_reference_step(actor, ref, transport, own_width(base.clone()), settings)
     for _ in range(repeats):  # interleaved: both paths see the same machine load
         for name in res:
             batch = base.clone()
