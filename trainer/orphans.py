@@ -100,6 +100,24 @@ for _ in range(20):  # a few rounds: a dying daemon may start another process on
 _watching = False
 _reaper: subprocess.Popen | None = None
 
+# Test support (tests/security/test_orphans.py): "<point>:<file>" makes the worker that reaches ``point`` (startup,
+# rollout, update, sync, checkpoint) append "<point> <pid>" to ``file`` and hold there, mid-call, so that a test can
+# SIGKILL the driver while its workers are busy in that phase. Unset (always, outside that test): nothing happens.
+FAULT_HOLD = "COXSWAIN_FAULT_HOLD"
+HOLD_POINTS = ("startup", "rollout", "update", "sync", "checkpoint")
+
+
+def fault_hold(point: str) -> None:
+    spec = os.environ.get(FAULT_HOLD)
+    if not spec:
+        return
+    want, _, path = spec.partition(":")
+    if want != point:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{point} {os.getpid()}\n")
+    time.sleep(3600)
+
 
 def watch_parent(interval: float = 0.5) -> None:
     """Exit this process soon after its parent dies (idempotent per process)."""

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
+from trainer.orphans import fault_hold
 from trainer.rollout.engine import checksum_named_tensors, tensor_digest
 from trainer.rollout.weights import combine_digests
 from trainer.sync import TRANSPORTS
@@ -38,6 +39,7 @@ class SenderEndpoints:
         return halves[transport]
 
     def sync_send(self, transport: str, op: str, *args) -> Any:
+        fault_hold("sync")
         half = self._sync_half(transport)
         if op in half.resident_ops:
             with params_resident(self):

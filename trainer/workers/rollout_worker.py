@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from trainer.orphans import fault_hold
 from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.rollout.multi_turn import loop_kwargs, run_multi_turn
 from trainer.rollout.registry import engine_class
@@ -40,6 +41,7 @@ class RolloutWorker(ReceiverEndpoints):
     def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
         """``params``: one dict for every prompt, or a list with one per prompt (a resumed partial
         rollout: each its own remaining budget and seed)."""
+        fault_hold("rollout")
         sp = [SamplingParams(**p) for p in params] if isinstance(params, list) else SamplingParams(**params)
         with self._generate_threads():
             return self.engine.generate(prompts, sp)

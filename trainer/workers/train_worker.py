@@ -30,6 +30,7 @@ from trainer.algos.kl import kl_penalty
 from trainer.algos.losses import LossAgg, agg_loss, get_policy_loss_fn, value_loss
 from trainer.algos.correction import compose_correction
 from trainer.batch import RolloutBatch, micro_batch_groups
+from trainer.orphans import fault_hold
 from trainer.plan import ForwardSettings, RolloutIS, UpdateSettings
 from trainer.rewards.reward_model import with_score_token
 from trainer.strategies import Strategy, load_strategy
@@ -78,6 +79,7 @@ class TrainWorker(SenderEndpoints):
                  section: dict | None = None, launch: dict | None = None, **options):
         torch.set_num_threads(max(1, num_threads))
         self.role, self.rank = role, rank
+        fault_hold("startup")
         cls = load_strategy(strategy or self.strategy_name)
         if section is not None:  # the role's config section: the strategy reads its own keys (Strategy.from_section)
             options = {**cls.from_section(OmegaConf.create(section), **(launch or {})), **options}
@@ -242,6 +244,7 @@ class TrainWorker(SenderEndpoints):
         computes only the mismatch metrics, from the log-probs returned with
         ``return_log_probs``. Returns ``{"metrics": [one dict per mini-batch], "log_probs":
         [b, T_d] in shard order or None, "entropy": summary or None}``."""
+        fault_hold("update")
         pl = settings.policy
         # verl's bypass mode: "reinforce" is the plain policy gradient -w A log pi (GPG with the IS weights)
         policy_loss = get_policy_loss_fn("gpg" if bypass and bypass["loss"] == "reinforce" else pl.loss_mode)
@@ -345,6 +348,7 @@ class TrainWorker(SenderEndpoints):
     # ------------------------------------------------------------------ checkpoints, RNG
     @resident("params", "optimizer")
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
+        fault_hold("checkpoint")
         return self.strategy.save(ckpt_dir, extra=extra)
 
     @resident("params", "optimizer")
