@@ -588,8 +588,10 @@ class SGLangEngine(RolloutEngine):
             self.wake()  # like the native engine, generating wakes a sleeping engine
             if self._needs_flush:
                 self.flush_cache()
+            # the routing flag goes only when asked: the call without it is the one every SGLang release takes
+            extra = {"return_routed_experts": True} if routed else {}
             outs = self.engine.generate(input_ids=req.input_ids, sampling_params=req.sampling_params,
-                                        return_logprob=True, rid=req.rids, return_routed_experts=routed)
+                                        return_logprob=True, rid=req.rids, **extra)
         finally:
             with self._gen_lock:
                 self._generating = False
