@@ -18,7 +18,7 @@ from trainer.algos.adca import compute_adca_grpo_advantage
 from trainer.generation import val_core_acc
 from trainer.batch import RolloutBatch
 from tests.support.tiny import tiny_config
-from trainer.credit import adca_advantages, steps_from_messages
+from trainer.credit import JudgeFallbackError, adca_advantages, steps_from_messages
 from trainer.rewards.judge import JudgeClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,10 +112,14 @@ def test_flags_land_on_the_asked_rows_and_tokens():
 def test_unusable_judge_falls_back_to_outcome_only_credit():
     srv = ScriptedServer(lambda i, body: ("reply", "I cannot decide.", 0))
     try:
-        adv, _, m = adca_advantages(make_batch(), None, judge_for(srv.url), adca_cfg(), global_step=1)
+        adv, _, m = adca_advantages(make_batch(), None, judge_for(srv.url), adca_cfg(max_fallback_fraction=1),
+                                    global_step=1)
+        # by default (max_fallback_fraction=0.1) a judge that labels nothing stops the run, naming the counts
+        with pytest.raises(JudgeFallbackError, match=r"3 of the 3 trajectories .* at step 5 \(100% > "):
+            adca_advantages(make_batch(), None, judge_for(srv.url), adca_cfg(), global_step=5)
     finally:
         srv.close()
-    assert len(srv.requests) == 6  # each of the 3 asked rows: the first prompt and the stricter retry
+    assert len(srv.requests) == 12  # each of the 3 asked rows, twice: the first prompt and the stricter retry
     # group 0 scores [1, 0, 1]: mean 2/3, population std sqrt(2/9) -> o = [1/sqrt2, -sqrt2, 1/sqrt2];
     # outcome-only credit under last_step gives every token of the row beta * o_i (beta = 1)
     o = [1 / math.sqrt(2), -math.sqrt(2), 1 / math.sqrt(2)]
@@ -215,6 +219,7 @@ def test_three_step_adca_run_with_the_local_judge_server(tmp_path):
     log_dir = tmp_path / "judge_log"
     cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
                               "attribution_driven_credit_assignment.evaluation_type=local",
+                              "attribution_driven_credit_assignment.max_fallback_fraction=1",  # the tiny judge rambles
                               f"attribution_driven_credit_assignment.llm_evaluation_log_dir={log_dir}"])
     hist = train(cfg)["history"]
     assert [h["step"] for h in hist] == [1, 2, 3]
@@ -251,6 +256,24 @@ def test_three_step_adca_run_with_an_api_judge(tmp_path, monkeypatch):
     for p in run_dir.rglob("*"):
         if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".txt", ".log"):
             assert "sk-judge-test" not in p.read_text(errors="ignore"), p
+
+
+@pytest.mark.slow
+def test_a_judge_that_labels_nothing_stops_the_run(tmp_path):
+    """max_fallback_fraction (0.1) in the loop: a judge whose every answer is unusable stops the run at its first
+    step with JudgeFallbackError (the CLI's anticipated failures print its message alone)."""
+    from trainer.main import _anticipated, train
+
+    srv = ScriptedServer(lambda i, body: ("reply", "I would rather not say.", 0))
+    try:
+        cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
+                                  f"attribution_driven_credit_assignment.base_url={srv.url}",
+                                  "attribution_driven_credit_assignment.api_key_env=COXSWAIN_UNSET_KEY"])
+        with pytest.raises(JudgeFallbackError, match=r"16 of the 16 trajectories .* at step 1 ") as e:
+            train(cfg)
+    finally:
+        srv.close()
+    assert isinstance(e.value, _anticipated()) and len(srv.requests) == 32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,7 +331,8 @@ def test_multi_turn_adca_run_on_the_calculator_with_the_local_judge(tmp_path):
 
     cfg = tiny_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.test_freq=-1",
                             "data.max_prompt_length=640", "actor_rollout_ref.rollout.multi_turn.environment=calculator",
-                            "attribution_driven_credit_assignment.evaluation_type=local"])
+                            "attribution_driven_credit_assignment.evaluation_type=local",
+                            "attribution_driven_credit_assignment.max_fallback_fraction=1"])
     hist = train(cfg)["history"]
     for h in hist:
         assert h["adca/judge_trajectories"] == 16

@@ -23,8 +23,15 @@ one call per step from the driver's math (:func:`trainer.step.driver_math`):
 
 ``evaluation_type=local`` serves a local HF model as the judge with ``python -m trainer.serve`` in a
 subprocess (:class:`trainer.rewards.judge_server.LocalJudgeServer`): by default the actor's own initial
-checkpoint, or ``attribution_driven_credit_assignment.local_model_path``. ``api`` talks to ``base_url`` with
-the key from the environment variable ``api_key_env`` (``DASHSCOPE_API_KEY`` as the seed recipe sets it).
+checkpoint, or ``attribution_driven_credit_assignment.local_model_path``. ``rule`` serves the environment's
+own rule (:meth:`trainer.envs.base.Environment.label_steps`, GOOD = the step made progress) behind the same
+chat interface (:mod:`trainer.rewards.rule_judge`), so the client's whole path runs with labels that carry
+information. ``api`` talks to ``base_url`` with the key from the environment variable ``api_key_env``
+(``DASHSCOPE_API_KEY`` as the seed recipe sets it).
+
+A judge that gives no usable labels (transport failures, unparseable answers) for more than
+``max_fallback_fraction`` (0.1) of a step's judged trajectories stops the run (:func:`check_fallbacks`):
+past that, ADCA is outcome-only GRPO at the judge's cost.
 
 Metrics: the judge's (``adca/judge_*``; ``adca/judge_fallback_fraction`` = fallbacks / trajectories the
 judge was asked about) and the fusion's (``adca/good_fraction``, ``adca/prm_fraction``,
@@ -43,7 +50,7 @@ from trainer.algos.adca import (compute_adca_grpo_advantage, num_steps_from_step
                                 select_judge_samples)
 from trainer.algos.advantages import compute_advantage, compute_grpo_outcome_advantage
 from trainer.batch import RolloutBatch
-from trainer.rewards.judge_server import LocalJudgeServer
+from trainer.rewards.judge_server import JudgeServer, LocalJudgeServer, RuleJudgeServer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,11 +166,34 @@ def adca_metrics(estimator_m: dict, judge_m: dict[str, float], settings) -> dict
     return metrics
 
 
+class JudgeFallbackError(RuntimeError):
+    """The judge gave no usable labels for more of a step's trajectories than ``max_fallback_fraction`` allows."""
+
+
+def check_fallbacks(judge_m: dict[str, float], settings, global_step: int) -> None:
+    """Stop the run when the judge fell back to outcome-only credit on more than ``max_fallback_fraction`` of
+    the trajectories it was asked about this step: ADCA would then be GRPO with extra cost, silently."""
+    limit = float(settings.get("max_fallback_fraction", 1.0))
+    asked = judge_m.get("adca/judge_trajectories", 0.0)
+    fallbacks = judge_m.get("adca/judge_fallbacks", 0.0)
+    if asked > 0 and fallbacks / asked > limit:
+        raise JudgeFallbackError(
+            f"ADCA's judge gave no usable step labels for {fallbacks:.0f} of the {asked:.0f} trajectories it was asked "
+            f"about at step {global_step} ({fallbacks / asked:.0%} > attribution_driven_credit_assignment."
+            f"max_fallback_fraction={limit:g}; {judge_m.get('adca/judge_errors', 0):.0f} calls got no answer, "
+            f"{judge_m.get('adca/judge_format_retries', 0):.0f} answers did not parse): those trajectories got "
+            f"outcome-only credit. Check the judge (its endpoint, model and answers: "
+            f"attribution_driven_credit_assignment.llm_evaluation_log_dir logs them), or set "
+            f"max_fallback_fraction=1 to go on anyway.")
+
+
 def adca_advantages(batch: RolloutBatch, tokenizer, judge, settings, *, global_step: int, epoch: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """``(advantages [B, T], returns [B, T], metrics)`` for ``batch``: the judge's flags
-    (:func:`adca_estimator_inputs`) into ADCA-GRPO through the estimators' dispatch."""
+    (:func:`adca_estimator_inputs`) into ADCA-GRPO through the estimators' dispatch. Raises
+    :class:`JudgeFallbackError` past ``max_fallback_fraction`` (:func:`check_fallbacks`)."""
     kwargs, judge_m = adca_estimator_inputs(batch, tokenizer, judge, settings, global_step=global_step, epoch=epoch)
+    check_fallbacks(judge_m, settings, global_step)
     adv, ret, m = compute_advantage(compute_adca_grpo_advantage, **kwargs)
     return adv, ret, adca_metrics(m, judge_m, settings)
 
@@ -171,16 +201,20 @@ def adca_advantages(batch: RolloutBatch, tokenizer, judge, settings, *, global_s
 # --------------------------------------------------------------------------------------------------
 # the judge
 # --------------------------------------------------------------------------------------------------
-def make_judge(cfg, run_dir: str) -> tuple[Any, LocalJudgeServer | None]:
+def make_judge(cfg, run_dir: str) -> tuple[Any, JudgeServer | None]:
     """``(JudgeClient, server or None)`` from the config; the caller closes the server."""
     from trainer.rewards.judge import JudgeClient  # imports aiohttp (about 0.6 s): only ADCA runs need it
 
     ac = cfg.attribution_driven_credit_assignment
     kw: dict[str, Any] = dict(max_tokens=ac.judge_max_tokens)
-    server = None
+    server: JudgeServer | None = None
+    log_path = os.path.join(run_dir, "judge_server.log")
     if ac.evaluation_type == "local":
         model = ac.local_model_path or cfg.actor_rollout_ref.model.path
-        server = LocalJudgeServer(model, log_path=os.path.join(run_dir, "judge_server.log"),
-                                  max_seq_len=ac.local_max_seq_len)
-        kw.update(base_url=server.base_url, model="local-judge", api_key_env=None)
+        server = LocalJudgeServer(model, log_path=log_path, max_seq_len=ac.local_max_seq_len)
+    elif ac.evaluation_type == "rule":
+        server = RuleJudgeServer(ac.rule_environment or cfg.actor_rollout_ref.rollout.multi_turn.environment,
+                                 log_path=log_path)
+    if server is not None:
+        kw.update(base_url=server.base_url, model=f"{ac.evaluation_type}-judge", api_key_env=None)
     return JudgeClient.from_config(ac, **kw), server

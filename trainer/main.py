@@ -47,7 +47,7 @@ from trainer.config import (LAST_LOAD_NOTES, ConfigError, CoxswainConfig, flatte
 from trainer.config.preflight import (check_code_sandbox, check_data_sources, check_model, check_paths, check_supported,
                                      missing_paths, rm_inputs)
 from trainer.console import changed_from_defaults, config_summary_lines, help_keys_lines, print_lines
-from trainer.credit import make_judge
+from trainer.credit import JudgeFallbackError, make_judge
 from trainer.data.dataset import BadRowError, PromptSampler, build_dataset
 from trainer.envs import task_maker
 from trainer.generation import DynamicSamplingError, Generation, PipelineError, timer
@@ -436,7 +436,7 @@ def cli(argv: list[str] | None = None) -> int:
 def _anticipated() -> tuple:
     return (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError, CheckpointError, BadRowError,
             WorkerDiedError, FloatingPointError, RewardError, DynamicSamplingError, WeightSyncError, FleetError,
-            TemplateError, SandboxServiceError, MemoryError)
+            TemplateError, SandboxServiceError, MemoryError, JudgeFallbackError)
 
 
 def resume_hint(run_dir: str) -> str:

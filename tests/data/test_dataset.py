@@ -186,6 +186,28 @@ def test_build_dataset_defaults_to_synthetic():
     assert {i["prompt_text"] for i in train.items}.isdisjoint({i["prompt_text"] for i in val.items})
 
 
+def test_max_samples_keeps_verls_rows():
+    """data.train_max_samples / val_max_samples as verl's RLHFDataset: with data.shuffle a seeded sample
+    without replacement (numpy's default_rng(seed).choice), else the first rows; <= 0 keeps all."""
+    import numpy as np
+
+    from trainer.config import DataConfig
+    from trainer.data.dataset import build_dataset
+    from trainer.data.synthetic import make_rows
+
+    tok = char_tokenizer(with_template=False)
+    rows = make_rows(2048, "train", ops=("+",), max_digits=2)
+    picked = build_dataset(DataConfig(train_max_samples=10, seed=3), tok, "train")
+    want = [rows[i]["prompt"][0]["content"] for i in np.random.default_rng(3).choice(2048, size=10, replace=False)]
+    assert [it["messages"][0]["content"] for it in picked.items] == want and len(set(want)) == 10
+    first = build_dataset(DataConfig(train_max_samples=10, shuffle=False), tok, "train")
+    assert [it["messages"][0]["content"] for it in first.items] == [r["prompt"][0]["content"] for r in rows[:10]]
+    assert len(build_dataset(DataConfig(val_max_samples=7), tok, "val")) == 7
+    assert len(build_dataset(DataConfig(val_max_samples=7), tok, "train")) == 2048  # each split its own key
+    assert len(build_dataset(DataConfig(train_max_samples=-1), tok, "train")) == 2048
+    assert len(build_dataset(DataConfig(train_max_samples=5000), tok, "train")) == 2048
+
+
 # ---------------------------------------------------------------------------------------------
 # sampler
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
 from trainer.config.plugins import HOOK_PARAMS, PIPELINE_PARAMS, load_step_callable
 from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.envs import Environment, env_factory
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
@@ -672,6 +673,27 @@ def algorithm_errors(cfg: DictConfig) -> list[str]:
     return errs
 
 
+def _adca_errors(cfg: DictConfig) -> list[str]:
+    """``evaluation_type=rule`` needs an environment with a rule step judge; ``rule_environment`` is read only then."""
+    ac = cfg.attribution_driven_credit_assignment
+    key = "attribution_driven_credit_assignment"
+    if ac.evaluation_type != "rule":
+        return ([f"{key}.rule_environment='{ac.rule_environment}' is read only with {key}.evaluation_type=rule "
+                 f"(it is '{ac.evaluation_type}'): drop it, or set evaluation_type=rule."]
+                if ac.rule_environment is not None else [])
+    name = ac.rule_environment or cfg.actor_rollout_ref.rollout.multi_turn.environment
+    try:
+        env = env_factory(name)
+    except (ImportError, AttributeError, ValueError) as e:
+        return [f"{key}.evaluation_type=rule: the environment '{name}' does not load ({e})."]
+    own = getattr(getattr(env, "label_steps", None), "__func__", None)  # a class's classmethod, else None
+    if own is None or own is Environment.label_steps.__func__:
+        return [f"{key}.evaluation_type=rule: the environment '{name}' has no rule step judge (it does not define "
+                f"label_steps); use evaluation_type=local or api, or set {key}.rule_environment to one that has "
+                f"(towers)."]
+    return []
+
+
 def trainer_errors(cfg: DictConfig) -> list[str]:
     """``trainer.*``: the horizon, loggers, resume, debug modes, user hooks and pipeline."""
     errs = []
@@ -715,7 +737,7 @@ def _hf_override_errors(cfg: DictConfig) -> list[str]:
 
 # The section checks in the schema's order; each reads its section (and the keys it must agree with).
 SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
-                  _routing_replay_errors, reward_errors, algorithm_errors, trainer_errors, _async_errors, deepspeed_errors,
+                  _routing_replay_errors, reward_errors, algorithm_errors, _adca_errors, trainer_errors, _async_errors, deepspeed_errors,
                   fsdp_errors, _hf_override_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")

@@ -48,6 +48,8 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length
     truncation: str = "error"  # error | left | right: what to do with an overlong prompt when not filtered
     on_bad_row: str = "error"  # error | skip: a malformed dataset row stops the run or is skipped and counted
+    train_max_samples: int = -1  # use only this many training rows (random ones when shuffle, seeded by seed; else the first); <= 0 = all
+    val_max_samples: int = -1  # the same for the validation rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -486,7 +488,7 @@ class AdcaGrpoConfig:
 @dataclass
 class AdcaConfig:
     enable: bool = False  # step-level credit assignment by an LLM judge
-    evaluation_type: str = "api"  # api (OpenAI-compatible endpoint) | local (trainer.serve)
+    evaluation_type: str = "api"  # api (OpenAI-compatible endpoint) | local (trainer.serve) | rule (the environment's rule judge)
     model: str = "qwen-max"  # judge model name
     base_url: str = "https://dashscope.aliyuncs.com/compatible-mode/v1"  # judge endpoint
     api_key_env: str = "DASHSCOPE_API_KEY"  # env var holding the judge API key (never logged)
@@ -500,6 +502,8 @@ class AdcaConfig:
     judge_max_tokens: Optional[int] = 256  # max_tokens of each judge answer (None = the server's default)
     local_model_path: Optional[str] = None  # evaluation_type=local: HF dir served as the judge (None = the actor's model)
     local_max_seq_len: int = 4096  # evaluation_type=local: the judge server's context length
+    rule_environment: Optional[str] = None  # evaluation_type=rule: whose label_steps judges (None = multi_turn.environment)
+    max_fallback_fraction: float = 0.1  # stop the run when more of a step's judged trajectories fall back to outcome-only credit (1 = never stop)
     adca_grpo: AdcaGrpoConfig = field(default_factory=AdcaGrpoConfig)  # fusion settings
 
 
@@ -618,7 +622,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "trainer.resume_mode": (("auto", "disable", "resume_path"), False),
     "attribution_driven_credit_assignment.skip_type": (("skip_small_adv", "skip_all_neg", "none"), False),
     "attribution_driven_credit_assignment.overall_score_source": (("token_level_rewards", "advantages"), False),
-    "attribution_driven_credit_assignment.evaluation_type": (("api", "local"), False),
+    "attribution_driven_credit_assignment.evaluation_type": (("api", "local", "rule"), False),
     "attribution_driven_credit_assignment.adca_grpo.prm_scheme": (("decouple", "allocation"), False),
     "attribution_driven_credit_assignment.adca_grpo.orm_distribution": (("last_step", "all_steps"), False),
 }
@@ -694,6 +698,8 @@ RANGES: dict[str, Range] = {
     "DataConfig.max_prompt_length": _r(1, MAX_TOKENS, why="tokens of one prompt"),
     "DataConfig.max_response_length": _r(1, MAX_TOKENS, why="tokens of one response"),
     "DataConfig.train_batch_size": _r(1, MAX_BATCH, why="prompts per step"),
+    "DataConfig.train_max_samples": _r(hi=MAX_BATCH, why="rows kept (<= 0: all)"),
+    "DataConfig.val_max_samples": _r(hi=MAX_BATCH, why="rows kept (<= 0: all)"),
     "DataConfig.gen_batch_size": _r(1, MAX_BATCH, why="prompts per generation batch"),
     "DataConfig.val_batch_size": _r(1, MAX_BATCH, why="prompts per validation batch"),
     "DataConfig.seed": _SEED,
@@ -818,6 +824,7 @@ RANGES: dict[str, Range] = {
     "AdcaConfig.rate_limit_per_s": _r(**_POS, why="requests per second (null: unlimited)"),
     "AdcaConfig.judge_max_tokens": _r(1, MAX_TOKENS, why="tokens of one judge answer"),
     "AdcaConfig.local_max_seq_len": _r(1, MAX_TOKENS, why="the judge's context length"),
+    "AdcaConfig.max_fallback_fraction": _r(**_FRACTION, why="a fraction of the judged trajectories"),
     "TrainerConfig.nnodes": _r(1, MAX_RANKS, why="nodes"),
     "TrainerConfig.n_gpus_per_node": _r(1, 4096, why="devices per node; no host has more than 4096"),
     "TrainerConfig.total_epochs": _r(1, why="passes over the training prompts"),

@@ -37,6 +37,7 @@ import random
 import stat
 from typing import Any, Iterable, Sequence
 
+import numpy
 import torch
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,9 @@ class RLDataset(torch.utils.data.Dataset):
         truncation: str = "error",
         on_bad_row: str = "error",
         chat_template_kwargs: dict | None = None,
+        max_samples: int = -1,
+        shuffle: bool = False,
+        seed: int | None = None,
     ):
         if on_bad_row not in ("error", "skip"):
             raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -259,6 +263,10 @@ class RLDataset(torch.utils.data.Dataset):
                     path, skipped_here, next((m for m in self.bad_rows if m.startswith(path)), ""),
                 )
 
+        if 0 < max_samples < len(checked):  # verl's max_samples: a seeded sample without replacement, or the first rows
+            keep = (numpy.random.default_rng(seed).choice(len(checked), size=max_samples, replace=False) if shuffle
+                    else range(max_samples))
+            checked = [checked[int(i)] for i in keep]
         if filter_overlong_prompts and tokenizer is not None:
             # Drop, before rendering and tokenizing, the prompts whose characters alone cannot fit: a
             # 2M-character prompt would otherwise be tokenized whole just to be dropped (minutes, GBs).
@@ -313,6 +321,9 @@ def build_dataset(data_cfg, tokenizer, split: str = "train", synthetic_rows=None
         filter_overlong_prompts=data_cfg.filter_overlong_prompts,
         truncation=data_cfg.truncation,
         on_bad_row=data_cfg.on_bad_row,
+        max_samples=data_cfg.train_max_samples if split == "train" else data_cfg.val_max_samples,
+        shuffle=data_cfg.shuffle,
+        seed=1 if data_cfg.seed is None else data_cfg.seed,  # verl's unseeded None would not reproduce
     )
     if files is None:
         from trainer.data import synthetic

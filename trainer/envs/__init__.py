@@ -2,6 +2,7 @@
 
     calculator   arithmetic with a calculator tool (trainer.envs.calculator)
     hanoi        Tower of Hanoi, moves with feedback (trainer.envs.puzzle)
+    towers       Tower of Hanoi from any position, terse, with a rule step judge (trainer.envs.towers)
 
 Each shipped module also has ``make_tasks(num, seed, ...)`` to synthesize a dataset of tasks.
 """
@@ -14,10 +15,12 @@ from trainer.algos.utils import load_fn
 from trainer.envs.base import Environment, StepResult, Tool, ToolCall, ToolEnvironment, parse_tool_calls
 from trainer.envs.calculator import CalculatorEnv
 from trainer.envs.puzzle import HanoiEnv
+from trainer.envs.towers import TowersEnv
 
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
     "calculator": CalculatorEnv,
     "hanoi": HanoiEnv,
+    "towers": TowersEnv,
 }
 
 
@@ -28,10 +31,11 @@ def env_factory(spec: str | Callable[[], Environment]) -> Callable[[], Environme
 
 def task_maker(name: str) -> Callable[..., list[dict]]:
     """``make_tasks(num, seed, ...)`` of a shipped environment."""
-    from trainer.envs import calculator, puzzle
+    from trainer.envs import calculator, puzzle, towers
 
-    return load_fn(name, {"calculator": calculator.make_tasks, "hanoi": puzzle.make_tasks}, "environment task maker")
+    return load_fn(name, {"calculator": calculator.make_tasks, "hanoi": puzzle.make_tasks, "towers": towers.make_tasks},
+                   "environment task maker")
 
 
 __all__ = ["ENVIRONMENTS", "Environment", "StepResult", "Tool", "ToolCall", "ToolEnvironment", "env_factory",
-           "parse_tool_calls", "task_maker", "CalculatorEnv", "HanoiEnv"]
+           "parse_tool_calls", "task_maker", "CalculatorEnv", "HanoiEnv", "TowersEnv"]

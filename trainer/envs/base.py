@@ -66,6 +66,13 @@ class Environment:
         """Tool schemas (OpenAI function format) for the chat template's ``tools=``; None = no tools."""
         return None
 
+    @classmethod
+    def label_steps(cls, query: str, actions: list[str]) -> list[int] | None:
+        """A rule-based step judge (ADCA's ``evaluation_type=rule``): one label per assistant message of an
+        episode whose opening text is ``query``, +1 (GOOD: it made progress) or -1 (BAD). None = this
+        environment has no such rule, or ``query`` is not one of its tasks."""
+        return None
+
 
 @dataclass
 class Tool:

@@ -6,5 +6,6 @@
 * ``sandbox``: untrusted code run against tests, contained (its private halves: the referee, the harness and
   the wire between them); ``sandbox_fusion``: the same through a remote SandboxFusion service.
 * ``reward_model``: learned reward models (where the score is read, how it becomes the reward).
-* ``judge``: ADCA-GRPO's LLM judge client; ``judge_server``: a local judge on an HF checkpoint.
+* ``judge``: ADCA-GRPO's LLM judge client; ``judge_server``: a local judge in a subprocess (an HF checkpoint,
+  or ``rule_judge``: an environment's rule step judge behind the same chat interface).
 """

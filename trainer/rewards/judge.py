@@ -433,6 +433,31 @@ def build_judge_messages(query: str, steps: Sequence[str | Mapping[str, Any]], s
             {"role": "user", "content": "\n".join(parts)}]
 
 
+def parse_judge_prompt(text: str) -> tuple[str, list[str]] | None:
+    """``(query, actions)`` back from the user message :func:`build_judge_messages` wrote (a step's action as
+    shown, so possibly cut), or None when ``text`` is not in that form. For a rule-based judge behind the
+    same chat interface (:mod:`trainer.rewards.rule_judge`). The steps are found from the last one back,
+    each as the last ``### Step i`` header before step i+1's, so a header that a sampled action itself
+    contains cannot take a later step's place."""
+    head = re.match(r"## Task\n(.*?)\n\n## The agent's steps \((\d+) in total\)\n", text, re.DOTALL)
+    if not head:
+        return None
+    k, actions = int(head.group(2)), []
+    stop = text.rfind("\n## Outcome\n")
+    if stop < head.end():
+        return None
+    for i in range(k, 0, -1):
+        marker = f"### Step {i}\nAction:\n"
+        start = text.rfind(marker, head.end(), stop)
+        if start < 0:
+            return None
+        body = text[start + len(marker):stop]
+        obs = body.rfind("\nObservation:\n")
+        actions.append((body[:obs] if obs >= 0 else body).strip())
+        stop = start
+    return head.group(1), actions[::-1]
+
+
 # "Step 3: GOOD", "**Step 3** - BAD", "Step 3 Judgment: **GOOD**", "step #3 = good"
 _NUMBERED = re.compile(
     r"step\s*#?\s*(\d+)[\s*_`]*(?:(?:judge?ment|label|verdict|rating)[\s*_`]*)?[:=\-\u2013\u2014][\s*_`\[(]*(GOOD|BAD)\b",
