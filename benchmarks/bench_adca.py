@@ -18,7 +18,7 @@ and is left out of the mean, the count is shown) and the samples drawn until the
 training success (sampled); the judge's cost (calls and seconds, summed over the run) and the run's wall
 time. Headline: the mean final held-out success of ADCA-decouple over GRPO's.
 
-    python benchmarks/bench_adca.py [--quick] [--json PATH] [--seeds 0,1,2] [--steps 20] [--val-every 5]
+    python benchmarks/bench_adca.py [--quick] [--json PATH] [--seeds 0,1,2] [--steps 30] [--val-every 5]
                                     [--arms grpo,adca-decouple,adca-allocation] [--threshold 0.5]
 
 ``--quick``: one seed, 2 steps of 8 tasks, 32 held-out tasks, GRPO and ADCA-decouple only (what
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--val-every", type=int, default=5)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--threshold", type=float, default=0.5)
