@@ -173,7 +173,7 @@ class JudgeFallbackError(RuntimeError):
 def check_fallbacks(judge_m: dict[str, float], settings, global_step: int) -> None:
     """Stop the run when the judge fell back to outcome-only credit on more than ``max_fallback_fraction`` of
     the trajectories it was asked about this step: ADCA would then be GRPO with extra cost, silently."""
-    limit = float(settings.get("max_fallback_fraction", 1.0))
+    limit = float(settings["max_fallback_fraction"])  # the schema default (0.1); no silent second default here
     asked = judge_m.get("adca/judge_trajectories", 0.0)
     fallbacks = judge_m.get("adca/judge_fallbacks", 0.0)
     if asked > 0 and fallbacks / asked > limit:
