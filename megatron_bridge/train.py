@@ -31,7 +31,7 @@ falls back to the plain optimizer with a warning.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -60,6 +60,7 @@ class OptimConfig:
     lr_warmup_init: float = 0.0  # learning rate at step 0 of the warmup
     lr_decay_steps: int | None = None  # step at which decay reaches min_lr (default: warmup + 1)
     use_distributed_optimizer: bool = False  # shard optimizer state over data parallel (GPU/nccl)
+    overrides: dict = field(default_factory=dict)  # further megatron-core OptimizerConfig fields, as given
 
 
 @dataclass
@@ -101,7 +102,8 @@ def make_trainer(model, optim: OptimConfig) -> Trainer:
         optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
         sgd_momentum=optim.sgd_momentum, clip_grad=0.0,  # clipping is ours (see module docstring)
-        bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype, use_distributed_optimizer=use_dist)
+        bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype, use_distributed_optimizer=use_dist,
+        **optim.overrides)
     with cpu_shims.cuda_type_names():  # bf16/fp16 on CPU: megatron's type check wants CUDA names
         opt = get_megatron_optimizer(ocfg, ddps)
     _use_fused_adam(opt)

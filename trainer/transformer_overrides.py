@@ -70,17 +70,16 @@ MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 NO_EFFECT = ("attention_backend",)  # verl's attention selector: the bridge picks its attention itself
 
 
-@functools.lru_cache(maxsize=1)
-def transformer_config_fields() -> frozenset[str]:
-    """The field names of megatron-core's ``TransformerConfig`` (its own and ``ModelParallelConfig``'s),
-    from the installed source."""
+@functools.lru_cache(maxsize=None)
+def dataclass_fields(*sources: tuple[tuple[str, ...], str]) -> frozenset[str]:
+    """The annotated field names of megatron-core dataclasses, each given as (path parts under ``megatron/core``,
+    class name), read from the installed source."""
     spec = importlib.util.find_spec("megatron.core")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("megatron-core is not installed: pip install megatron-core (Coxswain's trainer needs it)")
     root = spec.submodule_search_locations[0]
     names: set[str] = set()
-    for rel, cls in ((("transformer", "transformer_config.py"), "TransformerConfig"),
-                     (("model_parallel_config.py",), "ModelParallelConfig")):
+    for rel, cls in sources:
         with open(os.path.join(root, *rel), encoding="utf-8") as f:
             tree = ast.parse(f.read())
         body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
@@ -88,7 +87,13 @@ def transformer_config_fields() -> frozenset[str]:
     return frozenset(names)
 
 
-def _on(v) -> bool:
+def transformer_config_fields() -> frozenset[str]:
+    """The field names of megatron-core's ``TransformerConfig`` (its own and ``ModelParallelConfig``'s)."""
+    return dataclass_fields((("transformer", "transformer_config.py"), "TransformerConfig"),
+                            (("model_parallel_config.py",), "ModelParallelConfig"))
+
+
+def switched_on(v) -> bool:
     """A kernel switch that asks for the kernel (True, or a non-empty setting such as fp8="hybrid")."""
     return bool(v) and v not in ("none", "None")
 
@@ -105,7 +110,7 @@ def override_errors(role: str, over: dict, device: str) -> list[str]:
             near = difflib.get_close_matches(name, sorted(fields), n=3, cutoff=0.7)
             errs.append(f"{key}.{name}: not a field of megatron-core's TransformerConfig"
                         + (f" (closest: {', '.join(near)})." if near else "."))
-        elif name in GPU_PRECISION_FIELDS and _on(over[name]) and device == "cpu":
+        elif name in GPU_PRECISION_FIELDS and switched_on(over[name]) and device == "cpu":
             errs.append(f"{key}.{name}={over[name]!r}: FP8 / FP4 compute runs in Transformer Engine's GPU kernels and "
                         f"changes the numbers; a CPU has neither: remove it, or train with trainer.device=cuda.")
     if over.get("moe_token_dispatcher_type") == "flex" and device == "cpu":
@@ -123,7 +128,7 @@ def override_errors(role: str, over: dict, device: str) -> list[str]:
 
 def kernels_turned_off(over: dict) -> list[str]:
     """The GPU-kernel switches of ``over`` that a CPU run turns off."""
-    return [k for k in GPU_KERNEL_FIELDS if _on(over.get(k))]
+    return [k for k in GPU_KERNEL_FIELDS if switched_on(over.get(k))]
 
 
 def cpu_note(turned_off: list[str]) -> str:

@@ -122,9 +122,6 @@ VERL_MESSAGES: dict[str, str] = {
     "actor_rollout_ref.ref.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
     "critic.megatron.use_dist_checkpointing": "megatron distributed checkpoints are not implemented",
     "critic.megatron.dist_checkpointing_path": "megatron distributed checkpoints are not implemented",
-    "actor_rollout_ref.actor.optim.override_optimizer_config": "megatron optimizer overrides (optimizer CPU offload, "
-                                                               "precision-aware optimizer) are not built yet (issue #16)",
-    "critic.optim.override_optimizer_config": "megatron optimizer overrides are not built yet (issue #16)",
     "reward_model.rollout": "generative reward models (an LLM judge served by rollout engines) are not built; a "
                             "discriminative one is (reward_model.model.path: a *ForSequenceClassification checkpoint)",
     "reward_model.enable_resource_pool": "the reward model runs on the trainer's ranks; a separate resource pool is "

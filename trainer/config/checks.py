@@ -29,6 +29,7 @@ from trainer.envs import Environment, env_factory
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
 from trainer.strategies import load_strategy
+from trainer.optimizer_overrides import override_errors as optimizer_override_errors
 from trainer.transformer_overrides import override_errors as transformer_override_errors
 from trainer.verl_compat import megatron_equivalent, parse_rejection, refusals
 
@@ -729,16 +730,26 @@ def _hf_override_errors(cfg: DictConfig) -> list[str]:
             errs.append(f"actor_rollout_ref.model.override_config with actor_rollout_ref.rollout.mode={r.mode}: the "
                         f"engine servers read the checkpoint's config.json as it is, so they would sample from another "
                         f"model than the trainer's; use rollout.mode=sync, or edit config.json.")
-        elif r.name not in ("native", "sglang"):
+        elif r.name not in ("native", "sglang", *OTHER_ENGINES):  # the other engines are refused on their own
             errs.append(f"actor_rollout_ref.model.override_config with actor_rollout_ref.rollout.name={r.name}: only "
                         f"the native and sglang engines are given the overrides; use one of them, or edit config.json.")
+    return errs
+
+
+def _optimizer_override_errors(cfg: DictConfig) -> list[str]:
+    """verl's ``<role>.optim.override_optimizer_config`` of the trained roles: megatron-core OptimizerConfig
+    fields (:func:`trainer.optimizer_overrides.override_errors`)."""
+    errs = []
+    for role, section in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
+        over = OmegaConf.to_container(section.optim.override_optimizer_config, resolve=True) or {}
+        errs += optimizer_override_errors(role, over, strategy=section.strategy, device=cfg.trainer.device)
     return errs
 
 
 # The section checks in the schema's order; each reads its section (and the keys it must agree with).
 SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
                   _routing_replay_errors, reward_errors, algorithm_errors, _adca_errors, trainer_errors, _async_errors, deepspeed_errors,
-                  fsdp_errors, _hf_override_errors)
+                  fsdp_errors, _hf_override_errors, _optimizer_override_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines

@@ -29,6 +29,7 @@ from trainer.config.checks import error_report, megatron_roles, need_critic, val
 from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_key, field_type, flatten_keys,
                                    is_schema_key, type_name)
 from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
+from trainer.optimizer_overrides import cpu_note as optimizer_cpu_note, turned_off as optimizer_turned_off
 from trainer.transformer_overrides import cpu_note, kernels_turned_off
 from trainer.verl_compat import verl_only
 from trainer.verl_keys import FSDP_ONLY, MEGATRON
@@ -435,6 +436,10 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
                for k in kernels_turned_off(OmegaConf.to_container(m.override_transformer_config, resolve=True))]
         if off:
             LAST_LOAD_NOTES.append(cpu_note(off))
+        off = [k for role in (ld.cfg.actor_rollout_ref.actor, ld.cfg.critic) if role.strategy == "megatron"
+               for k in optimizer_turned_off(OmegaConf.to_container(role.optim.override_optimizer_config, resolve=True))]
+        if off:
+            LAST_LOAD_NOTES.append(optimizer_cpu_note(off))
         # said here once, not by every worker: megatron_bridge warns per rank (and the workers filter it out)
         sharded = [f"{role}.megatron.use_distributed_optimizer" for role, m in megatron_roles(ld.cfg)
                    if role in ("actor_rollout_ref.actor", "critic") and m.get("use_distributed_optimizer")

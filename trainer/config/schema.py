@@ -163,6 +163,7 @@ class OptimConfig:
     eps: float = 1e-8  # Adam epsilon
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
     total_training_steps: int = -1  # scheduler horizon; <= 0 = the run's total steps
+    override_optimizer_config: Dict[str, Any] = field(default_factory=dict)  # strategy=megatron: megatron-core OptimizerConfig fields passed through as verl does (trainer/optimizer_overrides.py); on a CPU run the host-offload and fp32 precision-aware switches are turned off with a note
 
 
 @dataclass

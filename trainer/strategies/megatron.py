@@ -30,6 +30,7 @@ from megatron_bridge.reshard import local_blocks, local_param
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
+from trainer.optimizer_overrides import passthrough as optimizer_passthrough
 from trainer.transformer_overrides import passthrough
 from trainer.verl_compat import moe_settings, recompute_settings
 
@@ -51,7 +52,10 @@ class MegatronStrategy(Strategy):
                     pp_layers=list(m.pipeline_layer_split) if m.pipeline_layer_split else None,
                     # nothing to recompute without a backward
                     recompute=recompute_settings(checkpointing, m) if optim is not None else None,
-                    params_dtype=m.dtype, compile=bool(m.use_torch_compile or compile), optim=optim, seed=m.seed,
+                    params_dtype=m.dtype, compile=bool(m.use_torch_compile or compile), seed=m.seed,
+                    # override_optimizer_config as OptimizerConfig keywords (host offload turned off without a GPU)
+                    optim=None if optim is None else dict(optim, overrides=optimizer_passthrough(
+                        optim.get("overrides") or {}, cuda=torch.cuda.is_available())),
                     sequence_parallel=bool(m.sequence_parallel), routing_replay=routing_replay,
                     offload=dict(params=bool(m.param_offload), grads=bool(m.grad_offload),
                                  optimizer=bool(m.optimizer_offload)))

@@ -65,7 +65,9 @@ def bridge_optim(o, *, clip_grad, total_steps: int, use_dist: bool) -> dict:
                 adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=clip_grad, lr_schedule=o.lr_decay_style,
                 lr_warmup_steps=warm, lr_warmup_init=o.lr_warmup_init,
                 lr_decay_steps=o.lr_decay_steps if o.lr_decay_steps is not None else horizon,
-                use_distributed_optimizer=use_dist)
+                use_distributed_optimizer=use_dist,
+                # megatron-core OptimizerConfig fields (strategy=megatron only; refused elsewhere at load)
+                overrides=_plain(o.override_optimizer_config or {}))
 
 
 class Cluster:
