@@ -386,6 +386,30 @@ def resolve(ld: _Load) -> None:
 LAST_LOAD_NOTES: list[str] = []  # the verl keys the last load accepted with no effect (cli prints them)
 
 
+def cpu_run_notes(cfg: DictConfig) -> list[str]:
+    """The notes a valid CPU run's config gets once, at load: the GPU switches it turns off and the settings
+    that do less on gloo (said here once, not by every worker)."""
+    notes = []
+    off = [k for _, m in megatron_roles(cfg)
+           for k in kernels_turned_off(OmegaConf.to_container(m.override_transformer_config, resolve=True))]
+    if off:
+        notes.append(cpu_note(off))
+    off = [k for role in (cfg.actor_rollout_ref.actor, cfg.critic) if role.strategy == "megatron"
+           for k in optimizer_turned_off(OmegaConf.to_container(role.optim.override_optimizer_config, resolve=True))]
+    if off:
+        notes.append(optimizer_cpu_note(off))
+    # said here once, not by every worker: megatron_bridge warns per rank (and the workers filter it out)
+    sharded = [f"{role}.megatron.use_distributed_optimizer" for role, m in megatron_roles(cfg)
+               if role in ("actor_rollout_ref.actor", "critic") and m.get("use_distributed_optimizer")
+               and OmegaConf.select(cfg, f"{role}.strategy", default="megatron") == "megatron"
+               and (role != "critic" or need_critic(cfg))]
+    if sharded:
+        notes.append(f"{', '.join(sharded)}=true: the distributed optimizer needs reduce-scatter, which gloo "
+                     f"(trainer.device=cpu) lacks, so the plain optimizer runs (same update, state not sharded); "
+                     f"set it to false to drop this note; on trainer.device=cuda it applies.")
+    return notes
+
+
 def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = True) -> DictConfig:
     """Build the resolved config from ``[--config FILE.yaml]... [--config-path DIR --config-name NAME]
     key=value ...``. Every problem (unknown keys, types, refused features, cross-field checks) is
@@ -431,24 +455,8 @@ def load_config(argv: Optional[list[str]] = None, *, validate_config: bool = Tru
                 ld.errors.append(f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}")
     if ld.errors:
         raise ConfigError(error_report(ld.errors))
-    if validate_config and ld.cfg.trainer.device == "cpu":  # GPU kernel switches a CPU run turns off: one note
-        off = [k for _, m in megatron_roles(ld.cfg)
-               for k in kernels_turned_off(OmegaConf.to_container(m.override_transformer_config, resolve=True))]
-        if off:
-            LAST_LOAD_NOTES.append(cpu_note(off))
-        off = [k for role in (ld.cfg.actor_rollout_ref.actor, ld.cfg.critic) if role.strategy == "megatron"
-               for k in optimizer_turned_off(OmegaConf.to_container(role.optim.override_optimizer_config, resolve=True))]
-        if off:
-            LAST_LOAD_NOTES.append(optimizer_cpu_note(off))
-        # said here once, not by every worker: megatron_bridge warns per rank (and the workers filter it out)
-        sharded = [f"{role}.megatron.use_distributed_optimizer" for role, m in megatron_roles(ld.cfg)
-                   if role in ("actor_rollout_ref.actor", "critic") and m.get("use_distributed_optimizer")
-                   and OmegaConf.select(ld.cfg, f"{role}.strategy", default="megatron") == "megatron"
-                   and (role != "critic" or need_critic(ld.cfg))]
-        if sharded:
-            LAST_LOAD_NOTES.append(f"{', '.join(sharded)}=true: the distributed optimizer needs reduce-scatter, which "
-                                   f"gloo (trainer.device=cpu) lacks, so the plain optimizer runs (same update, state "
-                                   f"not sharded); set it to false to drop this note; on trainer.device=cuda it applies.")
+    if validate_config and ld.cfg.trainer.device == "cpu":  # GPU switches a CPU run turns off: one note each
+        LAST_LOAD_NOTES.extend(cpu_run_notes(ld.cfg))
     return ld.cfg
 
 
