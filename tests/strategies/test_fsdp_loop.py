@@ -94,6 +94,27 @@ def test_verl_grpo_example_on_fsdp_with_kl_against_fsdp_reference(tmp_path):
     assert all(0 <= r["actor/kl_loss"] < 1e-3 for r in h) and all(r["actor/grad_norm"] > 0 for r in h)
 
 
+def test_verl_rollout_correction_example_trains_on_fsdp(tmp_path):
+    """verl's examples/rollout_correction/run_with_rollout_corr.sh, 2 steps: RLOO in bypass mode (the sampler's
+    log-probs are the old ones: no old-log-prob pass), loss_type=reinforce with sequence-level IS weights
+    truncated at 2 and normalised to mean 1 over the batch (rollout_is_batch_normalize)."""
+    # the script leaves rollout.n at 1 (RLOO needs a group) and the world at verl's default: the sizes set both
+    args = [a for a in script_args("run_with_rollout_corr", tmp_path / "corr", *(f"{k}={SIZES[k]}" for k in (
+        "actor_rollout_ref.rollout.n", "trainer.n_gpus_per_node", "data.gen_batch_size")))
+            if a != "trainer.total_training_steps=3"]
+    cfg, out = _train([*args, "trainer.total_training_steps=2"])
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.bypass_mode, rc.loss_type, rc.rollout_is, rc.rollout_is_batch_normalize) == (True, "reinforce", "sequence", True)
+    h = [r for r in out["history"] if r["step"] > 0]
+    assert [r["step"] for r in h] == [1, 2]
+    assert all(r["sync/verified"] == 1.0 and r["actor/grad_norm"] > 0 for r in h)
+    assert all("timing_s/old_log_prob" not in r for r in h)  # bypass: no recompute of the old log-probs
+    # sequence-level weights that vary (the engine's and the trainer's log-probs differ), normalised to mean 1 over the
+    # batch's sequences on both ranks (without normalisation their mean is off 1 by about their spread)
+    for r in h:
+        assert r["actor/rollout_is_weight_min"] < 1 - 1e-3 and r["actor/rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def ppo_uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("ppo") / "uninterrupted"

@@ -155,3 +155,54 @@ def test_balance_batch_changes_the_shards_not_the_gradient(tmp_path):
     spread = lambda h: h["global_seqlen/balanced_max"] - h["global_seqlen/balanced_min"]
     assert spread(off) == off["global_seqlen/minmax_diff"] > spread(on)  # the shards differ, and balance
     print("rank token spread: balanced", spread(on), "contiguous", spread(off))
+
+
+# What a tiny CPU run changes in verl's Qwen3-MoE 30B Megatron example (examples/grpo_trainer/
+# run_qwen3moe-30b_megatron_96gb.sh): the model (the shipped tiny Qwen3-MoE), the data (the shipped synthetic
+# task), the sizes, the device, and the lines a CPU refuses with a reason (megatron's GPU-to-host offload;
+# DeepEP's 'flex' dispatcher -> 'alltoall', the same tokens to the same experts). Every other line stays,
+# the optimizer overrides and the GPU kernel switches included (turned off on CPU with one note each).
+QWEN3_MOE_TINY = {
+    "actor_rollout_ref.model.path": str(ROOT / "recipes" / "cpu" / "tiny_moe_model"),
+    "data.train_files": "null", "data.val_files": "null", "data.max_prompt_length": "64",
+    "data.max_response_length": "8", "data.train_batch_size": "4", "actor_rollout_ref.rollout.n": "4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "256",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "256",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "256",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "512", "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": "2",
+    "actor_rollout_ref.ref.megatron.expert_model_parallel_size": "2",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.len": "4", "+reward_model.reward_kwargs.max_resp_len": "8",
+    "trainer.n_gpus_per_node": "2", "actor_rollout_ref.rollout.name": "native", "trainer.logger": "[console]",
+    **{f"actor_rollout_ref.{r}.megatron.{k}": "False" for r, k in (
+        ("actor", "param_offload"), ("actor", "grad_offload"), ("actor", "optimizer_offload"), ("ref", "param_offload"))},
+    **{f"+actor_rollout_ref.{r}.megatron.override_transformer_config.moe_token_dispatcher_type": "alltoall"
+       for r in ("actor", "ref")},
+}
+
+
+def test_verl_qwen3_moe_30b_example_trains_at_tiny_size(tmp_path, monkeypatch):
+    """verl's Qwen3-MoE 30B Megatron example, its own lines apart from :data:`QWEN3_MOE_TINY`: two GRPO steps of
+    the shipped tiny Qwen3-MoE with EP=2, DAPO's overlong shaping, the optimizer's host offload and the
+    precision-aware optimizer turned off as on any CPU run, and config.json's max_position_embeddings raised by
+    model.override_config (64 -> 10240: the tiny model's own limit would refuse nothing here, the override is
+    what reaches the bridge and the engine)."""
+    from trainer.config import load_config
+    from trainer.main import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    args, seen = [], set()
+    for a in json.loads((ROOT / "tests" / "data" / "verl_scripts" / "run_qwen3moe-30b_megatron_96gb.json").read_text())["args"]:
+        key = a.split("=", 1)[0]
+        seen.add(key)
+        args.append(f"{key}={QWEN3_MOE_TINY[key]}" if key in QWEN3_MOE_TINY else a)
+    args += [f"{k}={v}" for k, v in QWEN3_MOE_TINY.items() if k not in seen]
+    cfg = load_config(["--config-name=ppo_megatron_trainer", *args, "trainer.device=cpu", "trainer.total_training_steps=2",
+                       f"trainer.default_local_dir={tmp_path / 'run'}"])
+    a = cfg.actor_rollout_ref.actor
+    assert a.optim.override_optimizer_config.optimizer_cpu_offload is True and a.megatron.expert_model_parallel_size == 2
+    assert a.megatron.override_transformer_config.moe_grouped_gemm is True  # kept; off on CPU (a note says so)
+    h = [r for r in train(cfg)["history"] if r["step"] > 0]
+    assert [r["step"] for r in h] == [1, 2]
+    assert all(r["sync/verified"] == 1.0 and r["actor/grad_norm"] > 0 for r in h)
+    assert h[0]["actor/lr"] < h[-1]["actor/lr"] <= 1e-6  # the example's 10-step warmup to lr 1e-6
