@@ -62,7 +62,15 @@ SESSION_MARKER = "COXSWAIN_TEST_SESSION"
 STRAY_GRACE_S = float(os.environ.get("COXSWAIN_STRAY_GRACE_S", "20"))
 
 
+# Under pytest-xdist the workers keep the controller's marker (they inherit its environment) and only the
+# controller checks, after every worker has ended: a worker's leftovers are then reparented away from it.
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
+    if _xdist_worker(config) and os.environ.get(SESSION_MARKER):
+        return
     os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
 
@@ -99,6 +107,8 @@ def pytest_sessionfinish(session, exitstatus):
             ray.shutdown()
     except ImportError:
         pass
+    if _xdist_worker(session.config):
+        return  # the controller checks
     deadline = time.monotonic() + STRAY_GRACE_S
     strays = _marked(marker)
     while strays and time.monotonic() < deadline:

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import psutil
+import pytest
 
 CONFTEST = Path(__file__).resolve().parent / "conftest.py"
 
@@ -32,7 +33,7 @@ TEST = textwrap.dedent('''
 ''')
 
 
-def _nested(tmp_path: Path, stop: bool) -> tuple[subprocess.CompletedProcess, int]:
+def _nested(tmp_path: Path, stop: bool, *args: str) -> tuple[subprocess.CompletedProcess, int]:
     d = tmp_path / ("stopped" if stop else "left")
     d.mkdir()
     (d / "conftest.py").write_text(CONFTEST.read_text())
@@ -40,13 +41,16 @@ def _nested(tmp_path: Path, stop: bool) -> tuple[subprocess.CompletedProcess, in
     env = {k: v for k, v in os.environ.items() if k != "COXSWAIN_TEST_SESSION"}
     env["COXSWAIN_STRAY_GRACE_S"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(CONFTEST.parents[1]), env.get("PYTHONPATH", "")])  # this checkout's trainer
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(d)], cwd=d,
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(d)], cwd=d,
                          env=env, capture_output=True, text=True, timeout=120)
     return out, int((d / "sleeper.pid").read_text())
 
 
-def test_a_process_left_running_fails_the_suite_and_is_named(tmp_path):
-    out, pid = _nested(tmp_path, stop=False)
+@pytest.mark.parametrize("args", [(), ("-n", "2", "--dist", "loadfile")], ids=["serial", "xdist"])
+def test_a_process_left_running_fails_the_suite_and_is_named(tmp_path, args):
+    """Also under pytest-xdist (CI's command): the worker that ran the test ends, its orphan stays, and the
+    controller, which checks after every worker has ended, names it."""
+    out, pid = _nested(tmp_path, False, *args)
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     assert "1 passed" in text and "outlived the suite" in text and "hygiene-sleeper" in text and f"pid {pid}" in text
