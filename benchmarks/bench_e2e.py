@@ -241,7 +241,11 @@ def run_coxswain(spec: dict) -> dict:
     for key in ("gen", "generate", "reward", "old_log_prob", "adv", "update_actor", "update_weights"):
         vals = [h.get(f"timing_s/{key}", 0.0) for h in hist]
         phases[key] = vals
+    # the trainer's own MFU per pass (perf/mfu/*: the model's FLOPs over the pass's time and this core's
+    # measured matmul peak, trainer/perf.py), steady-state steps only
+    mfu = {k: [h[k] for h in hist[1:] or hist if k in h] for k in sorted({k for h in hist for k in h if k.startswith("perf/mfu/")})}
     return {
+        "mfu": {k.split("/")[-1]: statistics.median(v) for k, v in mfu.items() if v},
         "framework": "coxswain", "step_s": step_s, "tokens": [h["perf/total_num_tokens"] for h in hist],
         "completion_tokens": [h["response_length/mean"] * size["prompts"] * size["n"] for h in hist],
         "response_length_mean": [h["response_length/mean"] for h in hist], "phases_s": phases,
@@ -550,6 +554,11 @@ def main(argv=None) -> dict:
             for x in (2, 3):
                 budget = tokens / (x * trl_cpu["steady"]["tok_per_cpu_s"]) - floor["cpu_s"]
                 print(f"  {x}x {trl_cpu['name']} per CPU-second leaves {budget:.3f} CPU-s per step for everything but those matmuls")
+        print(f"  the floor's matmuls run at {floor['gflops'] / floor['cpu_s']:.1f} GFLOP/s per core; the trainer's MFU "
+              f"(perf/mfu/*, median over steps 2..N, against the matmul peak it measured at start-up):")
+        for r in coxs:
+            parts = ", ".join(f"{k} {100 * v:.1f}%" for k, v in r.get("mfu", {}).items()) or "not logged"
+            print(f"    {r['name']}: {parts}")
         for r in coxs:
             split = ", ".join(f"{k} {v:.3f}" for k, v in r.get("cpu_split_s", {}).items())
             print(f"  {r['name']}: {r['steady']['cpu_s_per_step'] - floor['cpu_s']:.3f} CPU-s per step beyond the floor "
