@@ -59,6 +59,13 @@ def test_sglang_venv_made_from_a_project_venv_sees_the_project_venv(tmp_path):
     assert torch_version.startswith("2.13.0")  # the one torch, not a second install
     # sglang's own venv first (its pins win), then the project venv, then the base interpreter
     assert int(i_own) < int(i_project) < int(i_base)
+    # the trainer runs from it (the reported failure: `.venv-sglang-cpu/bin/python -m trainer.main` died on
+    # `import omegaconf`): the tiny recipe resolves, megatron-core's config fields and all
+    run = subprocess.run([_py(sg), "-m", "trainer.main", "--print-config", "--config",
+                          os.path.join(REPO, "recipes", "cpu", "tiny_grpo.yaml"), f"trainer.default_local_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "resolved config written to" in run.stdout
 
 
 def test_make_venv_from_the_base_interpreter_adds_no_extra_site(tmp_path, monkeypatch):
