@@ -132,7 +132,13 @@ def test_segment_routes_keep_each_token_as_it_was_first_fed():
     got = extend_routes(before, after)
     assert got.shape == (3 + 5 - 1, 2, 2)  # the whole response: prompt 3 + 5 sampled - 1
     assert (got[:4] == 1).all() and (got[4:] == 2).all()
-    assert extend_routes(None, after) is after and extend_routes(before, None) is None
+    assert extend_routes(None, after) is after
+    # a resumed request aborted again while queued (no slot: nothing fed, no routes) keeps the earlier routes;
+    # the next resume then extends them instead of re-routing the whole prefix under newer weights
+    assert extend_routes(before, None) is before
+    again = extend_routes(extend_routes(before, None), after)
+    assert (again[:4] == 1).all() and (again[4:] == 2).all()
+    assert extend_routes(None, None) is None  # routes not asked for
     turn1 = torch.full((5 + 3 - 1, 2, 2), 1, dtype=torch.int16)  # context 5, 3 sampled
     turn2 = torch.full((10 + 4 - 1, 2, 2), 2, dtype=torch.int16)  # context 5 + 3 + 2 tool tokens, 4 sampled
     got = extend_routes(turn1, turn2)

@@ -309,8 +309,14 @@ def extend_routes(before: torch.Tensor | None, after: torch.Tensor | None) -> to
     engine routes those tokens again (possibly with newer weights, and for the tokens after the last fed one
     for the first time). Every token keeps the experts it was routed to when it was first fed while sampling:
     the earlier segment's rows, then the later one's rows beyond them (the last sampled token of the earlier
-    segment, any tool tokens, and the new segment's input tokens)."""
-    if after is None or before is None:
+    segment, any tool tokens, and the new segment's input tokens).
+
+    ``None`` on either side: that segment has no routes. A later segment without routes (a resumed request
+    aborted again before the engine gave it a slot: nothing fed, nothing sampled) keeps the earlier routes;
+    dropping them would let the next resume re-route the whole prefix under newer weights."""
+    if after is None:
+        return before
+    if before is None:
         return after
     return torch.cat([before, after[len(before):]])
 
