@@ -21,7 +21,42 @@ if getattr(sys.modules.get("tests"), "__path__", [None])[0] != _HERE:
     sys.modules["tests"] = _pkg
 
 
+
+# The longest modules on a quiet 2-core machine (seconds, serial; `pytest --durations=0`, see the #43 note), longest
+# first. Under pytest-xdist (`--dist loadfile --no-loadscope-reorder`) modules are handed out in collection order,
+# so these go first and the short ones fill the tail: otherwise the 8-minute SGLang suite, collected late, was
+# the last module running while the other worker sat idle.
+LONGEST_FIRST = (
+    "tests/rollout/test_sglang_cpu_suite.py",  # 470
+    "tests/workers/test_multinode.py",  # 277
+    "tests/test_async_fully.py",  # 142
+    "tests/strategies/test_deepspeed_loop.py",  # 140
+    "tests/strategies/test_parallel_loop.py",  # 123
+    "tests/test_controller.py",  # 114
+    "tests/test_async.py",  # 114
+    "tests/megatron_bridge/test_deepspeed_parity.py",  # 102
+    "tests/strategies/test_fsdp_loop.py",  # 101
+)
+
+
+def _longest_first(config, items) -> None:
+    """Under xdist only (a serial run keeps the collection order): the modules above first, then the other
+    modules with a `slow` test, then the rest; each module's own order is kept (a stable sort)."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    root = str(config.rootpath)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+
+    def key(item):
+        rel = os.path.relpath(str(item.path), root)
+        return (rank.get(rel, len(rank)), 0 if item.path in slow_files else 1)
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_first(config, items)
     # GPU tests are visible in the report as skipped with a reason, never silently dropped.
     if torch.cuda.is_available():
         return
