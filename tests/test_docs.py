@@ -51,7 +51,7 @@ CODE_ROOTS = ("trainer", "megatron_bridge", "docs", "tests", "benchmarks", "reci
 
 # the README's two set-up commands: CI (.ci/run) runs the second, so it must stay byte-identical
 SETUP_COMMAND = "pip install -e . && bash recipes/cpu/run_tiny_grpo.sh"
-TEST_COMMAND = 'pip install -e ".[dev]" && pip install --no-deps -r requirements-peers.txt && python -m pytest -q'
+TEST_COMMAND = 'pip install -e ".[dev]" && pip install --no-deps -r requirements-peers.txt && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder'
 TINY_WRAPPER = ("bash", "recipes/cpu/run_tiny_grpo.sh")
 TINY_LINE = 'python -m trainer.main --config recipes/cpu/tiny_grpo.yaml "$@"'
 
