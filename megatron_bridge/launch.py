@@ -189,6 +189,13 @@ def spawn(
     return [out[r] for r in range(world_size)]
 
 
+def data_parallel_group():
+    """This rank's data-parallel process group (megatron's; callers outside the bridge never import megatron)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
 def parallel_layout() -> dict:
     """This rank's place in megatron's mesh: data/tensor/pipeline ranks and the data-parallel size
     (so callers outside the bridge never import megatron)."""

@@ -21,23 +21,22 @@ if getattr(sys.modules.get("tests"), "__path__", [None])[0] != _HERE:
     sys.modules["tests"] = _pkg
 
 
-
-# The longest modules on a 2-core machine (seconds where given: serial, quiet; the order from `--durations` of a
-# `-n 2` run; see the #43 note), longest first. Under pytest-xdist (`--dist loadfile --no-loadscope-reorder`) modules are handed out in collection order,
-# so these go first and the short ones fill the tail: otherwise the 8-minute SGLang suite, collected late, was
-# the last module running while the other worker sat idle.
+# The longest modules on a 2-core machine, longest first (the order of `--durations=40` of a `-n 2` run; see the
+# #43 note). Under pytest-xdist (`--dist loadfile --no-loadscope-reorder`) the controller hands out modules in the
+# workers' collection order, so these go first and the short ones fill the tail; in collection order the 8-minute
+# SGLang suite and the multinode module (collected last) ran while the other worker sat idle.
 LONGEST_FIRST = (
-    "tests/rollout/test_sglang_cpu_suite.py",  # 470 (695 under -n 2)
-    "tests/workers/test_multinode.py",  # 277
-    "tests/strategies/test_deepspeed_loop.py",  # 140
+    "tests/rollout/test_sglang_cpu_suite.py",
+    "tests/workers/test_multinode.py",
+    "tests/strategies/test_deepspeed_loop.py",
     "tests/rollout/test_server_mode.py",
     "tests/rollout/test_fleet_sglang_servers.py",
-    "tests/test_async.py",  # 114
-    "tests/test_async_fully.py",  # 142
-    "tests/test_controller.py",  # 114
-    "tests/strategies/test_fsdp_loop.py",  # 101
-    "tests/strategies/test_parallel_loop.py",  # 123
-    "tests/megatron_bridge/test_deepspeed_parity.py",  # 102
+    "tests/test_async.py",
+    "tests/test_async_fully.py",
+    "tests/test_controller.py",
+    "tests/strategies/test_fsdp_loop.py",
+    "tests/strategies/test_parallel_loop.py",
+    "tests/megatron_bridge/test_deepspeed_parity.py",
     "tests/test_bench_adca.py",
     "tests/test_gpu_check.py",
     "tests/launch/test_slurm.py",
@@ -49,8 +48,8 @@ def _longest_first(config, items) -> None:
     """Under xdist, in the workers (the controller hands out modules in their collection order; a serial run
     keeps its order): the modules above first, then the other modules with a `slow` test, then the rest; each
     module's own order is kept (a stable sort)."""
-    if not (_xdist_worker(config) or getattr(config.option, "numprocesses", None)):
-        return  # (an xdist worker's own options say numprocesses=None: it is told by its workerinput)
+    if not _xdist_worker(config):
+        return  # serial; and xdist's controller does not collect (an xdist worker's own numprocesses is None)
     root = str(config.rootpath)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     slow_files = {item.path for item in items if "slow" in item.keywords}

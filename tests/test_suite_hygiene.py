@@ -61,3 +61,18 @@ def test_a_clean_suite_passes(tmp_path):
     out, _ = _nested(tmp_path, stop=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "outlived the suite" not in out.stdout
+
+
+def test_the_longest_first_list_names_modules_that_exist():
+    """tests/conftest.py::LONGEST_FIRST orders modules by path: a renamed or moved module would silently fall
+    back to collection order (and the xdist tail it exists to avoid), so every name must be a test module."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("_suite_conftest", root / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    names = conftest.LONGEST_FIRST
+    assert len(set(names)) == len(names)
+    missing = [n for n in names if not (root / n).is_file()]
+    assert not missing, f"LONGEST_FIRST names modules that do not exist: {missing}"

@@ -7,14 +7,13 @@ LR schedule (``train``), checkpoints in megatron's distributed format (``checkpo
 weight stream and its per-rank blocks (``export``, ``reshard``), R3 routing replay
 (``routing_replay``) and verl's parameter / gradient / optimizer offload (``offload``).
 
-Imported only in a worker process that runs this strategy (``trainer.strategies.load_strategy``), so
-megatron-core is imported at the top here and never in the driver.
+Imported only in a worker process that runs this strategy (``trainer.strategies.load_strategy``). It never
+imports megatron-core itself: megatron stays inside ``megatron_bridge``.
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
 from omegaconf import OmegaConf
 
 from megatron_bridge import launch
@@ -138,7 +137,7 @@ class MegatronStrategy(Strategy):
         # the data-parallel peers of this rank's stage: tensor-parallel peers hold the same rows, context-parallel
         # peers gather their tokens back into whole rows before the loss (megatron_bridge.logprobs.head_outputs),
         # and only the last pipeline stage runs the loss (its DP group is made of last-stage ranks)
-        return parallel_state.get_data_parallel_group() if self.mesh["dp_size"] > 1 else None
+        return launch.data_parallel_group() if self.mesh["dp_size"] > 1 else None
 
     def compute(self, mbs: list[dict], *, temperature: float, with_entropy: bool,
                 with_sum_pi_squared: bool = False) -> list[dict]:
