@@ -143,6 +143,9 @@ def test_pool_survives_raise_timeout_and_dead_worker(custom, caplog):
     """One batch with a raising, a hanging (past the 1 s timeout) and a worker-killing scorer among
     good samples: each bad one scores 0 and is counted, the good ones are scored correctly, nothing
     hangs, and the next batch runs on a replaced pool."""
+    # children this process already had (under pytest-xdist a worker runs other modules first: wandb's
+    # service process outlives its run, Ray's or a driver's reaper): the manager is judged only on its own
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     m = RewardManager(num_workers=2, timeout=1.0, custom_path=custom)
     try:
         resp = ["a", "raise", "b", "sleep", "c", "die", "d", "e"]
@@ -177,7 +180,8 @@ def test_pool_survives_raise_timeout_and_dead_worker(custom, caplog):
     while time.monotonic() < deadline:
         kids = [c for c in psutil.Process().children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         # (and the run reaper an earlier test's driver set-up left watching this process: it ends with the suite)
-        strays = [c for c in kids if not any(k in " ".join(c.cmdline()) for k in ("forkserver", "resource_tracker", "torch_shm_manager"))
+        strays = [c for c in kids if c.pid not in before
+                  and not any(k in " ".join(c.cmdline()) for k in ("forkserver", "resource_tracker", "torch_shm_manager"))
                   and REAPER not in c.cmdline()]
         if not strays:
             break
