@@ -62,3 +62,22 @@ def test_peaks():
     p = peaks("float32")
     assert p > 0 and peaks("float32") == p  # measured once
     assert peaks.params["perf/peak_tflops/float32"] == f"{p:.6g}" and "measured" in peaks.params["perf/peak_source"]
+
+
+def test_cpu_peak_is_the_best_layout(monkeypatch):
+    """torch's CPU kernels differ by operand layout (bf16 on an AVX2 machine: ``a @ b`` 0.8 GFLOP/s,
+    ``a @ b.T`` 7): the peak is the faster one, so an nn.Linear-shaped model cannot pass 100% MFU."""
+    import time as _time
+
+    import trainer.perf as perf
+
+    real = torch.matmul
+
+    def slow_unless_transposed(a, b):
+        if b.is_contiguous():  # a @ b: the slow layout here
+            _time.sleep(0.02)
+        return real(a, b)
+
+    monkeypatch.setattr(perf.torch, "matmul", slow_unless_transposed)
+    fast = measure_cpu_peak(threads=1, size=64, repeats=2)
+    assert 2 * 64 ** 3 / fast / 1e12 < 0.01  # the 20 ms layout was not the one kept

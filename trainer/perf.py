@@ -8,7 +8,7 @@ recompute on lowers the figure, as in PaLM's definition.
 
 The peak: on GPU the vendor's dense (no sparsity) figure for the role's dtype from :data:`GPU_PEAK_TFLOPS`,
 looked up by the device name the workers report; on CPU there is no such figure, so the driver times
-a square matmul once at start-up (:func:`measure_cpu_peak`) and that measured rate is the peak (logged
+a square matmul once at start-up in both operand layouts (:func:`measure_cpu_peak`) and that measured rate is the peak (logged
 as the parameter ``perf/peak_tflops`` with ``perf/peak_source``). A CPU MFU therefore says how close
 the pass comes to this machine's own best matmul, not to a datasheet.
 """
@@ -104,15 +104,20 @@ def measure_cpu_peak(dtype: torch.dtype = torch.float32, threads: Optional[int] 
 
 
 def _time_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
+    """The best rate over both operand layouts: ``a @ b`` and ``a @ b.T`` (``nn.Linear``'s, the layout of
+    every weight product in a model). torch's CPU kernels differ by layout: on an AVX2 machine without
+    bf16 instructions the bf16 ``a @ b`` ran at 0.8 GFLOP/s and ``a @ b.T`` at 7 GFLOP/s, so a peak from
+    one layout alone put a model's train step at 184% MFU (gpu_check's CPU rehearsal failed on it)."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g).to(dtype)
     b = torch.randn(size, size, generator=g).to(dtype)
-    torch.matmul(a, b)  # warm-up: the first call allocates and picks the kernel
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
+    for rhs in (b, b.t()):
+        torch.matmul(a, rhs)  # warm-up: the first call allocates and picks the kernel
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(a, rhs)
+            best = min(best, time.perf_counter() - t0)
     return 2.0 * size ** 3 / best / 1e12
 
 

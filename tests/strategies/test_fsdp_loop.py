@@ -110,9 +110,11 @@ def test_verl_rollout_correction_example_trains_on_fsdp(tmp_path):
     assert all(r["sync/verified"] == 1.0 and r["actor/grad_norm"] > 0 for r in h)
     assert all("timing_s/old_log_prob" not in r for r in h)  # bypass: no recompute of the old log-probs
     # sequence-level weights that vary (the engine's and the trainer's log-probs differ), normalised to mean 1 over the
-    # batch's sequences on both ranks (without normalisation their mean is off 1 by about their spread)
+    # batch's sequences on both ranks (without normalisation their mean is off 1 by about their spread). The spread is
+    # the bf16 engine's rounding against the trainer's: over 1e-3 on an AMX Xeon, 6e-4 on an AVX2 EPYC; 1e-4 keeps it
+    # ten times the mean's tolerance, so the mean-1 check still tells normalised weights from raw ones
     for r in h:
-        assert r["actor/rollout_is_weight_min"] < 1 - 1e-3 and r["actor/rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert r["actor/rollout_is_weight_min"] < 1 - 1e-4 and r["actor/rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
 @pytest.fixture(scope="module")

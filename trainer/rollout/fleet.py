@@ -10,7 +10,7 @@ API (what the controller calls):
 
 ``Fleet(model, *, num_servers=2, threads_per_server=1, max_batch_size=32, max_seq_len=None,
 dtype="float32", host="127.0.0.1", policy="round_robin", health_interval_s=1.0, server_args=(),
-router_args=(), log_dir=None, startup_timeout_s=180, client_kwargs={}, hosts=None)``
+router_args=(), log_dir=None, startup_timeout_s=600, client_kwargs={}, hosts=None)``
     ``start()`` (or ``with``) launches ``num_servers`` ``python -m trainer.rollout.native_server``
     processes on free loopback ports (``--threads threads_per_server``, ``OMP_NUM_THREADS`` likewise),
     waits for each one's ready line, then launches ``python -m sglang_router.launch_router`` (sglang-router
@@ -243,7 +243,10 @@ class Fleet:
     server_args: Sequence[str] = ()  # extra trainer.rollout.native_server flags
     router_args: Sequence[str] = ()  # extra sglang_router.launch_router flags
     log_dir: str | None = None
-    startup_timeout_s: float = 180.0
+    # a server that exits is reported at once (its process is polled); this bounds only one that hangs. An SGLang
+    # server's start-up (imports, model load, its warm-up request) took over 180 s on a loaded 2-core AVX2 machine
+    # without bf16 instructions, where bf16 matrix products run ~10x slower than fp32
+    startup_timeout_s: float = 600.0
     client_kwargs: dict = field(default_factory=dict)
     hosts: Sequence[dict] | None = None  # Ray actor options per server: run server k on that node (see above)
     node_grace_s: float = 30.0  # how long a dead remote server waits for Ray's verdict on its node
