@@ -1,3 +1,9 @@
 """Coxswain: reinforcement-learning post-training of large language models on megatron-core and Ray."""
 
+from trainer import cpu_bf16
+
 __version__ = "0.1.0"
+
+# Every process of a run imports this package (driver, Ray workers, servers): on a CPU without bf16 instructions its
+# bf16 matrix products take the fp32-accumulate path a GPU takes, not torch's slow generic kernel (trainer/cpu_bf16.py)
+cpu_bf16.install()
