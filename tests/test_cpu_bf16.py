@@ -49,13 +49,19 @@ def test_other_dtypes_take_torch_kernels():
 
 
 def test_the_switch(monkeypatch):
-    monkeypatch.setenv("COXSWAIN_CPU_BF16", "native")
-    assert not cpu_bf16.needed()
-    monkeypatch.setenv("COXSWAIN_CPU_BF16", "fp32")
-    assert cpu_bf16.needed()
+    for value, on in (("native", False), ("", False), ("fp32", True), ("FP32", True)):
+        monkeypatch.setenv("COXSWAIN_CPU_BF16", value)
+        assert cpu_bf16.needed() is on, value
     monkeypatch.setenv("COXSWAIN_CPU_BF16", "fast")
-    with pytest.raises(ValueError, match="COXSWAIN_CPU_BF16='fast'.*native.*fp32"):
+    with pytest.raises(ValueError, match="COXSWAIN_CPU_BF16='fast'.*fp32.*native"):
         cpu_bf16.needed()
+
+
+def test_off_unless_asked():
+    env = {k: v for k, v in os.environ.items() if k != "COXSWAIN_CPU_BF16"}
+    p = subprocess.run([sys.executable, "-c", "import trainer; from trainer import cpu_bf16; print(cpu_bf16._LIB is None)"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "True", p.stderr[-2000:]
 
 
 CHILD = textwrap.dedent("""

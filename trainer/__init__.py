@@ -4,6 +4,6 @@ from trainer import cpu_bf16
 
 __version__ = "0.1.0"
 
-# Every process of a run imports this package (driver, Ray workers, servers): on a CPU without bf16 instructions its
-# bf16 matrix products take the fp32-accumulate path a GPU takes, not torch's slow generic kernel (trainer/cpu_bf16.py)
+# Every process of a run imports this package (driver, Ray workers, servers): with COXSWAIN_CPU_BF16=fp32 its bf16
+# matrix products take the fp32-accumulate path a GPU takes, not torch's generic CPU kernel (trainer/cpu_bf16.py)
 cpu_bf16.install()
