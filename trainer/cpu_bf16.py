@@ -46,38 +46,25 @@ def needed() -> bool:
     return choice == "fp32"
 
 
-def _up(t):
-    return t.float() if isinstance(t, torch.Tensor) and t.dtype == _BF16 else t
+def _through_fp32(op):
+    """A CPU kernel for ``op`` (``mm``, ``addmm``, ``bmm`` or ``baddbmm``; operands ``[self,] a, b``): all-bf16
+    operands go through the fp32 product and one rounding, any other dtype through torch's own kernel, both by
+    the op's ``.out`` overload (its registration is not the one replaced, so nothing recurses)."""
+    out_op = getattr(torch.ops.aten, op).out
+
+    def kernel(*operands, **scalars):  # scalars: addmm's / baddbmm's beta and alpha
+        a, b = operands[-2:]
+        shape = (*a.shape[:-1], b.shape[-1])
+        if all(t.dtype == _BF16 for t in operands):
+            wide = [t.float() for t in operands]
+            return out_op(*wide, **scalars, out=a.new_empty(shape, dtype=torch.float32)).to(_BF16)
+        return out_op(*operands, **scalars, out=a.new_empty(shape))
+
+    return kernel
 
 
-def _mm(a, b):
-    if a.dtype == _BF16 and b.dtype == _BF16:
-        out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
-        return torch.ops.aten.mm.out(a.float(), b.float(), out=out).to(_BF16)
-    return torch.ops.aten.mm.out(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
-
-
-def _addmm(s, a, b, *, beta=1, alpha=1):
-    if a.dtype == _BF16 and b.dtype == _BF16 and s.dtype == _BF16:
-        out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
-        return torch.ops.aten.addmm.out(s.float(), a.float(), b.float(), beta=beta, alpha=alpha, out=out).to(_BF16)
-    return torch.ops.aten.addmm.out(s, a, b, beta=beta, alpha=alpha, out=a.new_empty((a.shape[0], b.shape[1])))
-
-
-def _bmm(a, b):
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    if a.dtype == _BF16 and b.dtype == _BF16:
-        out = a.new_empty(shape, dtype=torch.float32)
-        return torch.ops.aten.bmm.out(a.float(), b.float(), out=out).to(_BF16)
-    return torch.ops.aten.bmm.out(a, b, out=a.new_empty(shape))
-
-
-def _baddbmm(s, a, b, *, beta=1, alpha=1):
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    if a.dtype == _BF16 and b.dtype == _BF16 and s.dtype == _BF16:
-        out = a.new_empty(shape, dtype=torch.float32)
-        return torch.ops.aten.baddbmm.out(s.float(), a.float(), b.float(), beta=beta, alpha=alpha, out=out).to(_BF16)
-    return torch.ops.aten.baddbmm.out(s, a, b, beta=beta, alpha=alpha, out=a.new_empty(shape))
+_OPS = ("mm", "addmm", "bmm", "baddbmm")
+_mm, _addmm, _bmm, _baddbmm = (_through_fp32(op) for op in _OPS)
 
 
 def install() -> bool:
@@ -91,7 +78,7 @@ def install() -> bool:
     with warnings.catch_warnings():
         # torch warns that a kernel is overridden for the key: that is the point
         warnings.simplefilter("ignore")
-        for name, fn in (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm), ("baddbmm", _baddbmm)):
+        for name, fn in zip(_OPS, (_mm, _addmm, _bmm, _baddbmm)):
             lib.impl(name, fn, "CPU")
     _LIB = lib
     return True

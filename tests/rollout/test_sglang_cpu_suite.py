@@ -1,8 +1,8 @@
 """Runs the real-SGLang test modules (:data:`sglang_cpu_support.SGLANG_MODULES`) in the interpreter that
-has the SGLang CPU install, a child pytest process per module (each with its own time limit: the loop
-module's trainer runs take minutes each, and a loaded machine runs them twice as slow): SGLang needs its own venv here (its requirements
-move packages this environment holds at other versions), and a scheduler crash SIGKILLs its caller, so
-it must not be this process. The child's report tail is shown on failure."""
+has the SGLang CPU install, a child pytest process per module, each with its own time limit (the loop
+module's trainer runs take minutes each, and a loaded machine runs them twice as slow). SGLang needs its
+own venv here (its requirements move packages this environment holds at other versions), and a scheduler
+crash SIGKILLs its caller, so it must not be this process. The child's report tail is shown on failure."""
 
 from __future__ import annotations
 
