@@ -37,3 +37,10 @@ def test_bench_adca_quick(tmp_path):
     # both arms start from the same model and held-out tasks
     assert grpo["held_out"]["0"] == adca["held_out"]["0"]
     assert res["arms"]["grpo"]["n"] == 1 and "headline" in res
+    # on a CPU without bf16 instructions (and COXSWAIN_CPU_BF16 unset) the bf16 products took the fp32 path
+    from trainer.cpu_bf16 import native_bf16
+
+    asked = os.environ.get("COXSWAIN_CPU_BF16", "").lower()
+    fp32 = asked == "fp32" or (not asked and not native_bf16())
+    assert res["bf16_kernels"] == ("fp32-accumulate bf16 kernels" if fp32 else "torch's bf16 kernels")
+    assert res["bf16_kernels"] in lines[0]

@@ -20,10 +20,13 @@ them, on every thread. Results may differ from torch's fallback kernel in the la
 order), as any two GEMM libraries do; runs stay deterministic.
 
 Opt-in for now: ``COXSWAIN_CPU_BF16=fp32`` installs these kernels (in every process that imports
-``trainer``; SGLang's own processes do not), unset or ``native`` keeps torch's. Turning it on by default where
-``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False waits for a whole-suite run with it: the one tried
-changed the timing one test leans on (``test_async_fully``'s partial rollout needs a response still being
-sampled when a push lands; faster bf16 finished them first).
+``trainer``; SGLang's own processes do not), unset or ``native`` keeps torch's. Programs that train in bf16 to
+measure something else than kernels (``benchmarks/bench_adca.py``) opt in where the CPU lacks bf16 instructions
+(:func:`enable_where_slow`). Not installed everywhere: the kernels are Python, about 30 us per call over torch's
+for every dtype (a 8 x 64 x 64 fp32 linear: 19 us native, 50 us through them), which an fp32 run of a tiny
+model would pay on every product (a whole-suite run with them installed everywhere was no faster and
+changed the timing ``test_async_fully``'s partial-rollout test leaned on). On by default would mean installed
+only in the processes whose model computes in bf16; not built yet.
 """
 
 from __future__ import annotations
@@ -82,3 +85,18 @@ def install() -> bool:
             lib.impl(name, fn, "CPU")
     _LIB = lib
     return True
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions oneDNN uses (AVX-512-BF16 or AMX): torch's own kernels are fast there."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def enable_where_slow() -> bool:
+    """For a program that trains in bf16 to compare something other than kernels (a benchmark of algorithms, a
+    CPU rehearsal): where the CPU has no bf16 instructions and ``COXSWAIN_CPU_BF16`` is unset, set it to ``fp32``
+    (so the Ray workers and servers this process starts inherit it) and install the kernels here. An explicit
+    ``COXSWAIN_CPU_BF16`` is left as it is. True when the kernels are active in this process."""
+    if not os.environ.get("COXSWAIN_CPU_BF16") and not native_bf16():
+        os.environ["COXSWAIN_CPU_BF16"] = "fp32"
+    return install()

@@ -103,22 +103,30 @@ def measure_cpu_peak(dtype: torch.dtype = torch.float32, threads: Optional[int] 
         torch.set_num_threads(before)
 
 
-def _time_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """The best rate over both operand layouts: ``a @ b`` and ``a @ b.T`` (``nn.Linear``'s, the layout of
-    every weight product in a model). torch's CPU kernels differ by layout: on an AVX2 machine without
-    bf16 instructions the bf16 ``a @ b`` ran at 0.8 GFLOP/s and ``a @ b.T`` at 7 GFLOP/s, so a peak from
-    one layout alone put a model's train step at 184% MFU (gpu_check's CPU rehearsal failed on it)."""
+def _time_matmul(dtype: torch.dtype, size: int, repeats: int, probe: int = 256) -> float:
+    """The rate of the faster operand layout: ``a @ b`` or ``a @ b.T`` (``nn.Linear``'s, the layout of every
+    weight product in a model). torch's CPU kernels differ by layout: on an AVX2 machine without bf16
+    instructions the bf16 ``a @ b`` ran at 0.8 GFLOP/s and ``a @ b.T`` at 7 GFLOP/s, so a peak from one layout
+    alone put a model's train step at 184% MFU (gpu_check's CPU rehearsal failed on it). The layout is chosen on
+    ``probe``-sized products (milliseconds) and only the faster one is timed at ``size``: timing the slow bf16
+    layout at 1024 cost such a machine 15 s of every bf16 run's start-up."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g).to(dtype)
     b = torch.randn(size, size, generator=g).to(dtype)
-    best = float("inf")
-    for rhs in (b, b.t()):
-        torch.matmul(a, rhs)  # warm-up: the first call allocates and picks the kernel
-        for _ in range(repeats):
+    n = min(probe, size)
+
+    def best_time(x, y, times):
+        torch.matmul(x, y)  # warm-up: the first call allocates and picks the kernel
+        best = float("inf")
+        for _ in range(times):
             t0 = time.perf_counter()
-            torch.matmul(a, rhs)
+            torch.matmul(x, y)
             best = min(best, time.perf_counter() - t0)
-    return 2.0 * size ** 3 / best / 1e12
+        return best
+
+    small_a, small_b = a[:n, :n].contiguous(), b[:n, :n].contiguous()
+    transposed = best_time(small_a, small_b.t(), 2) < best_time(small_a, small_b, 2)
+    return 2.0 * size ** 3 / best_time(a, b.t() if transposed else b, repeats) / 1e12
 
 
 def mfu(flops: float, seconds: float, n_devices: int, peak_tflops: float) -> Optional[float]:
