@@ -34,6 +34,7 @@ install_requires = [
 extras = {
     "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "pytest-xdist>=3.5",  # the suite runs on 2 workers (-n 2)
             "wandb>=0.19", "tensorboard>=2.14",
+            "peft==0.18.0",  # tests/megatron_bridge/test_lora.py loads an exported adapter with peft; pulls accelerate, no torch
             "mkdocs-material==9.6.23"],  # the docs site (mkdocs.yml), built in strict mode by tests/test_docs.py; no torch
     "trackers": ["wandb>=0.19", "tensorboard>=2.14"],  # trainer.logger wandb (offline without WANDB_API_KEY) and tensorboard; no torch
     "gpu": ["transformer-engine[pytorch]"],
