@@ -54,10 +54,11 @@ def test_partial_rollout_tokens_carry_their_version_and_its_log_prob(tmp_path, _
     proximal (old) log-probs come from their own pass at every step."""
     from trainer.debug import load_batch
 
-    # the engine is the bottleneck: busy at every push. The HTTP servers batch every request they hold, so
-    # their calls end sooner than the workers' engines': they get a longer delay, or on a loaded machine (a
-    # slower trainer) they may be idle at a push (seen in CI: "no response was continued across a push")
-    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.08" if mode == "sync" else "0.25")
+    # the engine is the bottleneck: busy at every push. With a short delay the engine can reach its quota before
+    # the trainer's push and sit idle (seen in CI for the HTTP servers at 0.08 s, and on a 2-core AVX2 machine for
+    # the workers' engines at 0.08 s: 0 of 192 responses continued across a push); at 0.25 s per decode step both
+    # modes had responses in flight at every push (24 of 192 continued, server mode)
+    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.25")
     dumps = tmp_path / "dumps"
     K, s, steps = 2, 0.5, 6
     h = run(tmp_path, f"trainer.total_training_steps={steps}", f"async_training.trigger_parameter_sync_step={K}",
