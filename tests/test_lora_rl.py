@@ -194,12 +194,14 @@ def _run(tmp_path, *overrides, name):
                                      "trainer.val_before_train=false", "trainer.save_freq=1", *overrides]))
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, capfd):
     """2 steps in one run equal 1 step, a new driver resuming from its checkpoint, and a second step: the
     checkpoint holds the adapters and their Adam state (a resume without them would step from fresh moments)."""
     _run(tmp_path, "trainer.total_training_steps=2", name="whole")
     _run(tmp_path, "trainer.total_training_steps=1", name="cut")
+    capfd.readouterr()
     _run(tmp_path, "trainer.total_training_steps=2", name="cut")
+    assert "resumed from" in capfd.readouterr().out  # the second step ran on the checkpoint, not from scratch
 
     def stable(run):
         return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in checkpoint_history(tmp_path / run)]
