@@ -49,6 +49,10 @@ class LoRASettings:
     dtype: Optional[str] = None
     adapter_path: Optional[str] = None
 
+    def __post_init__(self):  # lists (from as_dict, across Ray) back to tuples: equal settings compare equal
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
