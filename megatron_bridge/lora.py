@@ -714,19 +714,15 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor] | None:
     return dict(sorted(out.items()))
 
 
-def export_peft_adapter(model, out_dir: str, *, base_model_name_or_path: str | None, dropout: float = 0.0) -> str | None:
+def export_peft_adapter(model, out_dir: str, *, rank: int, alpha: float, base_model_name_or_path: str | None,
+                        dropout: float = 0.0) -> str | None:
     """Write the model's adapters as a peft adapter directory (``adapter_model.safetensors`` +
     ``adapter_config.json``) that ``peft.PeftModel.from_pretrained(<base HF model>, out_dir)`` loads: the same
     function as the megatron model's (:func:`lora_state_to_peft`). Collective (every rank calls); rank 0 writes
     into a temporary directory renamed into place. Returns the path on rank 0."""
     state = gather_adapter_state(model)
-    mods = [m for _, m in lora_modules(model)]
-    ranks = {(m.lora_rank, m.lora_alpha) for m in mods}
     if dist.get_rank() == 0:
         hf = unwrap(chunks(model)[0]).hf_config
-        if len(ranks) > 1:
-            raise ValueError(f"adapters of different rank / alpha {sorted(ranks)}: one peft config cannot hold them")
-        rank, alpha = next(iter(ranks))
         tmp = tmp_dir_beside(out_dir)
         try:
             save_file(lora_state_to_peft(state, hf), os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})

@@ -223,6 +223,7 @@ class MegatronStrategy(Strategy):
         ``<out_dir>/lora_adapter`` that ``PeftModel.from_pretrained(<base model>, ...)`` loads."""
         export_hf(self.module(), out_dir, source_dir=source_dir)
         if self.lora is not None:
-            export_peft_adapter(self.module(), os.path.join(out_dir, ADAPTER_DIR), dropout=self.lora.dropout,
+            export_peft_adapter(self.module(), os.path.join(out_dir, ADAPTER_DIR), rank=self.lora.rank,
+                                alpha=self.lora.alpha, dropout=self.lora.dropout,
                                 base_model_name_or_path=os.path.abspath(source_dir) if source_dir else None)
         return out_dir
