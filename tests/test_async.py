@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.tiny import checkpoint_history, rollout_logp_under, start_driver, tiny_config
+from tests.support.tiny import checkpoint_history, joining_this_cluster, rollout_logp_under, start_driver, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -88,10 +88,10 @@ def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_refe
 def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
     """The checkpoint of step 2 holds batch 3 (generated during step 2 with step 2's weights): the resumed
     run trains on it and matches the uninterrupted run exactly."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = BASE + OFF + ["trainer.total_training_steps=4", "trainer.save_freq=1"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
     run(tmp_path, *common[len(BASE):], name="uninterrupted")  # the reference in this process, on the module's cluster
+    env = joining_this_cluster(dict(os.environ, PYTHONUNBUFFERED="1"))  # the killed driver and its resume join it
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
         latest = cut_dir / "latest_checkpointed_iteration.txt"

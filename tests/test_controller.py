@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.batches import random_batch
-from tests.support.tiny import checkpoint_history, start_driver, tiny_config
+from tests.support.tiny import checkpoint_history, joining_this_cluster, start_driver, tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
@@ -150,10 +150,11 @@ def test_should_eval_once_per_boundary():
 
 
 def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
     common = BASE + ["trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=2"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
     run(tmp_path, *common[len(BASE):], name="uninterrupted")  # the reference in this process, on the module's cluster
+    # the killed driver and its resume join that cluster (tests/security/test_orphans.py kills an embedded one's driver)
+    env = joining_this_cluster(dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1"))
 
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)

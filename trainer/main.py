@@ -42,8 +42,8 @@ from trainer.async_rollout import AsyncBatchSource
 from trainer.batch_source import BatchSource
 from trainer.checkpoint import (CheckpointError, CheckpointManager, load_driver_state, load_workers, save_workers,
                                 verify)
-from trainer.config import (LAST_LOAD_NOTES, ConfigError, CoxswainConfig, flatten_keys, load_config, public_container,
-                            save_resolved, to_yaml)
+from trainer.config import (LAST_LOAD_NOTES, ConfigError, flatten_keys, load_config, public_container, save_resolved,
+                            schema_defaults, to_yaml)
 from trainer.config.preflight import (check_code_sandbox, check_data_sources, check_model, check_paths, check_supported,
                                      missing_paths, rm_inputs)
 from trainer.console import changed_from_defaults, config_summary_lines, help_keys_lines, print_lines
@@ -383,7 +383,7 @@ def finish(run: Run) -> dict:
 def config_changes(cfg) -> dict[str, Any]:
     """The keys whose values, as set (interpolations unresolved), differ from the schema's defaults, with the values
     the console may show (resolved, secrets masked: :func:`trainer.config.public_container`)."""
-    defaults = flatten_keys(OmegaConf.structured(CoxswainConfig))
+    defaults = flatten_keys(schema_defaults())
     return changed_from_defaults(flatten_keys(cfg), defaults, flatten_keys(public_container(cfg)))
 
 

@@ -205,12 +205,13 @@ def test_grpo_with_a_trained_reward_model_raises_its_score(tmp_path, monkeypatch
     from trainer.main import train
 
     rm_dir = str(tmp_path / "rm")
-    pair_acc = train_reward_model(rm_dir)
-    # it ranks a correct sum above a wrong one on most held-out pairs (0.73 measured at seed 0: a 0.4M-parameter
-    # verifier of 1-2 digit addition trained for ~2 CPU minutes is far from perfect, which the loop tolerates)
+    pair_acc = train_reward_model(rm_dir, steps=150)
+    # it ranks a correct sum above a wrong one on most held-out pairs (0.707 measured at seed 0 after 150 steps,
+    # 0.73 after 300: a 0.4M-parameter verifier of 1-2 digit addition trained for ~20 CPU seconds is far from
+    # perfect, which the loop tolerates)
     assert pair_acc > 0.65, pair_acc
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    steps = 8
+    steps = 3  # what is asserted holds at every step; no trend is asserted (see below), so no more steps are run
     try:
         out = train(tiny_config([
             f"actor_rollout_ref.model.path={TINY}", f"trainer.default_local_dir={tmp_path / 'run'}",

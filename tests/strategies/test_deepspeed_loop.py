@@ -75,15 +75,16 @@ def test_sigkill_mid_step_then_resume_is_identical_with_deepspeed_roles(tmp_path
 
     import torch
 
-    from tests.support.tiny import checkpoint_history, start_driver
+    from tests.support.tiny import checkpoint_history, joining_this_cluster, start_driver
 
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
     common = BASE + ["trainer.total_training_steps=3", "trainer.save_freq=1", "actor_rollout_ref.actor.strategy=deepspeed",
                      "actor_rollout_ref.actor.deepspeed_config.zero_stage=3", "actor_rollout_ref.actor.use_kl_loss=true",
                      "algorithm.adv_estimator=gae", "critic.strategy=deepspeed", "critic.deepspeed_config.zero_stage=1",
                      "critic.ppo_micro_batch_size_per_gpu=8"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
     run(tmp_path, "uninterrupted", *common[len(BASE):])  # the reference in this process, on the module's cluster
+    # the killed driver and its resume join that cluster
+    env = joining_this_cluster(dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1"))
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
         latest = cut_dir / "latest_checkpointed_iteration.txt"

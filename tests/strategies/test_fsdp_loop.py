@@ -139,12 +139,13 @@ def test_verl_ppo_example_with_fsdp_critic(ppo_uninterrupted):
 def test_sigkill_mid_step_then_resume_is_identical_on_fsdp(ppo_uninterrupted, tmp_path):
     """The PPO script with an FSDP actor and critic: the driver SIGKILLed inside step 2 resumes (from verl's FSDP
     layout) to the uninterrupted run's metrics and exported weights."""
-    from tests.support.tiny import checkpoint_history, start_cli
+    from tests.support.tiny import checkpoint_history, joining_this_cluster, start_cli
 
     ref_dir, _, _ = ppo_uninterrupted
     cut = tmp_path / "killed"
     args = script_args("run_gemma", cut, "trainer.save_freq=1")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the killed driver and its resume join the module's cluster (the reference ran on it)
+    env = joining_this_cluster(dict(os.environ, PYTHONUNBUFFERED="1"))
     with open(tmp_path / "cut.log", "w") as log:
         p = start_cli(args, env, log)
         latest = cut / "latest_checkpointed_iteration.txt"

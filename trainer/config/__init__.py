@@ -20,7 +20,7 @@ from trainer.config.schema import (
     KLControlConfig, MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig,
     PolicyLossConfig, RefConfig, RefMegatronConfig, RewardModelConfig, RewardModelMegatronConfig,
     RewardModelModelConfig, RolloutConfig, RolloutCorrectionConfig, RouterReplayConfig, SandboxConfig,
-    SandboxFusionConfig, TrainerConfig, ValKwargs, LEAVES, flatten_keys, all_keys, closest_key,
+    SandboxFusionConfig, TrainerConfig, ValKwargs, LEAVES, flatten_keys, all_keys, closest_key, schema_defaults,
 )
 from trainer.config.checks import (
     DAPO_KWARGS, LOGGERS, OTHER_ENGINES, OVERLONG_FIELDS, deepspeed_errors, deepspeed_roles, error_report,
@@ -71,6 +71,7 @@ __all__ = [
     "SandboxFusionConfig",
     "TrainerConfig",
     "ValKwargs",
+    "schema_defaults",
     "LEAVES",
     "flatten_keys",
     "all_keys",

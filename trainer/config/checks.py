@@ -25,7 +25,7 @@ from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
 from trainer.lora import lora_errors
 from trainer.config.plugins import HOOK_PARAMS, PIPELINE_PARAMS, load_step_callable
-from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig
+from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig, schema_defaults
 from trainer.envs import Environment, env_factory
 from trainer.hf_io import override_errors, override_fields
 from trainer.rollout.registry import Capabilities, engine_class
@@ -218,7 +218,7 @@ def fsdp_errors(cfg) -> list[str]:
 def _fsdp_keys_elsewhere(cfg, prefix: str, role, fc, fc_key: str, used: bool) -> list[str]:
     """FSDP keys changed from their defaults on a role that is not on FSDP: one line naming them and the fix."""
     sp = role.ulysses_sequence_parallel_size
-    default = OmegaConf.to_container(OmegaConf.structured(type(OmegaConf.to_object(fc))), resolve=True)
+    default = OmegaConf.to_container(schema_defaults(OmegaConf.get_type(fc)), resolve=True)
     changed = [k for k in _changed(OmegaConf.to_container(fc, resolve=True), default, "")
                if k not in ("forward_only", "strategy")]
     flat = OmegaConf.to_container(fc, resolve=True)

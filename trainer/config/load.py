@@ -26,8 +26,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from trainer.config.checks import error_report, megatron_roles, need_critic, validation_errors
-from trainer.config.schema import (LEAVES, ConfigError, CoxswainConfig, closest_key, field_type, flatten_keys,
-                                   is_schema_key, type_name)
+from trainer.config.schema import (LEAVES, ConfigError, closest_key, field_type, flatten_keys,
+                                   is_schema_key, schema_defaults, type_name)
 from trainer.config.secrets import SECRET_KEY, mask_url_credentials, secret_values
 from trainer.optimizer_overrides import cpu_note as optimizer_cpu_note, turned_off as optimizer_turned_off
 from trainer.transformer_overrides import cpu_note, kernels_turned_off
@@ -186,8 +186,8 @@ class _Load:
     reported together; ``notes`` lists the verl keys accepted with no effect."""
 
     def __init__(self):
-        self.cfg = OmegaConf.structured(CoxswainConfig)
-        self.default = OmegaConf.structured(CoxswainConfig)
+        self.cfg = schema_defaults()
+        self.default = schema_defaults()
         self.errors: list[str] = []
         self.notes: list[str] = []
         self.set_by: dict[str, tuple[str, str]] = {}  # canonical key -> (origin, spelling) (two spellings in one layer: an error)
@@ -289,7 +289,7 @@ def _base_dir() -> str:
     ``[ppo_megatron_trainer, _self_]`` composes with no verl checkout."""
     d = tempfile.mkdtemp(prefix="coxswain_base_")
     for name, strategy in VERL_BASES.items():
-        base = OmegaConf.structured(CoxswainConfig)
+        base = schema_defaults()
         for key in STRATEGY_KEYS:
             OmegaConf.update(base, key, strategy)
         with open(os.path.join(d, name + ".yaml"), "w") as f:

@@ -10,8 +10,10 @@ expands to ``actor_rollout_ref.rollout.n`` responses. ``ppo_micro_batch_size_per
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -965,6 +967,23 @@ def closest_key(key: str) -> Optional[str]:
     siblings.update({k.rsplit(".", 1)[-1]: k for k in _SECTIONS if k.rsplit(".", 1)[0] == parent and "." in k})
     m = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
     return siblings[m[0]] if m else None
+
+
+@functools.lru_cache(maxsize=None)
+def _structured(cls: type) -> DictConfig:
+    """``OmegaConf.structured(cls)``, built once per process and kept read-only: building it walks every
+    dataclass field (0.3-0.7 s for the whole schema on a 2-core machine, twice per load), a copy takes 0.04 s."""
+    node = OmegaConf.structured(cls)
+    OmegaConf.set_readonly(node, True)
+    return node
+
+
+def schema_defaults(cls: type = None) -> DictConfig:
+    """A fresh, writable ``OmegaConf.structured(cls)`` (default: the whole schema, :class:`CoxswainConfig`): the
+    same typed node, validation included, copied from a template built once."""
+    node = copy.deepcopy(_structured(cls or CoxswainConfig))
+    OmegaConf.set_readonly(node, None)
+    return node
 
 
 def is_schema_key(key: str) -> bool:
