@@ -90,6 +90,54 @@ def _ray(shared_ray):
     yield
 
 
+# The whole-run tests first: the module-scoped cluster below holds both CPU slots until the module ends, so a
+# run after its tests could not be placed.
+def _run(tmp_path, *overrides, name):
+    from trainer.main import train
+
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    return train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / name}", "trainer.test_freq=-1",
+                                     "trainer.val_before_train=false", "trainer.save_freq=1", *overrides]))
+
+
+def test_resume_is_exact(tmp_path, capfd):
+    """2 steps in one run equal 1 step, a new driver resuming from its checkpoint, and a second step: the
+    checkpoint holds the adapters and their Adam state (a resume without them would step from fresh moments)."""
+    _run(tmp_path, "trainer.total_training_steps=2", name="whole")
+    _run(tmp_path, "trainer.total_training_steps=1", name="cut")
+    capfd.readouterr()
+    _run(tmp_path, "trainer.total_training_steps=2", name="cut")
+    assert "resumed from" in capfd.readouterr().out  # the second step ran on the checkpoint, not from scratch
+
+    def stable(run):
+        return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in checkpoint_history(tmp_path / run)]
+
+    a, b = stable("whole"), stable("cut")
+    assert [h["step"] for h in a] == [1, 2] == [h["step"] for h in b] and a == b
+    for f in ("model.safetensors", "lora_adapter/adapter_model.safetensors"):
+        wa, wb = load_file(str(tmp_path / "whole" / "hf_export" / f)), load_file(str(tmp_path / "cut" / "hf_export" / f))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f
+
+
+def test_shipped_lora_recipe_runs_with_lora_active(tmp_path, monkeypatch):
+    from trainer.config import load_config
+    from trainer.main import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    cfg = load_config(["--config", TINY_YAML, "--config", LORA_YAML, "trainer.total_training_steps=2",
+                       "trainer.logger=[console]", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    out = train(cfg)
+    hist, run_dir = out["history"], Path(out["run_dir"])
+    n = adapter_elements(8)
+    for h in hist[1:]:
+        # two data-parallel ranks (TP=1), each with every adapter; the optimizer holds exactly them
+        assert h["actor/lora/adapters"] == 16 and h["actor/lora/optimizer_params"] == n == h["actor/lora/adapter_params"]
+        assert h["actor/lora/frozen_with_grad"] == 0 and h["sync/verified"] == 1.0 and "actor/kl_loss" in h
+    groups = json.loads((run_dir / "placement.json").read_text())["groups"]
+    assert "ref" not in groups and "actor" in groups  # the KL loss's reference ran on the actor's ranks
+    assert (run_dir / "hf_export" / "lora_adapter" / "adapter_model.safetensors").exists()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from trainer.main import resolve_model_paths
@@ -184,49 +232,3 @@ def test_sync_is_verified_and_the_export_is_merged_plus_a_peft_adapter(cluster):
     print(f"exported peft adapter vs actor: {peft_err:.3g}; merged export vs actor: {merged_err:.3g} "
           f"(largest |log p| {actor[mask].abs().max():.3g})")
     assert peft_err < 1e-5 and merged_err < 1e-5
-
-
-def _run(tmp_path, *overrides, name):
-    from trainer.main import train
-
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    return train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / name}", "trainer.test_freq=-1",
-                                     "trainer.val_before_train=false", "trainer.save_freq=1", *overrides]))
-
-
-def test_resume_is_exact(tmp_path, capfd):
-    """2 steps in one run equal 1 step, a new driver resuming from its checkpoint, and a second step: the
-    checkpoint holds the adapters and their Adam state (a resume without them would step from fresh moments)."""
-    _run(tmp_path, "trainer.total_training_steps=2", name="whole")
-    _run(tmp_path, "trainer.total_training_steps=1", name="cut")
-    capfd.readouterr()
-    _run(tmp_path, "trainer.total_training_steps=2", name="cut")
-    assert "resumed from" in capfd.readouterr().out  # the second step ran on the checkpoint, not from scratch
-
-    def stable(run):
-        return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in checkpoint_history(tmp_path / run)]
-
-    a, b = stable("whole"), stable("cut")
-    assert [h["step"] for h in a] == [1, 2] == [h["step"] for h in b] and a == b
-    for f in ("model.safetensors", "lora_adapter/adapter_model.safetensors"):
-        wa, wb = load_file(str(tmp_path / "whole" / "hf_export" / f)), load_file(str(tmp_path / "cut" / "hf_export" / f))
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f
-
-
-def test_shipped_lora_recipe_runs_with_lora_active(tmp_path, monkeypatch):
-    from trainer.config import load_config
-    from trainer.main import train
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    cfg = load_config(["--config", TINY_YAML, "--config", LORA_YAML, "trainer.total_training_steps=2",
-                       "trainer.logger=[console]", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path / 'run'}"])
-    out = train(cfg)
-    hist, run_dir = out["history"], Path(out["run_dir"])
-    n = adapter_elements(8)
-    for h in hist[1:]:
-        # two data-parallel ranks (TP=1), each with every adapter; the optimizer holds exactly them
-        assert h["actor/lora/adapters"] == 16 and h["actor/lora/optimizer_params"] == n == h["actor/lora/adapter_params"]
-        assert h["actor/lora/frozen_with_grad"] == 0 and h["sync/verified"] == 1.0 and "actor/kl_loss" in h
-    groups = json.loads((run_dir / "placement.json").read_text())["groups"]
-    assert "ref" not in groups and "actor" in groups  # the KL loss's reference ran on the actor's ranks
-    assert (run_dir / "hf_export" / "lora_adapter" / "adapter_model.safetensors").exists()
