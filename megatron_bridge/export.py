@@ -30,6 +30,7 @@ from trainer.fsutil import bucketed, replace_dir, tmp_dir_beside
 from megatron_bridge.convert import (canonical_names, canonical_to_hf, expert_index, is_expert, local_name, tp_kind,
                                     tp_merge)
 from megatron_bridge.hf_config import HFModelConfig
+from megatron_bridge.lora import LoRALinear
 from megatron_bridge import cpu_shims
 from megatron_bridge.model import chunks, unwrap
 
@@ -88,12 +89,22 @@ def stage_plan(m) -> list[tuple[int, int, str]]:
     return plan
 
 
+def _lora_linears(m) -> dict:
+    """``{local weight name: LoRA linear}`` of one chunk: their weights are streamed merged (see :func:`_full_param`)."""
+    return {name + ".weight": mod for name, mod in m.named_modules() if isinstance(mod, LoRALinear)}
+
+
 @torch.no_grad()
-def _full_param(m, params: dict, canonical: str) -> torch.Tensor:
-    """All-gather this stage's TP shards of one parameter and merge them (owning stage only)."""
+def _full_param(m, params: dict, canonical: str, lora: dict | None = None) -> torch.Tensor:
+    """All-gather this stage's TP shards of one parameter and merge them (owning stage only). A weight with a LoRA
+    adapter (``lora``: :func:`_lora_linears`) is streamed as the function the layer computes, this rank's shard of
+    ``W + (alpha/r) B A`` (a shard of each merges exactly: :func:`megatron_bridge.lora.merged_weight`), so the
+    engines, the checksums and the export see one plain weight; with the adapters off it is ``W``."""
     from megatron.core import parallel_state as ps
 
-    p = params[local_name(canonical, m.layer_offset, m.uses_te, getattr(m, "expert_offset", 0))].detach()
+    lname = local_name(canonical, m.layer_offset, m.uses_te, getattr(m, "expert_offset", 0))
+    mod = (lora or {}).get(lname)
+    p = mod.merged_weight() if mod is not None and mod.lora_enabled else params[lname].detach()
     if is_expert(canonical):  # a routed expert: sharded over the expert-tensor-parallel group
         tp, group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
     else:
@@ -121,6 +132,7 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
     dtype = next(m.parameters()).dtype
     device = next(m.parameters()).device
     params = [dict(c.named_parameters()) for c in ms]
+    loras = [_lora_linears(c) for c in ms]
     ep, ep_rank, ep_group = 1, 0, None
     if hf.is_moe:
         ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
@@ -135,13 +147,14 @@ def iter_hf_param(model) -> Iterator[tuple[str, torch.Tensor]]:
         if stage == my_stage and is_expert(name) and ep > 1:
             # the expert lives on one expert-parallel rank of this stage: it merges, the others receive
             owner = expert_index(name) // m.num_local_experts
-            full = _full_param(ms[chunk], params[chunk], name) if owner == ep_rank else \
+            full = _full_param(ms[chunk], params[chunk], name, loras[chunk]) if owner == ep_rank else \
                 torch.empty(shape, dtype=dtype, device=device)
             full = full.contiguous()
             dist.broadcast(full, src=dist.get_global_rank(ep_group, owner), group=ep_group)
             pairs = canonical_to_hf(name, full, hf, value_head=m.is_critic)
         elif stage == my_stage:
-            pairs = canonical_to_hf(name, _full_param(ms[chunk], params[chunk], name), hf, value_head=m.is_critic)
+            pairs = canonical_to_hf(name, _full_param(ms[chunk], params[chunk], name, loras[chunk]), hf,
+                                    value_head=m.is_critic)
         else:
             meta = torch.empty(shape, device="meta")
             pairs = [(k, torch.empty(v.shape, dtype=dtype, device=device))

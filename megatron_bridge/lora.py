@@ -70,8 +70,11 @@ Dropout masks depend on the TP layout (as megatron's own dropout does); TP parit
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import re
+import shutil
 import zlib
 from typing import Iterable, Iterator
 
@@ -90,7 +93,10 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from trainer.fsutil import replace_dir, tmp_dir_beside
 
 from megatron_bridge.convert import (
     canonical_name,
@@ -456,6 +462,31 @@ def load_adapter_state(model, state: dict[str, torch.Tensor], *, strict: bool = 
             p.copy_(shard)
 
 
+def training_report(model, optimizer) -> dict[str, float]:
+    """What this rank trains, after an optimizer step (megatron's optimizer, a chain of them included):
+    ``adapters`` (LoRA linears), ``adapter_params`` (their factors' elements), ``optimizer_params`` (elements of
+    the parameters the optimizer steps: equal to ``adapter_params`` when only the adapters train),
+    ``optimizer_state`` (elements of its per-parameter state, e.g. Adam's two moments: 2 x ``adapter_params``)
+    and ``frozen_with_grad`` (base parameters holding a gradient: 0)."""
+    adapters = {id(p) for p in lora_parameters(model)}
+    n_opt = n_state = 0
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(o, "is_stub_optimizer", False):
+            continue
+        n_opt += sum(p.numel() for p in o.get_parameters())
+        inner = getattr(o, "optimizer", o)
+        n_state += sum(v.numel() for st in inner.state.values() for v in st.values()
+                       if torch.is_tensor(v) and v.dim() > 0)  # Adam's scalar step counter is no per-element state
+    frozen = 0
+    for c in chunks(model):
+        for p in unwrap(c).parameters():
+            if id(p) not in adapters and (p.grad is not None or getattr(p, "main_grad", None) is not None):
+                frozen += 1
+    return {"adapters": float(sum(1 for _ in lora_modules(model))),
+            "adapter_params": float(sum(p.numel() for p in lora_parameters(model))),
+            "optimizer_params": float(n_opt), "optimizer_state": float(n_state), "frozen_with_grad": float(frozen)}
+
+
 def set_adapters_enabled(model, enabled: bool) -> None:
     """Switch every adapter of this rank on or off; off, the forward is the base model's, bit for bit (the LoRA
     branch is skipped, not multiplied by zero)."""
@@ -652,3 +683,57 @@ def peft_adapter_config(state: Iterable[str], hf: HFModelConfig, *, rank: int, a
         "init_lora_weights": True,
         "inference_mode": True,
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# peft adapter directories (PeftModel.save_pretrained's layout)
+
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def read_peft_adapter(path: str, hf: HFModelConfig) -> dict[str, torch.Tensor]:
+    """A peft LoRA adapter directory as full adapter tensors by canonical name (:func:`peft_to_lora_state`;
+    float32). The caller checks its ``r`` / ``lora_alpha`` against the model's adapters."""
+    state = {k: v.float() for k, v in load_file(os.path.join(path, PEFT_WEIGHTS)).items()}
+    return peft_to_lora_state(state, hf)
+
+
+def gather_adapter_state(model) -> dict[str, torch.Tensor] | None:
+    """Every adapter of the whole model as full (TP=1) tensors on global rank 0 (None elsewhere). Collective over
+    the world: each layer's TP group merges its shards, then every rank's adapters (other pipeline stages, other
+    experts; data-parallel replicas hold the same ones) go to rank 0 as objects (the adapters are small)."""
+    full = {k: v.detach().cpu() for k, v in adapter_state_dict(model, full=True).items()}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(full, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for k, v in p.items():
+            out.setdefault(k, v)
+    return dict(sorted(out.items()))
+
+
+def export_peft_adapter(model, out_dir: str, *, rank: int, alpha: float, base_model_name_or_path: str | None,
+                        dropout: float = 0.0) -> str | None:
+    """Write the model's adapters as a peft adapter directory (``adapter_model.safetensors`` +
+    ``adapter_config.json``) that ``peft.PeftModel.from_pretrained(<base HF model>, out_dir)`` loads: the same
+    function as the megatron model's (:func:`lora_state_to_peft`). Collective (every rank calls); rank 0 writes
+    into a temporary directory renamed into place. Returns the path on rank 0."""
+    state = gather_adapter_state(model)
+    if dist.get_rank() == 0:
+        hf = unwrap(chunks(model)[0]).hf_config
+        tmp = tmp_dir_beside(out_dir)
+        try:
+            save_file(lora_state_to_peft(state, hf), os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
+            cfg = peft_adapter_config(state, hf, rank=rank, alpha=alpha, dropout=dropout,
+                                      base_model_name_or_path=base_model_name_or_path)
+            with open(os.path.join(tmp, PEFT_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
+            replace_dir(tmp, out_dir)
+            tmp = None
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    return out_dir if dist.get_rank() == 0 else None

@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "tests/test_async.py",
     "tests/test_async_fully.py",
     "tests/test_controller.py",
+    "tests/test_lora_rl.py",
     "tests/strategies/test_fsdp_loop.py",
     "tests/strategies/test_parallel_loop.py",
     "tests/megatron_bridge/test_deepspeed_parity.py",

@@ -113,6 +113,26 @@ def test_phases_run_at_the_same_time_and_errors_wait_for_the_others():
         run_concurrently({"slow": slow, "bad": fails}, {}, parallel=True)
     assert finished.is_set()  # the error surfaced only after the other phase ended
 
+    # jobs of one lane (the same ranks answer them: LoRA's reference on the actor) never overlap, in the given
+    # order; another lane runs beside them
+    running, log = [], []
+
+    def lane_job(name):
+        def f():
+            running.append(name)
+            log.append((name, tuple(running)))
+            threading.Event().wait(0.1)
+            running.remove(name)
+            return name
+        return f
+
+    out = run_concurrently({"old": lane_job("old"), "ref": lane_job("ref"), "values": lane_job("values")}, {},
+                           parallel=True, lanes={"old": "actor", "ref": "actor", "values": "critic"})
+    assert out == {"old": "old", "ref": "ref", "values": "values"}
+    order = [n for n, _ in log if n != "values"]
+    assert order == ["old", "ref"] and not any({"old", "ref"} <= set(r) for _, r in log)
+    assert any(len(r) == 2 for _, r in log)  # "values" overlapped one of them
+
 
 # ---------------------------------------------------------------------------------------------- runs
 BASE = ["data.train_batch_size=16", "trainer.val_before_train=false", "trainer.logger=[console]",

@@ -254,8 +254,10 @@ class Step:
         for g in {id(g): g for g, _ in jobs.values()}.values():
             data.shards(g.dp)  # put each shard once, here, not from two threads at once
         with self._timer("forward_passes"):
+            # passes answered by the same processes (LoRA's reference on the actor's ranks) run one after the other
             out = run_concurrently({k: c for k, (_, c) in jobs.items()}, self.metrics,
-                                   parallel=p.parallel_phases and not cl.in_process)
+                                   parallel=p.parallel_phases and not cl.in_process,
+                                   lanes={k: id(g.group) for k, (g, _) in jobs.items()})
         if "old_log_prob" in out:
             self.old, self.entropy = out["old_log_prob"]
         self.ref, self.values = out.get("ref"), out.get("values")
@@ -370,24 +372,29 @@ def default_pipeline(s: Step) -> None:
     s.validate()  # 10. eval (hooks: after_eval); the loop then logs and checkpoints
 
 
-def run_concurrently(jobs: dict[str, Callable], metrics: dict, *, parallel: bool) -> dict[str, Any]:
-    """Run each job (each on a different worker group) and time it as ``timing_s/<name>``: in driver
-    threads at once (``parallel``), else in order. The first error is raised after all have ended,
-    so no call is left running on a group the caller will use next."""
+def run_concurrently(jobs: dict[str, Callable], metrics: dict, *, parallel: bool,
+                     lanes: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Run each job and time it as ``timing_s/<name>``: in driver threads at once (``parallel``), else in order.
+    ``lanes`` (job -> any key; default: a lane per job): the jobs of one lane run one after another in one
+    thread (the same worker processes answer them: a rank must not run two passes at once). The first error
+    is raised after all have ended, so no call is left running on a group the caller will use next."""
     def timed(fn):
         t0 = time.perf_counter()
         out = fn()
         return out, time.perf_counter() - t0
 
-    if not parallel or len(jobs) < 2:
+    by_lane: dict[Any, list[str]] = {}
+    for k in jobs:
+        by_lane.setdefault((lanes or {}).get(k, ("job", k)), []).append(k)
+    if not parallel or len(by_lane) < 2:
         results = {k: timed(fn) for k, fn in jobs.items()}
     else:
-        with ThreadPoolExecutor(len(jobs), thread_name_prefix="phase") as pool:
-            futs = {k: pool.submit(timed, fn) for k, fn in jobs.items()}
-            errors = [f.exception() for f in futs.values() if f.exception() is not None]
+        with ThreadPoolExecutor(len(by_lane), thread_name_prefix="phase") as pool:
+            futs = [pool.submit(lambda names: {k: timed(jobs[k]) for k in names}, names) for names in by_lane.values()]
+            errors = [f.exception() for f in futs if f.exception() is not None]
             if errors:
                 raise errors[0]
-            results = {k: f.result() for k, f in futs.items()}
+            results = {k: r for f in futs for k, r in f.result().items()}
     for k, (_, dt) in results.items():
         metrics[f"timing_s/{k}"] = metrics.get(f"timing_s/{k}", 0.0) + dt
     return {k: out for k, (out, _) in results.items()}

@@ -84,9 +84,12 @@ NO_EFFECT: dict[str, str] = {
 
 # verl-only keys (or prefixes) set to a non-default value: the specific message (else the generic one).
 VERL_MESSAGES: dict[str, str] = {
-    "actor_rollout_ref.model.lora": "LoRA training is not implemented; remove the lora lines",
-    "actor_rollout_ref.model.lora_rank": "LoRA training is not implemented; remove the line",
-    "critic.model.lora": "LoRA training is not implemented; remove the lora lines",
+    # the actor's LoRA keys are the schema's (trainer/config/lora.py); the critic's are verl's only
+    "critic.model.lora": "LoRA on the critic is not built (the critic trains all its weights); LoRA trains the actor: "
+                         "actor_rollout_ref.model.lora.*; remove the critic's lora lines",
+    "critic.model.lora_rank": "LoRA on the critic is not built; LoRA trains the actor (actor_rollout_ref.model.lora.*); "
+                              "remove the line",
+    "critic.model.lora_alpha": "LoRA on the critic is not built; remove the line",
     "actor_rollout_ref.actor.profiler": "profiling is not implemented; remove the profiler lines",
     "actor_rollout_ref.ref.profiler": "profiling is not implemented; remove the profiler lines",
     "actor_rollout_ref.rollout.profiler": "profiling is not implemented; remove the profiler lines",
@@ -200,6 +203,16 @@ REFUSED: list[tuple[str, Callable[[Any, Any], bool], str]] = [
      "dumping routes to a file is not built; remove the line"),
     ("actor_rollout_ref.ref.router_replay.replay_file", lambda v, c: v is not None,
      "replaying routes from a file is not built; remove the line"),
+    ("actor_rollout_ref.model.lora.a2a_experimental", lambda v, c: bool(v),
+     "Megatron-Bridge's all-to-all LoRA communication for expert parallelism is not built (the adapters here "
+     "communicate the rank-r intermediate inside the layer); remove the line"),
+    ("actor_rollout_ref.model.lora.freeze_language_model", lambda v, c: v is False,
+     "LoRA trains adapters on frozen base weights; training the base too is full fine-tuning: set "
+     "actor_rollout_ref.model.lora.rank=0 (or remove the line)"),
+    ("actor_rollout_ref.model.lora.freeze_vision_model", lambda v, c: v is False,
+     "vision-language models are not built (the bridge converts Llama/Qwen2/Qwen3 text models); remove the line"),
+    ("actor_rollout_ref.model.lora.freeze_vision_projection", lambda v, c: v is False,
+     "vision-language models are not built (the bridge converts Llama/Qwen2/Qwen3 text models); remove the line"),
     ("reward_model.micro_batch_size", lambda v, c: v is not None,
      "the global (legacy) micro-batch size is not supported: set reward_model.micro_batch_size_per_gpu"),
 ]
@@ -278,7 +291,8 @@ def verl_only(key: str, value) -> tuple[str, Optional[str]]:
                 return "ok", None
         except KeyError:
             pass
-        return "refused", msg
+        special = _prefix_message(key, VERL_MESSAGES)  # e.g. the critic's LoRA: say why, not only "remove it"
+        return "refused", (f"verl's '{key}': {special}" if special else msg)
     try:
         default = verl_default(key)
     except KeyError:

@@ -67,7 +67,12 @@ def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
     """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return logp_under(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), batch)
+
+
+@torch.no_grad()
+def logp_under(m, batch) -> torch.Tensor:
+    """log p(response token) under a HF causal LM (or a peft model around one), temperature 1, on the batch's grid."""
     P = batch.prompt_width
     out = torch.zeros(batch.responses.shape)
     for i in range(batch.num_samples):

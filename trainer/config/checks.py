@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.algos.correction import parse_is_threshold
 from trainer.algos.losses import loss_keywords
 from trainer.checkpoint import contents_errors
+from trainer.lora import lora_errors
 from trainer.config.plugins import HOOK_PARAMS, PIPELINE_PARAMS, load_step_callable
 from trainer.config.schema import CHOICES, KEY_RANGES, AsyncTrainingConfig, ConfigError, DeepSpeedConfig, schema_defaults
 from trainer.envs import Environment, env_factory
@@ -749,7 +750,7 @@ def _optimizer_override_errors(cfg: DictConfig) -> list[str]:
 # The section checks in the schema's order; each reads its section (and the keys it must agree with).
 SECTION_CHECKS = (data_errors, actor_errors, megatron_errors, micro_batch_errors, rollout_errors,
                   _routing_replay_errors, reward_errors, algorithm_errors, _adca_errors, trainer_errors, _async_errors, deepspeed_errors,
-                  fsdp_errors, _hf_override_errors, _optimizer_override_errors)
+                  fsdp_errors, _hf_override_errors, _optimizer_override_errors, lora_errors)
 
 LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 OTHER_ENGINES = ("vllm", "trtllm", "hf")  # verl's other rollout engines

@@ -141,6 +141,29 @@ class RefMegatronConfig(MegatronConfig):
 
 
 @dataclass
+class LoRAConfig:
+    """verl's ``actor_rollout_ref.model.lora`` (Megatron-Bridge's LoRA; docs/strategies.md#lora): the actor trains
+    rank-``rank`` adapters on its frozen base weights (strategy=megatron); the reference is the actor with its
+    adapters off."""
+    rank: int = 0  # adapter rank; 0 = no LoRA (the whole model trains)
+    alpha: float = 32  # scale alpha / rank of the adapter's output (peft's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input
+    dropout_position: str = "pre"  # pre (on the adapter's input); post is refused with a dropout (not built)
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])  # megatron linears (last name, or a wildcard pattern of the canonical name, e.g. *.layers.0.*); [] = every decoder linear
+    exclude_modules: List[str] = field(default_factory=list)  # linears taken out of target_modules (same patterns)
+    lora_A_init_method: str = "xavier"  # xavier | normal | kaiming | zero
+    lora_B_init_method: str = "zero"  # xavier | normal | kaiming | zero (zero: training starts at the base model)
+    merge: bool = False  # true: the engines get merged weights W + (alpha/rank) B A (required: adapter-only sync to the engines is not built)
+    adapter_path: Optional[str] = None  # a peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from
+    type: str = "lora"  # lora (canonical_lora / dora / vlm_lora are not built)
+    dtype: Optional[str] = None  # adapter parameter dtype: float32 | bfloat16 | float16; None = the base weights'
+    a2a_experimental: bool = False  # Megatron-Bridge's all-to-all adapter communication (not built; refused when true)
+    freeze_language_model: bool = True  # the base weights stay frozen (false is refused: that is full fine-tuning, rank 0)
+    freeze_vision_model: bool = True  # vision-language models only (not built; false refused)
+    freeze_vision_projection: bool = True  # vision-language models only (not built; false refused)
+
+
+@dataclass
 class ModelConfig:
     path: str = "~/models/deepseek-llm-7b-chat"  # HF-format model dir (config.json + safetensors + tokenizer); nothing is downloaded
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = path
@@ -148,6 +171,12 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     use_remove_padding: bool = False  # verl's FSDP packing switch; the megatron roles pack by *.megatron.use_remove_padding (true with it false is refused)
     override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the checkpoint's for the actor, reference and rollout (max_position_embeddings, rope_theta, rope_scaling, attention_dropout, rms_norm_eps; top level or under model_config)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA on the actor (megatron): docs/strategies.md#lora
+    lora_rank: int = 0  # verl's older spelling of lora.rank (0 = off); with lora_alpha, target_modules, exclude_modules, lora_adapter_path
+    lora_alpha: float = 16  # older spelling of lora.alpha (read when lora_rank > 0)
+    target_modules: Any = "all-linear"  # older spelling (with lora_rank): all-linear, or HF projection names (q_proj+k_proj+v_proj, o_proj, gate_proj+up_proj, down_proj) or megatron linear names
+    exclude_modules: Any = None  # older spelling (with lora_rank): names taken out of target_modules
+    lora_adapter_path: Optional[str] = None  # older spelling of lora.adapter_path (with lora_rank)
 
 
 @dataclass
@@ -609,6 +638,9 @@ CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "reward_model.strategy": (tuple(STRATEGIES), True),  # or a user's Strategy class, pkg.module:Class
     "actor_rollout_ref.rollout.name": (tuple(ENGINES), True),  # or a user's engine class, pkg.module:Class
     "actor_rollout_ref.actor.router_replay.mode": (("disabled", "R2", "R3"), False),
+    "actor_rollout_ref.model.lora.dropout_position": (("pre", "post"), False),
+    "actor_rollout_ref.model.lora.lora_A_init_method": (("xavier", "normal", "kaiming", "zero"), False),
+    "actor_rollout_ref.model.lora.lora_B_init_method": (("xavier", "normal", "kaiming", "zero"), False),
     "async_training.mode": (("sync", "one_step_off", "fully_async"), False),
     "actor_rollout_ref.ref.router_replay.mode": (("disabled", "R2", "R3"), False),
     "reward_model.reward_manager": (("naive", "prime", "dapo", "batch"), False),
@@ -723,6 +755,11 @@ RANGES: dict[str, Range] = {
     "MegatronConfig.expert_tensor_parallel_size": _RANKS,
     "MegatronConfig.pipeline_layer_split": _r(0, MAX_RANKS, why="layers of one pipeline stage"),
     "MegatronConfig.seed": _SEED,
+    "LoRAConfig.rank": _r(0, 2**16, why="an adapter rank (0: no LoRA)"),
+    "LoRAConfig.alpha": _r(0, lo_open=True, why="the adapter scale's numerator (scale alpha / rank)"),
+    "LoRAConfig.dropout": _r(0, 1, hi_open=True, why="a dropout probability"),
+    "ModelConfig.lora_rank": _r(0, 2**16, why="an adapter rank (0: no LoRA)"),
+    "ModelConfig.lora_alpha": _r(0, lo_open=True, why="the adapter scale's numerator (scale alpha / rank)"),
     "OptimConfig.lr": _r(0, why="a learning rate"),
     "OptimConfig.min_lr": _r(0, why="a learning rate"),
     "OptimConfig.lr_warmup_steps": _r(why="verl: a negative value means use lr_warmup_steps_ratio"),

@@ -15,6 +15,7 @@ holds one :class:`Strategy`, which does the rest:
   (HF-named full tensors, collective over the model group) and ``reshard_blocks()`` (this rank's own
   blocks of the HF tensors, or None where the strategy cannot say) with ``local_param(ref)``, the local
   tensor a block reads;
+* ``reference_policy()``: a context in which ``compute`` gives the reference policy (LoRA: the adapters off);
 * ``save`` / ``load`` / ``export_hf``; ``load_state`` / ``offload_state`` / ``offload_status`` (what is
   kept in host memory between calls); ``rng_state`` / ``set_rng_state``; ``mesh``, the rank's
   coordinates (``dp_rank``, ``dp_size``, ``tp_*``, ``pp_*``, ``vpp_size``, ``cp_*``, ``ep_*``).
@@ -150,6 +151,13 @@ class Strategy(abc.ABC):
     def train_step(self, mbs: list[dict], loss_fn: Callable, **kw) -> dict:
         """One optimizer step over the micro-batches; ``loss_fn(outs, mb) -> (loss, metrics)``.
         Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
+
+    def reference_policy(self):
+        """A context manager inside which :meth:`compute` gives the reference policy's outputs from this rank's
+        own model (LoRA: the actor with its adapters off), so no reference group is needed. A strategy that
+        holds no reference beside its trained weights raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} holds no reference policy beside its trained weights: "
+                                  f"run a reference group")
 
     # ------------------------------------------------------------------ weights (read by trainer.sync)
     @abc.abstractmethod

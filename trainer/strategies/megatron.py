@@ -13,6 +13,8 @@ imports megatron-core itself: megatron stays inside ``megatron_bridge``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from omegaconf import OmegaConf
 
@@ -24,6 +26,8 @@ from megatron_bridge.convert import load_hf_weights
 from megatron_bridge.export import export_hf, iter_hf_param, iter_hf_weights
 from megatron_bridge.hf_config import read_hf_config
 from megatron_bridge.logprobs import compute_logprobs
+from megatron_bridge.lora import (adapters_disabled, apply_lora, export_peft_adapter, load_adapter_state,
+                                  read_peft_adapter, training_report)
 from megatron_bridge.model import build_model, compile_model
 from megatron_bridge.reshard import local_blocks, local_param
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
@@ -31,7 +35,11 @@ from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
 from trainer.optimizer_overrides import passthrough as optimizer_passthrough
 from trainer.transformer_overrides import passthrough
+from trainer.lora import LoRASettings
 from trainer.verl_compat import moe_settings, recompute_settings
+
+
+ADAPTER_DIR = "lora_adapter"  # the peft adapter beside the merged HF export
 
 
 class MegatronStrategy(Strategy):
@@ -64,17 +72,20 @@ class MegatronStrategy(Strategy):
                  etp: int | None = None, moe: dict | None = None, pp_layers=None, params_dtype: str = "float32",
                  compile: bool = False, optim: dict | None = None, seed: int = 1, recompute: dict | None = None,
                  sequence_parallel: bool = False, routing_replay: bool = False, offload: dict | None = None,
-                 hf_overrides: dict | None = None, transformer: dict | None = None):
+                 hf_overrides: dict | None = None, transformer: dict | None = None, lora: dict | None = None):
         launch.init_distributed(rank, world_size, master_addr, master_port, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
                                 seed=seed)
         self.mesh = launch.parallel_layout()
         self.hf = read_hf_config(model_path, hf_overrides)  # verl's model.override_config over config.json
         if role == "reward":  # a reward model's head is its training: never a fresh init (trainer.rewards.reward_model)
             check_score_head(model_path, self.hf.hidden_size)
+        # LoRA (trainer.lora.LoRASettings as a dict): adapters on the local spec's linears, so never Transformer
+        # Engine's fused ones (megatron_bridge.lora refuses them)
+        self.lora = LoRASettings(**lora) if lora else None
         self.model = build_model(self.hf, pp_layers=pp_layers, params_dtype=DTYPES[params_dtype],
                                  value_head=role in ("critic", "reward"),
                                  recompute={**(recompute or {}), **(moe or {}), **(transformer or {})} or None,
-                                 sequence_parallel=sequence_parallel)
+                                 sequence_parallel=sequence_parallel, use_te=False if self.lora else None)
         load_hf_weights(self.model, model_path)
         # R3 routing replay: every forward routes each token to the experts the rollout engine used
         self.routing_replay = routing_replay
@@ -83,6 +94,9 @@ class MegatronStrategy(Strategy):
                 raise ValueError(f"{role}: router_replay.mode=R3 replays mixture-of-experts routing, but {model_path} "
                                  f"is a dense model; remove the router_replay line")
             rr.install(self.model)
+        if self.lora is not None:
+            self._apply_lora(seed)
+        # after apply_lora: the base weights are frozen, so megatron's DDP buffers and optimizer hold the adapters only
         self.trainer = make_trainer(self.model, OptimConfig(**optim)) if optim is not None else None
         self._setup_offload(offload or {})
         if compile:
@@ -90,6 +104,24 @@ class MegatronStrategy(Strategy):
 
     def module(self):
         return self.trainer.model if self.trainer is not None else self.model
+
+    # ------------------------------------------------------------------ LoRA (megatron_bridge.lora)
+    def _apply_lora(self, seed: int) -> None:
+        """Adapters on the loaded base weights (initialised from ``seed``, the same at every layout), or the
+        peft adapter of ``adapter_path`` over them."""
+        s = self.lora
+        apply_lora(self.model, **s.apply_kwargs(), seed=seed, dtype=DTYPES[s.dtype] if s.dtype else None)
+        if s.adapter_path:
+            # strict: every adapter this rank holds must be in the file (a peft adapter on fewer modules than
+            # target_modules names is refused, not half-loaded)
+            load_adapter_state(self.model, read_peft_adapter(s.adapter_path, self.hf))
+
+    def reference_policy(self):
+        """The actor with its adapters off is the reference policy (verl's LoRA reference): the base weights,
+        bit for bit."""
+        if self.lora is None:
+            return super().reference_policy()
+        return adapters_disabled(self.module())
 
     # ------------------------------------------------------------------ offload (megatron_bridge.offload)
     def _setup_offload(self, offload: dict) -> None:
@@ -146,8 +178,12 @@ class MegatronStrategy(Strategy):
                                 with_sum_pi_squared=with_sum_pi_squared)
 
     def train_step(self, mbs: list[dict], loss_fn, **kw) -> dict:
-        """One optimizer step over the micro-batches: ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
-        return train_step(self.trainer, mbs, loss_fn, **kw)
+        """One optimizer step over the micro-batches: ``loss``, ``grad_norm``, ``lr``, ``skipped`` (with LoRA also
+        ``lora/*``: what this rank trained, :func:`megatron_bridge.lora.training_report`)."""
+        out = train_step(self.trainer, mbs, loss_fn, **kw)
+        if self.lora is not None:
+            out.update({f"lora/{k}": v for k, v in training_report(self.module(), self.trainer.optimizer).items()})
+        return out
 
     # ------------------------------------------------------------------ weights
     def hf_buckets(self, bucket_bytes: int):
@@ -159,7 +195,10 @@ class MegatronStrategy(Strategy):
         return iter_hf_param(self.module())
 
     def reshard_blocks(self) -> list | None:
-        return local_blocks(self.module())
+        # a block is a strided copy out of a live parameter, planned once; a LoRA weight is sent merged, a tensor
+        # computed at each sync, so LoRA syncs by the gathered stream (hf_buckets: the hybrid copy, object store,
+        # SGLang's broadcast), which merges each weight as it goes
+        return None if self.lora is not None else local_blocks(self.module())
 
     def local_param(self, ref: str) -> torch.Tensor:
         return local_param(self.module(), ref)
@@ -180,5 +219,11 @@ class MegatronStrategy(Strategy):
         return out
 
     def export_hf(self, out_dir: str, source_dir: str | None = None) -> str:
+        """The HF model (with LoRA: merged weights), and with LoRA also the peft adapter directory
+        ``<out_dir>/lora_adapter`` that ``PeftModel.from_pretrained(<base model>, ...)`` loads."""
         export_hf(self.module(), out_dir, source_dir=source_dir)
+        if self.lora is not None:
+            export_peft_adapter(self.module(), os.path.join(out_dir, ADAPTER_DIR), rank=self.lora.rank,
+                                alpha=self.lora.alpha, dropout=self.lora.dropout,
+                                base_model_name_or_path=os.path.abspath(source_dir) if source_dir else None)
         return out_dir

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from trainer.config.preflight import check_node_layout
+from trainer.lora import lora_settings
 from trainer.plan import need_critic, need_ref
 from trainer.rollout.registry import capabilities
 from trainer.net import free_port
@@ -26,7 +27,7 @@ from trainer.sync import choose
 from trainer.workers.dataplane import Transport
 from trainer.workers.group import Placement, WorkerGroup, embedded_ray, embedded_ray_kept, init_ray
 from trainer.workers.hybrid_worker import HybridWorker
-from trainer.workers.roles import ActorGroup, CriticGroup, RefGroup, RewardModelGroup
+from trainer.workers.roles import ActorGroup, ActorReference, CriticGroup, RefGroup, RewardModelGroup
 from trainer.workers.rollout_worker import RolloutWorker
 from trainer.workers.rollouts import EngineRollout, FleetRollout, HybridRollout
 from trainer.workers.train_worker import TrainWorker
@@ -141,7 +142,8 @@ class Cluster:
                     self.transport)
 
     def _role_group(self, kind, name: str, rcfg, role: str, optim: dict | None, path: str, *, rollout: dict | None = None,
-                    checkpointing: bool = False, routing_replay: bool = False, hf_overrides=None):
+                    checkpointing: bool = False, routing_replay: bool = False, hf_overrides=None,
+                    lora: dict | None = None):
         """A role on its section's strategy (``rcfg.strategy``: a registered name or ``pkg.module:Class``) over all
         ``world`` ranks. The driver hands every strategy the same things (its role's config section, the optimizer,
         the launch settings, the rendezvous) and the strategy reads its own keys in the worker
@@ -154,7 +156,9 @@ class Cluster:
                       **({"rollout": rollout} if rollout is not None else {}),
                       # verl's model.override_config; given only when set, so a strategy that has no such keyword
                       # (a user's) still starts without it
-                      **({"hf_overrides": _plain(hf_overrides)} if hf_overrides else {}))
+                      **({"hf_overrides": _plain(hf_overrides)} if hf_overrides else {}),
+                      # LoRA settings (trainer.lora), the same way: only where on (the checks allow it on megatron only)
+                      **({"lora": lora} if lora else {}))
         cls = HybridWorker if rollout is not None else TrainWorker
         return self._group(kind, name, cls, [dict(common, rank=i) for i in range(self.world)])
 
@@ -184,13 +188,19 @@ class Cluster:
         clip = a.grad_clip if a.grad_clip is not None else a.optim.clip_grad
         actor_optim = bridge_optim(a.optim, clip_grad=clip, total_steps=total_steps,
                                    use_dist=a.megatron.use_distributed_optimizer)
+        lora = lora_settings(cfg)
         self.actor = self._role_group(ActorGroup, "actor", a, "actor", actor_optim, model_path,
                                       rollout=rkw if self.hybrid else None,
                                       checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
                                       routing_replay=a.router_replay.mode == "R3",
-                                      hf_overrides=cfg.actor_rollout_ref.model.override_config)
+                                      hf_overrides=cfg.actor_rollout_ref.model.override_config,
+                                      lora=lora.as_dict() if lora else None)
         self.ref = self.critic = self.reward_model = None
-        if need_ref(cfg):
+        if need_ref(cfg) and lora is not None:
+            # the reference is the actor's base weights, which LoRA leaves frozen: its own ranks compute it with the
+            # adapters off (verl's LoRA reference), and no second copy of the model is started
+            self.ref = ActorReference(self.actor.group, self.transport)
+        elif need_ref(cfg):
             rf = cfg.actor_rollout_ref.ref
             self.ref = self._role_group(RefGroup, "ref", rf, "ref", None, model_path,
                                         routing_replay=rf.router_replay.mode == "R3",
@@ -237,9 +247,14 @@ class Cluster:
             transports=transports)
 
     # ------------------------------------------------------------------ views
+    def _own_ref(self):
+        """The reference group where it has ranks of its own (not the actor's: ``ActorReference``)."""
+        return self.ref if self.ref is not None and not self.ref.shares_actor else None
+
     def groups(self) -> dict:
-        """The Ray worker groups by name (a hybrid rollout lives in the actor's processes)."""
-        out = {n: g.group for n, g in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
+        """The Ray worker groups by name (a hybrid rollout lives in the actor's processes; so does a reference
+        computed by the actor's ranks)."""
+        out = {n: g.group for n, g in (("actor", self.actor), ("ref", self._own_ref()), ("critic", self.critic),
                                        ("reward_model", self.reward_model)) if g is not None}
         if isinstance(self.rollout, EngineRollout):
             out["rollout"] = self.rollout.group
@@ -288,10 +303,10 @@ class Cluster:
 
     def rng_states(self) -> dict:
         """Every worker's RNG state, per group and rank (for exact resume)."""
-        return {n: g.rng_state() for n, g in {**self.trained(), "ref": self.ref}.items() if g is not None}
+        return {n: g.rng_state() for n, g in {**self.trained(), "ref": self._own_ref()}.items() if g is not None}
 
     def set_rng_states(self, states: dict) -> None:
-        for n, g in {**self.trained(), "ref": self.ref}.items():
+        for n, g in {**self.trained(), "ref": self._own_ref()}.items():
             if g is not None and n in states:
                 g.set_rng_state(states[n])
 

@@ -102,10 +102,13 @@ def memory_partials(acc: Partials, prefix: str = "perf/") -> None:
 
 
 def step_partials(acc: Partials, prefix: str, m: Mapping) -> None:
-    """The optimizer step's own metrics (the same on every rank): ``grad_norm``, ``lr``, ``skipped``,
+    """The optimizer step's own metrics (the same on every rank): ``grad_norm``, ``lr``, ``skipped``, ``lora/*``,
     the total ``loss`` (this rank's micro-batch sum, a share x dp_size) and the memory metrics."""
     for k in ("grad_norm", "lr", "skipped"):
         if k in m:
+            acc.add(prefix + k, MEAN, m[k])
+    for k in m:  # a strategy's report of what it trains (LoRA: lora/adapters, lora/optimizer_params, ...)
+        if k.startswith("lora/"):
             acc.add(prefix + k, MEAN, m[k])
     if "loss" in m:
         acc.add(prefix + "loss", SUM, m["loss"])

@@ -65,6 +65,8 @@ def plan_mini_batches(part: Partition, response_mask: torch.Tensor, settings: Up
 class RoleGroup:
     """A model role's ranks and mesh."""
 
+    shares_actor = False  # True: the actor's ranks answer for this role (no processes of its own)
+
     def __init__(self, group: WorkerGroup, transport: Transport):
         self.group, self.transport = group, transport
         self.layouts = group.call("layout")
@@ -124,12 +126,26 @@ class RoleGroup:
 
 
 class RefGroup(RoleGroup):
+    on_actor: dict = {}  # the worker's log_probs keywords that select the reference on an actor's ranks
+
     def log_probs(self, step: StepData, settings: ForwardSettings) -> Sharded:
         """The reference policy's ``ref_log_probs``, left in the object store."""
         refs = self.group.async_call("log_probs", self._args([(r,) for r in step.shards(self.dp)]), num_returns=2,
-                                     settings=settings, key="ref_log_probs")
+                                     settings=settings, key="ref_log_probs", **self.on_actor)
         self.group.get([r[1] for r in refs])  # wait (and surface a dead worker here, not at the consumer)
         return self._sharded(step, [r[0] for r in refs])
+
+
+class ActorReference(RefGroup):
+    """The reference policy computed by the actor's own ranks (``Strategy.reference_policy``: with LoRA, the
+    actor with its adapters off, as verl does): no ranks of its own, so the cluster neither starts, seeds nor
+    stops any, and the step runs its pass after the actor's (not beside it: the same processes)."""
+
+    shares_actor = True
+    on_actor = {"reference": True}
+
+    def shutdown(self) -> None:  # the actor group owns the processes
+        pass
 
 
 class ActorGroup(RoleGroup):

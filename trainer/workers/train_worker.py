@@ -18,6 +18,7 @@ come back at that width, for the response part only (``[b, T_d]``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -193,15 +194,18 @@ class TrainWorker(SenderEndpoints):
     # ------------------------------------------------------------------ forward passes
     @resident("params")
     def log_probs(self, shard: dict, *, settings: ForwardSettings, entropy: bool = False,
-                  key: str = "log_probs") -> tuple[dict[str, np.ndarray], dict[str, float]]:
+                  key: str = "log_probs", reference: bool = False) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Per-token log-probs of the shard's responses under the current weights, ``{key: [b, T_d]}``
         (``key``: the batch field they fill, e.g. ``old_log_probs``, so the update reads them as
         they are), and a summary: the entropy's masked sum and token count (``entropy``: the driver
         logs their ratio and never needs the per-token entropy). ``settings.with_sum_pi_squared``
         (verl's ``actor.calculate_sum_pi_squared``): the dict also holds ``sum_pi_squared [b, T_d]``,
-        ``sum_v pi(v)^2`` at each response position (the optimal token baseline's input)."""
+        ``sum_v pi(v)^2`` at each response position (the optimal token baseline's input). ``reference``: the
+        reference policy's log-probs from this rank's own model (``Strategy.reference_policy``: LoRA's actor with
+        its adapters off)."""
         batch = shard_batch(shard)
-        full = self._forward(batch, settings, with_entropy=entropy)
+        with self.strategy.reference_policy() if reference else contextlib.nullcontext():
+            full = self._forward(batch, settings, with_entropy=entropy)
         summary = entropy_summary(full["entropy"], batch.response_mask) if entropy else {}
         out = {key: full["logprobs"].numpy()}
         if "sum_pi_squared" in full:
