@@ -74,7 +74,6 @@ import json
 import math
 import os
 import re
-import shutil
 import zlib
 from typing import Iterable, Iterator
 
@@ -96,7 +95,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from trainer.fsutil import replace_dir, tmp_dir_beside
+from trainer.fsutil import staged_dir
 
 from megatron_bridge.convert import (
     canonical_name,
@@ -723,17 +722,11 @@ def export_peft_adapter(model, out_dir: str, *, rank: int, alpha: float, base_mo
     state = gather_adapter_state(model)
     if dist.get_rank() == 0:
         hf = unwrap(chunks(model)[0]).hf_config
-        tmp = tmp_dir_beside(out_dir)
-        try:
+        with staged_dir(out_dir) as tmp:
             save_file(lora_state_to_peft(state, hf), os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
             cfg = peft_adapter_config(state, hf, rank=rank, alpha=alpha, dropout=dropout,
                                       base_model_name_or_path=base_model_name_or_path)
             with open(os.path.join(tmp, PEFT_CONFIG), "w", encoding="utf-8") as f:
                 json.dump(cfg, f, indent=2, sort_keys=True)
-            replace_dir(tmp, out_dir)
-            tmp = None
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     return out_dir if dist.get_rank() == 0 else None

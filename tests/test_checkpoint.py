@@ -169,3 +169,23 @@ def _flip(path, offset):
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 1]))
+
+
+def test_staged_dir_swaps_in_whole_or_leaves_the_old_directory(tmp_path):
+    """trainer.fsutil.staged_dir (the HF and peft exports'): a block that ends normally replaces the directory whole;
+    one that raises leaves the old contents and no temporary directory beside them."""
+    import pytest
+
+    from trainer.fsutil import staged_dir
+
+    final = tmp_path / "export"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with staged_dir(str(final)) as tmp:
+            (tmp_path / tmp / "new.txt").write_text("half")
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and sorted(p.name for p in final.iterdir()) == ["old.txt"]
+    with staged_dir(str(final)) as tmp:
+        (tmp_path / tmp / "new.txt").write_text("whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and sorted(p.name for p in final.iterdir()) == ["new.txt"]

@@ -1,12 +1,13 @@
 """Filesystem and stream helpers shared by checkpoints and exports (the trainer's, the megatron bridge's, the strategies'):
 ``replace_dir`` (an atomic directory swap), ``tmp_dir_beside`` (a temp directory on the same filesystem as its
-target) and ``bucketed`` (named tensors in size-bounded buckets). No megatron import."""
+target), ``staged_dir`` (the two together) and ``bucketed`` (named tensors in size-bounded buckets). No megatron import."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
@@ -32,6 +33,18 @@ def tmp_dir_beside(final: str) -> str:
     tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     return tmp
+
+
+@contextmanager
+def staged_dir(final: str) -> Iterator[str]:
+    """A directory to write ``final``'s new contents into (:func:`tmp_dir_beside`): swapped into place
+    (:func:`replace_dir`) when the block ends normally, removed when it raises, so ``final`` is never half written."""
+    tmp = tmp_dir_beside(final)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megatron_bridge.export import TOKENIZER_FILES  # the same files the megatron export copies
-from trainer.fsutil import replace_dir, tmp_dir_beside
+from trainer.fsutil import staged_dir
 from trainer.hf_io import load_config_json, overridden_fields
 from trainer.rewards.reward_model import check_score_head
 
@@ -150,8 +150,7 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 def write_hf_dir(state: dict, config, out_dir: str, source_dir: str | None) -> str:
     """``state`` (HF names -> CPU tensors) as ``model.safetensors`` with ``config`` (a transformers config) and
     the source's tokenizer files, replacing ``out_dir`` atomically."""
-    tmp = tmp_dir_beside(out_dir)
-    try:
+    with staged_dir(out_dir) as tmp:
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config.to_dict(), f, indent=2, sort_keys=True, default=str)
@@ -160,7 +159,4 @@ def write_hf_dir(state: dict, config, out_dir: str, source_dir: str | None) -> s
                 src = os.path.join(source_dir, fn)
                 if os.path.exists(src):
                     shutil.copy2(src, os.path.join(tmp, fn))
-        replace_dir(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
