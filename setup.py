@@ -16,6 +16,7 @@ install_requires = [
     "omegaconf>=2.3,<2.4",
     "hydra-core==1.3.8",  # verl's command-line grammar (+key, ~key, lists) and --config-path/--config-name composition
     "tensordict>=0.15",
+    "wrapt>=1.14",  # trainer/lazy_dynamo.py: its post-import hook (tensordict without torch._dynamo at import); C wheel, no dependencies
     "safetensors>=0.4",
     "transformers>=4.50",
     "ray>=2.40",

@@ -12,6 +12,8 @@ Modules (import the one you need; nothing heavy is imported here):
 * ``checkpoint`` — atomic dist_checkpointing save / load, reshardable across TP/PP.
 * ``export``     — ``iter_hf_weights`` (bucketed stream in HF naming) and ``export_hf``.
 * ``cpu_shims``  — the three CUDA shims megatron-core needs on a CPU-only torch (no-op with CUDA).
+* ``lazy_compile`` — megatron-core imported without loading dynamo (its ``torch.compile`` decorators compile on
+                   first call); installed here, before any bridge module imports megatron.
 
 A rank's life, e.g. in a Ray actor::
 
@@ -22,3 +24,7 @@ A rank's life, e.g. in a Ray actor::
     metrics = train.train_step(tr, micro_batches, loss_fn)
     for bucket in export.iter_hf_weights(tr.model, 512 << 20): ...
 """
+
+from megatron_bridge import lazy_compile  # noqa: E402  (stdlib only: this package stays light to import)
+
+lazy_compile.install()

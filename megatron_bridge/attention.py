@@ -75,7 +75,7 @@ class TorchSDPAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [s, b, heads * d]
 
-    @torch.compiler.disable  # data-dependent buckets: run eagerly inside a compiled chunk, never recompiled
+    # data-dependent buckets: eager inside a compiled chunk, never recompiled (eager_thd_inside_compiled_chunks)
     def _thd(self, query, key, value, psp):
         """``[T, heads, d]`` packed tokens: causal attention within each sequence. Sequences of similar
         length are batched into one right-padded ``[n, heads, L_max, d]`` kernel call: with right
@@ -194,3 +194,12 @@ def grouped_self_attention():
             return query, key, value
 
     return GroupedSelfAttention
+
+
+def eager_thd_inside_compiled_chunks() -> None:
+    """``TorchSDPAttention._thd`` under ``torch.compiler.disable``, set when a chunk is compiled
+    (megatron_bridge.model.compile_model): applied at import it would load dynamo in every megatron process,
+    compiled or not (megatron_bridge/lazy_compile.py). Idempotent."""
+    thd = TorchSDPAttention.__dict__["_thd"]
+    if not getattr(thd, "_torchdynamo_disable", False):
+        TorchSDPAttention._thd = torch.compiler.disable(thd)

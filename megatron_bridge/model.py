@@ -92,7 +92,6 @@ class PositionRotary(nn.Module):
         return transformer_input.size(0)
 
 
-@torch.compiler.disable  # data-dependent positions: eager inside a compiled chunk
 def _thd_rope(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
               cp_group=None):
     """RoPE of a packed row ``t [T, heads, d]``: every token gets the angles of its position within its
@@ -175,6 +174,20 @@ def _install_thd_rope() -> None:
     if _MEGATRON_THD_ROPE is None:
         _MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd
         rope_utils._apply_rotary_pos_emb_thd = _thd_rope
+
+
+def _eager_inside_compiled_chunks() -> None:
+    """The data-dependent pieces run eagerly inside a compiled chunk (``torch.compiler.disable``): the packed
+    rows' RoPE positions and the attention's length buckets. Applied when a chunk is compiled, not at import:
+    ``torch.compiler.disable`` loads dynamo (about 1.5 s of every megatron process's start-up,
+    megatron_bridge/lazy_compile.py), and an eager chunk does not need it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_bridge.attention import eager_thd_inside_compiled_chunks  # as build_model imports it: lazily
+
+    if rope_utils._apply_rotary_pos_emb_thd is _thd_rope:
+        rope_utils._apply_rotary_pos_emb_thd = torch.compiler.disable(_thd_rope)
+    eager_thd_inside_compiled_chunks()
 
 
 class ValueHead(nn.Module):
@@ -426,6 +439,7 @@ def compile_model(model):
     gain is the fusion of the elementwise chains (RMSNorm, RoPE, SwiGLU, residual adds, casts) around
     the matmuls: measured 0.43 -> 0.31 s per forward+backward at the bench_e2e size in bf16.
     """
+    _eager_inside_compiled_chunks()
     for c in chunks(model):
         unwrap(c).compile()
     return model

@@ -57,8 +57,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorClass, TensorDict
 
+import trainer.lazy_dynamo  # noqa: F401  (first: tensordict without torch._dynamo, see its docstring)
+from tensordict import NonTensorData, NonTensorStack, TensorClass, TensorDict
 from trainer.algos.utils import load_fn
 
 # --------------------------------------------------------------------------------------------------

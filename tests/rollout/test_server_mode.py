@@ -69,29 +69,3 @@ def test_multi_turn_through_the_fleet_equals_the_in_worker_agent_loop(tmp_path):
         assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask and a.step_ids == b.step_ids
         assert a.messages == b.messages and a.finish_reason == b.finish_reason
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5
-
-
-def test_server_mode_with_real_sglang_servers_trains(tmp_path):
-    """rollout.name=sglang with rollout.mode=server: the fleet launches a real ``sglang.launch_server`` process
-    (SGLang's CPU path, from the SGLang CPU install) behind the router; this trainer has no sglang. (One server:
-    a fleet of two real SGLang servers, requests spread and a server lost, is tests/rollout/test_fleet_sglang_servers.py's;
-    a second start-up here cost a 2-core machine a minute.)
-    Each step's weights go through SGLang's own endpoints (every push verified: accepted stream and read-back),
-    and the sampler's log-probs agree with the trainer's recomputation (both fp32). That a push changes what
-    the servers generate is shown against transformers in tests/rollout/test_fleet_sglang_servers.py."""
-    from tests.rollout.sglang_cpu_support import require_sglang_server
-    from trainer.main import train
-
-    require_sglang_server()
-    out = train(tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'sg'}", "trainer.total_training_steps=3",
-                                    "trainer.test_freq=-1", "trainer.val_before_train=false",
-                                    "actor_rollout_ref.rollout.name=sglang",
-                                    "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_engines=1"]))
-    h = out["history"]
-    assert [x["step"] for x in h] == [1, 2, 3]
-    assert all(x["sync/verified"] == 1.0 for x in h)
-    # the pushes changed the servers' weights (the actor moved) and they still sample as the trainer scores
-    assert all(abs(x["mismatch/mismatch_kl"]) < 1e-4 for x in h), [x["mismatch/mismatch_kl"] for x in h]
-    assert h[-1]["fleet/weight_pushes"] >= 2
-    logs = sorted((Path(out["run_dir"]) / "fleet_logs").glob("server-*.log"))
-    assert len(logs) == 1 and all("sglang/launch_server.py" in p.read_text() for p in logs)  # a real SGLang server

@@ -51,9 +51,14 @@ def unaligned_model(path: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["colocated", "split"])
-def test_tiny_grpo_with_sglang_rollout_trains(tmp_path, placement):
+def test_tiny_grpo_with_sglang_rollout_trains_split(tmp_path):
+    """The engine on its own slot (trainer.placement=split), weights broadcast from actor rank 0 over a gloo group
+    (SGLang's update_weights_from_distributed), fp32 on both sides: the sampler's log-probs equal the trainer's.
+    (The colocated placement, weights through the object store, is the routing-replay test's R3 run: one SGLang
+    start-up less for the suite.)"""
     from tests.rollout.sglang_cpu_support import require_sglang_here
+
+    placement = "split"
 
     require_sglang_here()
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
@@ -64,9 +69,7 @@ def test_tiny_grpo_with_sglang_rollout_trains(tmp_path, placement):
                         "trainer.save_freq=-1", "trainer.logger=[console,mlflow]",
                         "trainer.experiment_name=tiny_grpo_sglang", f"trainer.default_local_dir={tmp_path}/run",
                         f"trainer.placement={placement}", "trainer.val_before_train=false",
-                        # split: actor rank 0 broadcasts to the engine over a gloo group (SGLang's
-                        # update_weights_from_distributed); colocated: the object store (update_weights_from_tensor)
-                        *(["actor_rollout_ref.rollout.weight_sync=distributed_group"] if placement == "split" else [])],
+                        "actor_rollout_ref.rollout.weight_sync=distributed_group"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "Multi-thread loading shards" in p.stderr + p.stdout  # SGLang's own model loader ran in the rollout workers
@@ -82,10 +85,10 @@ def test_tiny_grpo_with_sglang_rollout_trains(tmp_path, placement):
     assert abs(m["mismatch/mismatch_kl"]) < 1e-4
     assert [x.step for x in c.get_metric_history(r.info.run_id, "actor/pg_loss")] == [1, 2, 3]
     assert m["actor/grad_norm"] > 0
-    # every sync verified (checksums of what each engine was given; for split also the probe rows read
+    # every sync verified (checksums of what each engine was given; with the probe rows read
     # back from SGLang: this is a Qwen2 model, which 0.5.21 cannot read back, so there the checksums)
     assert m["sync/verified"] == 1.0
-    assert m.get("sync/group", 0.0) == (1.0 if placement == "split" else 0.0)
+    assert m["sync/group"] == 1.0
 
 
 TINY_RECIPE = ("--config", "recipes/cpu/tiny_grpo.yaml", "--config", "recipes/cpu/fp32.yaml",
@@ -105,7 +108,9 @@ def _run(tmp_path, name: str, *overrides: str, base: tuple = TINY_RECIPE) -> dic
     assert p.returncode == 0, p.stderr[-4000:]
     c = MlflowClient(tracking_uri=uri)
     r = c.search_runs([e.experiment_id for e in c.search_experiments()])[0]  # the one run (its project's experiment)
-    return {k: [m.value for m in c.get_metric_history(r.info.run_id, k)] for k in r.data.metrics}
+    out = {k: [m.value for m in c.get_metric_history(r.info.run_id, k)] for k in r.data.metrics}
+    out["_params"], out["_log"] = r.data.params, p.stdout + p.stderr
+    return out
 
 
 @pytest.mark.slow
@@ -129,6 +134,12 @@ def test_routing_replay_through_sglang_cuts_the_moe_mismatch(tmp_path):
     r3 = _run(tmp_path, "r3", *common, "actor_rollout_ref.actor.router_replay.mode=R3",
               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
     assert len(r3["actor/pg_loss"]) == 2 and r3["sync/verified"] == [1.0, 1.0]
+    # the colocated placement with SGLang in the rollout workers: SGLang's own model loader ran there, and the
+    # weights reached the engines through the object store (update_weights_from_tensor), not a process group
+    assert "Multi-thread loading shards" in r3["_log"]
+    assert r3["_params"]["actor_rollout_ref.rollout.name"] == "sglang"
+    assert r3["_params"]["trainer.placement"] == "colocated" and max(r3.get("sync/group", [0.0])) == 0.0
+    assert min(r3["actor/grad_norm"]) > 0
     # k3 = E[ratio - 1 - log ratio] >= 0 per token: the flipped tokens' large log-ratios dominate it
     kl_free, kl_r3 = sum(free["mismatch/mismatch_k3_kl"]), sum(r3["mismatch/mismatch_k3_kl"])
     print("mismatch_k3_kl free", kl_free, "R3", kl_r3)
@@ -142,6 +153,11 @@ def test_routing_replay_through_sglang_cuts_the_moe_mismatch(tmp_path):
     kl_fleet = sum(fleet["mismatch/mismatch_k3_kl"])
     print("mismatch_k3_kl SGLang fleet R3 (verl's script)", kl_fleet)
     assert len(fleet["actor/pg_loss"]) == 2 and fleet["sync/verified"] == [1.0, 1.0]
+    # a real sglang.launch_server process behind the router (this trainer's fleet; rollout.mode=async is server
+    # mode), each step's weights pushed through SGLang's own endpoints
+    logs = sorted((tmp_path / "run_qwen30_a3b_megatron_vllm" / "fleet_logs").glob("server-*.log"))
+    assert logs and all("sglang/launch_server.py" in p.read_text() for p in logs), logs
+    assert fleet["fleet/weight_pushes"][-1] >= 1
     assert kl_fleet * 50 < kl_free, (kl_free, kl_fleet)
 
 
