@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.support.tiny import UNHURRIED
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "cpu" / "tiny_model")
@@ -53,7 +54,7 @@ def script_args(name: str, tmp_path, *extra) -> list[str]:
         out.append(f"{key}={SIZES[key]}" if key in SIZES else a)
     out += [f"{k}={v}" for k, v in SIZES.items() if k not in seen and k.startswith(("trainer.device", "actor_rollout_ref.rollout.name"))]
     return ["--config-name=ppo_trainer", *out, "trainer.total_training_steps=3", f"trainer.default_local_dir={tmp_path}",
-            *extra]
+            *UNHURRIED, *extra]
 
 
 @pytest.fixture(scope="module", autouse=True)

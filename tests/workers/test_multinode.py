@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.ray_nodes import RayNodes, _cmdline
-from tests.support.tiny import checkpoint_history
+from tests.support.tiny import UNHURRIED, checkpoint_history
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
         "trainer.logger=[console]", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.hybrid_engine=false",
-        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1"]
+        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", *UNHURRIED]
 MULTI = ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
 SINGLE = ["trainer.nnodes=1", "trainer.n_gpus_per_node=4"]
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
