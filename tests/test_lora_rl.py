@@ -9,7 +9,8 @@ real local Ray cluster with the tiny model, fp32:
 * the engines' verified sync and the export: the merged HF weights are ``W + (alpha / r) B A`` of the exported peft
   adapter, computed here from the files; the peft adapter directory and the merged model give the actor's
   log-probs within 1e-5;
-* resume: 2 steps uninterrupted equal 1 step + resume + 1 step (metrics, adapters, merged export);
+* SIGKILL and resume: 2 steps uninterrupted equal a driver SIGKILLed inside step 2 and its resume (metrics,
+  adapters, merged export, bit for bit);
 * the shipped LoRA recipe runs 2 steps with LoRA active (metrics ``actor/lora/*``), no reference group, verified
   syncs.
 """
@@ -100,14 +101,32 @@ def _run(tmp_path, *overrides, name):
                                      "trainer.val_before_train=false", "trainer.save_freq=1", *overrides]))
 
 
-def test_resume_is_exact(tmp_path, capfd):
-    """2 steps in one run equal 1 step, a new driver resuming from its checkpoint, and a second step: the
-    checkpoint holds the adapters and their Adam state (a resume without them would step from fresh moments)."""
+def test_sigkill_mid_step_then_resume_is_exact(tmp_path):
+    """2 steps in one run equal a run whose driver is SIGKILLed inside step 2 and a new driver resuming from its
+    step-1 checkpoint: the checkpoint holds the adapters and their Adam state (a resume without them would step
+    from fresh moments), and the adapters and the merged export come out bit for bit."""
+    import signal
+    import time
+
+    from tests.support.tiny import joining_this_cluster, start_driver
+
     _run(tmp_path, "trainer.total_training_steps=2", name="whole")
-    _run(tmp_path, "trainer.total_training_steps=1", name="cut")
-    capfd.readouterr()
-    _run(tmp_path, "trainer.total_training_steps=2", name="cut")
-    assert "resumed from" in capfd.readouterr().out  # the second step ran on the checkpoint, not from scratch
+    # the killed driver and its resume join the module's cluster, as on Slurm or KubeRay
+    env = joining_this_cluster(dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1"))
+    args = BASE + ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=1",
+                   "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'cut'}"]
+    with open(tmp_path / "cut.log", "w") as log:
+        p = start_driver(args, env, log)
+        latest, t0 = tmp_path / "cut" / "latest_checkpointed_iteration.txt", time.time()
+        while not (latest.exists() and latest.read_text().strip() == "1"):
+            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 2
+        p.wait()
+    with open(tmp_path / "resume.log", "w") as log:
+        assert start_driver(args, env, log).wait(600) == 0
+    text = (tmp_path / "resume.log").read_text()
+    assert "resumed from" in text and "global_step_1" in text  # step 2 ran on the checkpoint, not from scratch
 
     def stable(run):
         return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in checkpoint_history(tmp_path / run)]
