@@ -139,7 +139,8 @@ def test_routing_replay_through_sglang_cuts_the_moe_mismatch(tmp_path):
     assert "Multi-thread loading shards" in r3["_log"]
     assert r3["_params"]["actor_rollout_ref.rollout.name"] == "sglang"
     assert r3["_params"]["trainer.placement"] == "colocated" and max(r3.get("sync/group", [0.0])) == 0.0
-    assert min(r3["actor/grad_norm"]) > 0
+    # (no gradient is asserted: this random MoE policy's groups often score all 0, so a step may have none;
+    # the split test's trained model has one every step)
     # k3 = E[ratio - 1 - log ratio] >= 0 per token: the flipped tokens' large log-ratios dominate it
     kl_free, kl_r3 = sum(free["mismatch/mismatch_k3_kl"]), sum(r3["mismatch/mismatch_k3_kl"])
     print("mismatch_k3_kl free", kl_free, "R3", kl_r3)
