@@ -517,12 +517,28 @@ class FleetClient(RolloutEngine):
             return False
 
     async def _admin(self, url: str, path: str, body: dict | None = None) -> dict:
-        """POST to an SGLang admin endpoint; an answer other than 200 / ``success`` raises WeightSyncError."""
-        async with self._session.post(url + path, json=body if body is not None else {},
-                                      timeout=self._timeout(self.request_timeout_s)) as r:
-            raw = await r.read()
-            if r.status != 200:
-                raise WeightSyncError(f"{url}{path}: HTTP {r.status}: {raw[:500]!r}")
+        """POST to an SGLang admin endpoint; an answer other than 200 / ``success`` raises WeightSyncError.
+        A connection the server dropped before answering is retried on a new one, twice: a pooled keep-alive
+        connection can be closed by the server's idle timeout (uvicorn: 5 s; aiohttp keeps one 15 s) just as a
+        request goes out on it, and every admin call here (a weight push of a given version, a cache flush, a
+        read) means the same when repeated. Seen once on a loaded 2-core machine, with two SGLang fleets up: the
+        start-up push to both servers failed with "Server disconnected" as each logged "Invalid HTTP request"
+        (the cause was not pinned down)."""
+        import aiohttp  # heavy to import: loaded once the client starts its loop
+
+        for attempt in range(3):
+            try:
+                async with self._session.post(url + path, json=body if body is not None else {},
+                                              timeout=self._timeout(self.request_timeout_s)) as r:
+                    raw = await r.read()
+                    status = r.status
+                break
+            except aiohttp.ServerDisconnectedError:
+                if attempt == 2:
+                    raise
+                log.warning("fleet: %s%s: the server closed the connection before answering; retrying", url, path)
+        if status != 200:
+            raise WeightSyncError(f"{url}{path}: HTTP {status}: {raw[:500]!r}")
         try:
             out = json.loads(raw) if raw else {}
         except json.JSONDecodeError:  # /flush_cache answers plain text
