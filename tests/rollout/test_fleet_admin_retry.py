@@ -1,5 +1,5 @@
 """The fleet client's admin POSTs (weight pushes, cache flushes) on a connection the server drops before it
-answers: retried on a new connection, twice, then the error. A real HTTP/1.1 server on 127.0.0.1 that drops the
+answers: retried on a new connection, twice, then the error (the aiohttp client and the blocking urllib one). A real HTTP/1.1 server on 127.0.0.1 that drops the
 first ``drops`` connections after reading the request's headers."""
 
 import json
@@ -68,5 +68,16 @@ def test_a_server_that_keeps_dropping_fails_the_push_after_three_tries():
             client._call(client._admin(srv.url, "/update_weights_from_tensor", {"weight_version": "7"}), timeout=30)
     finally:
         client.close()
+        srv.close()
+    assert srv.connections == 3
+
+
+def test_the_blocking_admin_post_retries_a_dropped_connection_too():
+    from trainer.rollout.sglang_http import _post
+
+    srv = DroppingServer(drops=2)
+    try:
+        assert _post(srv.url, "/update_weights_from_disk", {"weight_version": "7"}, timeout=30) == {"success": True}
+    finally:
         srv.close()
     assert srv.connections == 3

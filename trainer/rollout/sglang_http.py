@@ -30,6 +30,7 @@ servers running in the interpreter that has it (:func:`trainer.rollout.sglang_cp
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import types
@@ -49,11 +50,18 @@ def _post(url: str, path: str, body: dict | None, timeout: float = 300.0, key: s
     data = json.dumps(body or {}).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url + path, data=data, method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        raise SGLangServerError(f"{url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from e
+    for attempt in range(3):  # a connection closed before any answer is retried: the admin calls are idempotent
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+            break
+        except urllib.error.HTTPError as e:
+            raise SGLangServerError(f"{url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from e
+        except (http.client.RemoteDisconnected, ConnectionResetError):
+            # seen once with two SGLang fleets up on a loaded 2-core machine (cause not pinned down; see
+            # trainer/rollout/fleet_client.py FleetClient._admin)
+            if attempt == 2:
+                raise
     try:
         out = json.loads(raw) if raw else {}
     except json.JSONDecodeError:  # /flush_cache answers plain text
