@@ -23,7 +23,11 @@ import importlib.machinery
 import sys
 import threading
 
-_PATCH = threading.local()  # depth of megatron module bodies being executed on this thread
+# megatron module bodies being executed, in any thread, and torch.compile as it was before the first of them:
+# the deferring decorator stays in place until the last one ends (a per-thread count would let two threads
+# importing at once restore each other's patch)
+_LOCK = threading.Lock()
+_STATE = {"depth": 0, "real": None}
 
 
 def deferred(real_compile):
@@ -62,17 +66,18 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         import torch
 
-        depth = getattr(_PATCH, "depth", 0)
-        if depth == 0:
-            _PATCH.real = torch.compile
-            torch.compile = deferred(_PATCH.real)
-        _PATCH.depth = depth + 1
+        with _LOCK:
+            if _STATE["depth"] == 0:
+                _STATE["real"] = torch.compile
+                torch.compile = deferred(_STATE["real"])
+            _STATE["depth"] += 1
         try:
             self._loader.exec_module(module)
         finally:
-            _PATCH.depth -= 1
-            if _PATCH.depth == 0:
-                torch.compile = _PATCH.real
+            with _LOCK:
+                _STATE["depth"] -= 1
+                if _STATE["depth"] == 0:
+                    torch.compile = _STATE["real"]
 
     def __getattr__(self, name):  # get_code, get_source, is_package, ... as the wrapped loader has them
         return getattr(self._loader, name)
