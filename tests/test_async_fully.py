@@ -245,7 +245,9 @@ def test_partial_rollout_keeps_the_routes_each_token_was_sampled_with(tmp_path, 
     from trainer.debug import load_batch
     from tests.support.tiny import tiny_moe_twin
 
-    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.08")
+    # 0.25 s per decode step, as the partial-rollout test above: at 0.08 s a full run here had no response
+    # continued across a push (async/partial_samples 0: the engines had reached their quota before it)
+    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.25")
     moe = tiny_moe_twin(tmp_path / "moe")  # a decisive router: the versions' routes are told apart exactly
     dumps, K, steps = tmp_path / "dumps", 2, 4
     h = run(tmp_path, f"actor_rollout_ref.model.path={moe}", f"trainer.total_training_steps={steps}",
