@@ -3,9 +3,6 @@ engine, a real MLflow store: short runs, placement modes, TP=2, exact SIGKILL re
 the old-log-prob anchor and the resharding checksum."""
 
 import os
-import signal
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.batches import random_batch
-from tests.support.tiny import checkpoint_history, joining_this_cluster, start_driver, tiny_config
+from tests.support.tiny import checkpoint_history, joining_this_cluster, sigkill_after_checkpoint, start_driver, tiny_config
 from trainer.plan import ForwardSettings
 
 FWD = ForwardSettings(micro_batch_size=8)  # old log-probs at temperature 1, packed
@@ -158,13 +155,7 @@ def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
 
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
-        latest = cut_dir / "latest_checkpointed_iteration.txt"  # verl's tracker file
-        t0 = time.time()
-        while not (latest.exists() and latest.read_text().strip() == "2"):
-            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
-            time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 3
-        p.wait()
+        sigkill_after_checkpoint(p, cut_dir, 2, tmp_path / "cut.log")  # the driver is inside step 3
     with open(tmp_path / "resume.log", "w") as log:
         assert start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
     assert "resumed from" in (tmp_path / "resume.log").read_text()

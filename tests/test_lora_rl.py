@@ -105,10 +105,7 @@ def test_sigkill_mid_step_then_resume_is_exact(tmp_path):
     """2 steps in one run equal a run whose driver is SIGKILLed inside step 2 and a new driver resuming from its
     step-1 checkpoint: the checkpoint holds the adapters and their Adam state (a resume without them would step
     from fresh moments), and the adapters and the merged export come out bit for bit."""
-    import signal
-    import time
-
-    from tests.support.tiny import joining_this_cluster, start_driver
+    from tests.support.tiny import joining_this_cluster, sigkill_after_checkpoint, start_driver
 
     _run(tmp_path, "trainer.total_training_steps=2", name="whole")
     # the killed driver and its resume join the module's cluster, as on Slurm or KubeRay
@@ -116,13 +113,7 @@ def test_sigkill_mid_step_then_resume_is_exact(tmp_path):
     args = BASE + ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=1",
                    "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'cut'}"]
     with open(tmp_path / "cut.log", "w") as log:
-        p = start_driver(args, env, log)
-        latest, t0 = tmp_path / "cut" / "latest_checkpointed_iteration.txt", time.time()
-        while not (latest.exists() and latest.read_text().strip() == "1"):
-            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
-            time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 2
-        p.wait()
+        sigkill_after_checkpoint(start_driver(args, env, log), tmp_path / "cut", 1, tmp_path / "cut.log")  # inside step 2
     with open(tmp_path / "resume.log", "w") as log:
         assert start_driver(args, env, log).wait(600) == 0
     text = (tmp_path / "resume.log").read_text()

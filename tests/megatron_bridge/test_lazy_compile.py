@@ -53,3 +53,33 @@ def test_deferred_compile_compiles_once_on_first_call_with_its_arguments():
     assert h(5) == ("compiled", 6) and calls[-1] == (f, {"dynamic": True, "fullgraph": True})
     m = torch.nn.Linear(2, 2)
     assert deferred(real)(m, mode="max-autotune") is not m and calls[-1] == (m, {"mode": "max-autotune"})  # a module: at once
+
+
+MARKS = """
+import json, sys
+from megatron_bridge import model  # first, as in a worker: the bridge installs the import hook
+from megatron.core.models.common.embeddings import rope_utils
+from megatron_bridge.attention import TorchSDPAttention
+
+def marks():
+    return [bool(getattr(rope_utils._apply_rotary_pos_emb_thd, "_torchdynamo_disable", False)),
+            bool(getattr(TorchSDPAttention.__dict__["_thd"], "_torchdynamo_disable", False))]
+
+model._install_thd_rope()
+before, dynamo_before = marks(), "torch._dynamo" in sys.modules
+model._eager_inside_compiled_chunks()  # what compile_model does first
+after = marks()
+model._eager_inside_compiled_chunks()  # idempotent: not wrapped twice
+again = rope_utils._apply_rotary_pos_emb_thd.__wrapped__ is model._thd_rope
+print(json.dumps({"before": before, "dynamo_before": dynamo_before, "after": after, "again": again}))
+"""
+
+
+def test_a_compiled_chunk_runs_the_data_dependent_pieces_eagerly():
+    """The THD RoPE and the attention's length buckets are marked ``torch.compiler.disable`` when a chunk is
+    compiled (not at import, which would load dynamo in every megatron process)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", MARKS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"before": [False, False], "dynamo_before": False, "after": [True, True], "again": True}, got

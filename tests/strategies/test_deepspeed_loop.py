@@ -70,12 +70,9 @@ def test_sigkill_mid_step_then_resume_is_identical_with_deepspeed_roles(tmp_path
     (GAE), checkpointed every step in DeepSpeed's own format: the driver is SIGKILLed inside step 2, and the
     resumed run's history (actor, critic and KL metrics) and exported weights equal an uninterrupted run's.
     (One run set for what were two tests, a mixed-strategy resume and this SIGKILL: the suite's time.)"""
-    import signal
-    import time
-
     import torch
 
-    from tests.support.tiny import checkpoint_history, joining_this_cluster, start_driver
+    from tests.support.tiny import checkpoint_history, joining_this_cluster, sigkill_after_checkpoint, start_driver
 
     common = BASE + ["trainer.total_training_steps=2", "trainer.save_freq=1", "actor_rollout_ref.actor.strategy=deepspeed",
                      "actor_rollout_ref.actor.deepspeed_config.zero_stage=3", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -87,13 +84,7 @@ def test_sigkill_mid_step_then_resume_is_identical_with_deepspeed_roles(tmp_path
     env = joining_this_cluster(dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1"))
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
-        latest = cut_dir / "latest_checkpointed_iteration.txt"
-        t0 = time.time()
-        while not (latest.exists() and latest.read_text().strip() == "1"):
-            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
-            time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 2
-        p.wait()
+        sigkill_after_checkpoint(p, cut_dir, 1, tmp_path / "cut.log")  # the driver is inside step 2
     with open(tmp_path / "resume.log", "w") as log:
         assert start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log).wait(600) == 0
     assert "resumed from" in (tmp_path / "resume.log").read_text()

@@ -11,8 +11,6 @@ metrics and exported weights.
 
 import json
 import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -140,7 +138,7 @@ def test_verl_ppo_example_with_fsdp_critic(ppo_uninterrupted):
 def test_sigkill_mid_step_then_resume_is_identical_on_fsdp(ppo_uninterrupted, tmp_path):
     """The PPO script with an FSDP actor and critic: the driver SIGKILLed inside step 2 resumes (from verl's FSDP
     layout) to the uninterrupted run's metrics and exported weights."""
-    from tests.support.tiny import checkpoint_history, joining_this_cluster, start_cli
+    from tests.support.tiny import checkpoint_history, joining_this_cluster, sigkill_after_checkpoint, start_cli
 
     ref_dir, _, _ = ppo_uninterrupted
     cut = tmp_path / "killed"
@@ -148,14 +146,7 @@ def test_sigkill_mid_step_then_resume_is_identical_on_fsdp(ppo_uninterrupted, tm
     # the killed driver and its resume join the module's cluster (the reference ran on it)
     env = joining_this_cluster(dict(os.environ, PYTHONUNBUFFERED="1"))
     with open(tmp_path / "cut.log", "w") as log:
-        p = start_cli(args, env, log)
-        latest = cut / "latest_checkpointed_iteration.txt"
-        t0 = time.time()
-        while not (latest.exists() and latest.read_text().strip() == "1"):
-            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "cut.log").read_text()[-3000:]
-            time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)  # the driver is now inside step 2
-        p.wait()
+        sigkill_after_checkpoint(start_cli(args, env, log), cut, 1, tmp_path / "cut.log")  # inside step 2
     with open(tmp_path / "resume.log", "w") as log:
         assert start_cli(args, env, log).wait(600) == 0, (tmp_path / "resume.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "resume.log").read_text()

@@ -3,8 +3,10 @@ uses on top of verl's defaults) plus a test's own overrides."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +60,17 @@ def start_cli(args, env, log) -> subprocess.Popen:
     """``python -m trainer.main`` with a script's own arguments (no tiny recipe under them), in a new process group."""
     return subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def sigkill_after_checkpoint(p: subprocess.Popen, run_dir, step: int, log_path, timeout_s: float = 600) -> None:
+    """Wait until checkpoint ``step`` of ``run_dir`` is complete (verl's tracker file names it; the driver is then
+    inside step ``step + 1``), then SIGKILL the driver's process group (it was started in its own session)."""
+    latest, t0 = Path(run_dir) / "latest_checkpointed_iteration.txt", time.time()
+    while not (latest.exists() and latest.read_text().strip() == str(step)):
+        assert p.poll() is None and time.time() - t0 < timeout_s, Path(log_path).read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
 
 
 def checkpoint_history(run_dir) -> list:
