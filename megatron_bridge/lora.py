@@ -713,6 +713,24 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor] | None:
     return dict(sorted(out.items()))
 
 
+def iter_adapter_hf(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(peft name without the wrapper prefix, full tensor)`` of every adapter of the whole model, on every rank:
+    the tensors an adapter-only weight sync moves (``model.layers.0.self_attn.q_proj.lora_A.weight`` ...;
+    :func:`lora_state_to_peft`, so an engine adds ``scale * B @ A`` to the HF weight of the same name). Collective
+    over the world, like the full-weight stream it stands in for: each layer's TP group merges its shards, then
+    every rank's adapters (other pipeline stages, other experts) go to every rank as objects (the adapters are
+    small; data-parallel replicas hold the same ones). In name order."""
+    full = {k: v.detach().cpu() for k, v in adapter_state_dict(model, full=True).items()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, full)
+    state: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for k, v in p.items():
+            state.setdefault(k, v)
+    hf = unwrap(chunks(model)[0]).hf_config
+    yield from sorted(lora_state_to_peft(state, hf, prefix="").items())
+
+
 def export_peft_adapter(model, out_dir: str, *, rank: int, alpha: float, base_model_name_or_path: str | None,
                         dropout: float = 0.0) -> str | None:
     """Write the model's adapters as a peft adapter directory (``adapter_model.safetensors`` +

@@ -52,6 +52,30 @@ def adapter_elements(rank: int) -> int:
     return L * rank * per_layer
 
 
+def peft_sync_elements(rank: int) -> int:
+    """What an adapter-only sync moves: peft's layout, ``r x (in + out)`` per HF projection (a fused layer's ``A``
+    once for each of its parts), from config.json."""
+    c = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    H, F, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or H // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = (H + q) + 2 * (H + kv) + (q + H) + 2 * (H + F) + (F + H)  # q, k, v, o, gate, up, down
+    return L * rank * per_layer
+
+
+def hidden_size() -> int:
+    return json.loads((Path(TINY_MODEL) / "config.json").read_text())["hidden_size"]
+
+
+def full_sync_elements() -> int:
+    """What a full sync moves: every tensor of the checkpoint (the tied lm_head is not one)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(TINY_MODEL) / "model.safetensors"), "pt") as f:
+        return sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                   else int(torch.tensor(f.get_slice(k).get_shape()).prod()) for k in f.keys())
+
+
 def random_peft_adapter(path: Path, seed: int = 5) -> str:
     """A peft LoRA directory on the tiny model with random A and B (fused parts share A: what megatron holds)."""
     from megatron_bridge.export import canonical_shape
@@ -143,6 +167,12 @@ def test_shipped_lora_recipe_runs_with_lora_active(tmp_path, monkeypatch):
         # two data-parallel ranks (TP=1), each with every adapter; the optimizer holds exactly them
         assert h["actor/lora/adapters"] == 16 and h["actor/lora/optimizer_params"] == n == h["actor/lora/adapter_params"]
         assert h["actor/lora/frozen_with_grad"] == 0 and h["sync/verified"] == 1.0 and "actor/kl_loss" in h
+    # lora.merge=false (the recipe's, verl's default): every sync moved the adapters and nothing else, verified
+    elements = peft_sync_elements(8)
+    moved = [h["sync/bytes"] for h in hist[1:]]
+    print(f"adapter sync: {moved} bytes per sync; {elements} adapter elements; full model {full_sync_elements()}")
+    assert all(b in (2 * elements, 4 * elements) for b in moved), moved  # bf16 or fp32 adapters
+    assert max(moved) < 0.2 * 2 * full_sync_elements()
     groups = json.loads((run_dir / "placement.json").read_text())["groups"]
     assert "ref" not in groups and "actor" in groups  # the KL loss's reference ran on the actor's ranks
     assert (run_dir / "hf_export" / "lora_adapter" / "adapter_model.safetensors").exists()
@@ -156,7 +186,9 @@ def cluster(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("lora")
     adapter = random_peft_adapter(tmp / "start_adapter")
-    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp / 'run'}", f"actor_rollout_ref.model.lora.adapter_path={adapter}"])
+    # adapter-only syncs (verl's default; BASE's runs above send merged weights)
+    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp / 'run'}", f"actor_rollout_ref.model.lora.adapter_path={adapter}",
+                              "actor_rollout_ref.model.lora.merge=false"])
     resolve_model_paths(cfg)
     c = Cluster(cfg, total_steps=1)
     # an independent reference: a group of its own on the base model (what runs without LoRA)
@@ -208,9 +240,18 @@ def test_reference_is_the_actor_with_adapters_off_and_only_adapters_train(cluste
 def test_sync_is_verified_and_the_export_is_merged_plus_a_peft_adapter(cluster):
     from trainer.workers.dataplane import StepData
 
+    from trainer.rollout.engine import WeightSyncError
+
     cfg, c, _, _, tmp = cluster
     m = c.rollout.sync_from(c.actor)
-    assert m["sync/verified"] == 1.0
+    assert m["sync/verified"] == 1.0 and c.rollout.adapters and c.rollout._base_checked
+    assert m["sync/bytes"] == 4 * peft_sync_elements(RANK)  # fp32 adapters, nothing else
+    # an engine holding another adapter than the actor's is caught by the sync's check
+    wrong = [("model.layers.1.mlp.down_proj.lora_B.weight", torch.ones(hidden_size(), RANK))]
+    c.rollout.load_bucket([wrong] + [[]] * (c.rollout.size - 1))
+    with pytest.raises(WeightSyncError, match=r"rollout engine\(s\) \[0\]"):
+        c.rollout.verify(c.actor)
+    c.rollout.sync_from(c.actor)  # and the next sync puts the actor's back
     out = tmp / "export"
     c.actor.export(str(out), cfg.actor_rollout_ref.model.path)
     adapter_dir = out / "lora_adapter"

@@ -4,13 +4,15 @@
 
 LoRA is on when the rank is positive (verl's rule). What is built: adapters on the megatron actor's decoder
 linears (:mod:`megatron_bridge.lora`), only the adapters in the optimizer, the reference policy as the actor
-with its adapters off (no reference group), merged weights ``W + (alpha / rank) B A`` to the engines and in the
-HF export (plus a peft adapter directory), checkpoints with the adapters and their optimizer state, and a peft
-adapter as the starting point (``adapter_path``). What is refused, each with its reason: LoRA on another actor
-strategy or on the critic, adapter-only engine sync (``lora.merge=false``), other adapter types, ``post``
-dropout, Megatron-Bridge's all-to-all adapter path, unfrozen base weights and the vision keys.
+with its adapters off (no reference group), weight syncs of the adapters only (``lora.merge=false``, verl's
+default: :mod:`trainer.rollout.adapters`) or of merged weights ``W + (alpha / rank) B A`` (``merge=true``), the
+merged weights in the HF export (plus a peft adapter directory), checkpoints with the adapters and their optimizer
+state, and a peft adapter as the starting point (``adapter_path``). What is refused, each with its reason: LoRA on
+another actor strategy or on the critic, adapter-only sync to an engine or placement that cannot take adapters
+(SGLang, HTTP servers), other adapter types, ``post`` dropout, Megatron-Bridge's all-to-all adapter path,
+unfrozen base weights and the vision keys.
 
-Pure functions over the loaded config (no torch, no megatron): the driver and the checks read them; the
+Pure functions over the loaded config (no torch, no megatron, no engine): the driver and the checks read them; the
 actor's strategy gets :meth:`LoRASettings.apply_kwargs` (``megatron_bridge.lora.apply_lora``'s keywords).
 """
 
@@ -22,6 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from omegaconf import OmegaConf
+
+from trainer.rollout.registry import capabilities
 
 MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # HF projection names of the older (peft / FSDP) spelling -> the megatron linear that holds them. megatron fuses
@@ -48,6 +52,7 @@ class LoRASettings:
     b_init: str = "zero"
     dtype: Optional[str] = None
     adapter_path: Optional[str] = None
+    merge: bool = False  # the engines get merged weights; False: only the adapters travel (trainer.rollout.adapters)
 
     def __post_init__(self):  # lists (from as_dict, across Ray) back to tuples: equal settings compare equal
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
@@ -109,14 +114,15 @@ def lora_settings(cfg) -> Optional[LoRASettings]:
         return LoRASettings(rank=int(lc.rank), alpha=float(lc.alpha), dropout=float(lc.dropout),
                             dropout_position=lc.dropout_position, target_modules=tuple(lc.target_modules or ()),
                             exclude_modules=tuple(lc.exclude_modules or ()), a_init=lc.lora_A_init_method,
-                            b_init=lc.lora_B_init_method, dtype=lc.dtype, adapter_path=lc.adapter_path)
+                            b_init=lc.lora_B_init_method, dtype=lc.dtype, adapter_path=lc.adapter_path,
+                            merge=bool(lc.merge))
     if old:
         tm = OmegaConf.to_container(m.target_modules) if OmegaConf.is_config(m.target_modules) else m.target_modules
         ex = OmegaConf.to_container(m.exclude_modules) if OmegaConf.is_config(m.exclude_modules) else m.exclude_modules
         return LoRASettings(rank=int(m.lora_rank), alpha=float(m.lora_alpha),
                             target_modules=tuple(megatron_targets(tm, f"{OLD}.target_modules")),
                             exclude_modules=tuple(megatron_targets(ex, f"{OLD}.exclude_modules")),
-                            adapter_path=m.lora_adapter_path)
+                            adapter_path=m.lora_adapter_path, merge=bool(m.lora.merge))
     return None
 
 
@@ -140,6 +146,26 @@ def peft_adapter_errors(path: str, rank: int, alpha: float, key: str) -> list[st
     return errs
 
 
+def adapter_sync_errors(cfg) -> list[str]:
+    """Adapter-only sync (``lora.merge=false``) reaches an engine that declares ``Capabilities.lora_adapters``,
+    in Ray workers or the actor's ranks (hybrid), where :class:`trainer.rollout.adapters.AdapterEngine` merges
+    them; not HTTP servers."""
+    r = cfg.actor_rollout_ref.rollout
+    fix = f"set {NEW}.merge=true (the engines then get merged weights W + (alpha/rank) B A)"
+    errs = []
+    try:
+        takes = capabilities(r.name).lora_adapters
+    except ValueError:
+        takes = True  # an unloadable engine spec is the rollout check's error, not this one
+    if not takes:
+        errs.append(f"{NEW}.merge=false syncs only the LoRA adapters, which the engine '{r.name}' does not take "
+                    f"(its Capabilities.lora_adapters is false): {fix}.")
+    if r.mode in ("server", "async"):
+        errs.append(f"{NEW}.merge=false syncs only the LoRA adapters, which the HTTP engine servers of "
+                    f"actor_rollout_ref.rollout.mode={r.mode} do not take yet: {fix}, or use rollout.mode=sync.")
+    return errs
+
+
 def lora_errors(cfg) -> list[str]:
     """The LoRA keys: on only where it is built (strategy=megatron actor, merged sync), each value meaningful."""
     try:
@@ -158,14 +184,13 @@ def lora_errors(cfg) -> list[str]:
                     f"actor_rollout_ref.actor.strategy=megatron.")
     if spelled == NEW:
         lc = m.lora
-        if not lc.merge:
-            errs.append(f"{NEW}.merge=false syncs only the adapters to the engines, which is not built: set {NEW}.merge=true: "
-                        f"the engines get merged weights W + (alpha/rank) B A.")
         if lc.type != "lora":
             errs.append(f"{NEW}.type='{lc.type}' is not built (Megatron-Bridge's canonical_lora / dora / vlm_lora); "
                         f"use {NEW}.type=lora.")
         if s.dtype is not None and s.dtype not in DTYPES:
             errs.append(f"{NEW}.dtype='{s.dtype}' is not one of {list(DTYPES)} (or null: the base weights' dtype).")
+    if not s.merge:
+        errs += adapter_sync_errors(cfg)
     if s.dropout_position == "post" and s.dropout > 0:
         errs.append(f"{NEW}.dropout_position=post with {NEW}.dropout={s.dropout:g} is not built (dropout on the "
                     f"adapter's output); use {NEW}.dropout_position=pre (verl's default).")

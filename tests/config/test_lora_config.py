@@ -19,12 +19,21 @@ def test_verl_keys_resolve_to_the_adapters_built():
                                         f"{L}.exclude_modules=['*.layers.0.*']", f"{L}.lora_A_init_method=kaiming",
                                         f"{L}.lora_B_init_method=normal", f"{L}.dtype=float32"]))
     assert s == LoRASettings(rank=8, alpha=4.0, dropout=0.1, target_modules=("linear_qkv", "linear_fc2"),
-                             exclude_modules=("*.layers.0.*",), a_init="kaiming", b_init="normal", dtype="float32")
+                             exclude_modules=("*.layers.0.*",), a_init="kaiming", b_init="normal", dtype="float32",
+                             merge=True)
     assert s.scale == 0.5 and s.apply_kwargs()["target_modules"] == ["linear_qkv", "linear_fc2"]
     assert LoRASettings(**s.as_dict()) == s  # what crosses Ray to the actor rebuilds the same settings
     # verl's defaults: alpha 32, every decoder linear, xavier / zero (training starts at the base model)
     d = lora_settings(tiny_config(ON))
     assert (d.alpha, d.target_modules, d.a_init, d.b_init, d.dtype) == (32.0, MEGATRON_LINEARS, "xavier", "zero", None)
+
+
+def test_adapter_sync_is_verls_default_and_reaches_the_native_engine():
+    assert lora_settings(tiny_config([f"{L}.rank=8"])).merge is False  # verl's lora.merge default
+    assert lora_settings(tiny_config(ON)).merge is True
+    assert lora_settings(tiny_config(["actor_rollout_ref.model.lora_rank=4"])).merge is False
+    tiny_config([f"{L}.rank=8", "actor_rollout_ref.rollout.name=native"])  # loads: the native engine takes adapters
+    tiny_config(ON + ["actor_rollout_ref.rollout.mode=async"])  # merged weights reach the HTTP servers
 
 
 def test_rank_zero_is_off_whatever_the_other_keys_say():
@@ -58,10 +67,14 @@ def _problems(overrides) -> str:
 def test_what_is_not_built_is_refused_with_the_reason_in_one_load():
     msg = _problems([f"{L}.rank=8", "actor_rollout_ref.actor.strategy=fsdp2", f"{L}.type=dora", f"{L}.dropout=0.1",
                      f"{L}.dropout_position=post", f"{L}.target_modules=[q_proj]", f"{L}.freeze_language_model=false",
-                     f"{L}.a2a_experimental=true", f"{L}.dtype=int8"])
-    assert "8 problems" in msg, msg
+                     f"{L}.a2a_experimental=true", f"{L}.dtype=int8", "actor_rollout_ref.rollout.name=sglang",
+                     "actor_rollout_ref.rollout.mode=async"])
+    assert "9 problems" in msg, msg
     for want in ("not built yet on actor_rollout_ref.actor.strategy=fsdp2; use actor_rollout_ref.actor.strategy=megatron",
-                 f"{L}.merge=false syncs only the adapters", f"set {L}.merge=true: the engines get merged weights",
+                 # verl's default merge=false moves the adapters only: an engine that cannot take them is named
+                 f"{L}.merge=false syncs only the LoRA adapters, which the engine 'sglang' does not take",
+                 "the HTTP engine servers of actor_rollout_ref.rollout.mode=async do not take yet",
+                 f"set {L}.merge=true (the engines then get merged weights",
                  f"{L}.type='dora' is not built", "dropout_position=post", "['q_proj'] name no megatron linear",
                  "freeze_language_model=False", "a2a_experimental=True", "dtype='int8'"):
         assert want in msg, want

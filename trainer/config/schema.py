@@ -153,7 +153,7 @@ class LoRAConfig:
     exclude_modules: List[str] = field(default_factory=list)  # linears taken out of target_modules (same patterns)
     lora_A_init_method: str = "xavier"  # xavier | normal | kaiming | zero
     lora_B_init_method: str = "zero"  # xavier | normal | kaiming | zero (zero: training starts at the base model)
-    merge: bool = False  # true: the engines get merged weights W + (alpha/rank) B A (required: adapter-only sync to the engines is not built)
+    merge: bool = False  # false: a weight sync moves only the adapters (the engine merges them); true: merged weights W + (alpha/rank) B A
     adapter_path: Optional[str] = None  # a peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from
     type: str = "lora"  # lora (canonical_lora / dora / vlm_lora are not built)
     dtype: Optional[str] = None  # adapter parameter dtype: float32 | bfloat16 | float16; None = the base weights'

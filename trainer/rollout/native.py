@@ -265,9 +265,11 @@ class NativeEngine(RolloutEngine):
     request_keyed_seeds = True  # a per-prompt params list keys prompt i by its own seed, not by i
     # its weights can live in one flat storage (storage_layout / share_weights), take blocks into its own
     # views (hf_views), or be copied in the actor's process (hybrid); abort keeps the sampled tokens; MoE
-    # routing is recorded; it serves as trainer.rollout.native_server; a second call joins a running loop
+    # routing is recorded; it serves as trainer.rollout.native_server; a second call joins a running loop; its
+    # weights by HF name (hf_views) let trainer.rollout.adapters merge LoRA adapters into them
     capabilities = Capabilities(weight_protocols=("shared_memory", "dist_group", "hybrid", "object_store"),
                                 partial_rollout=True, routing_replay=True, multi_turn=True, devices=("cpu", "cuda"),
+                                lora_adapters=True,
                                 server="trainer.rollout.fleet:NativeServers", compiled_decode=True,
                                 concurrent_generate=True)
 

@@ -37,7 +37,9 @@ class Capabilities:
     partial_rollout: bool = False  # abort keeps the tokens sampled so far, so a response can resume
     routing_replay: bool = False  # SamplingParams.return_routed_experts: MoE experts per token (R3)
     multi_turn: bool = True  # the agent loop drives it (one generate per turn)
-    lora_adapters: bool = False  # takes LoRA adapter weights instead of full weights
+    # an adapter-only sync (lora.merge=false) can reach it: hf_views() gives its weights by HF name, which
+    # trainer.rollout.adapters.AdapterEngine merges the adapters into (through update_weights)
+    lora_adapters: bool = False
     devices: tuple[str, ...] = ("cpu",)  # trainer.device values it runs on
     # how it runs as an HTTP server in the fleet (rollout.mode=server / async): "pkg.module:Class" of its
     # server adapter (trainer.rollout.fleet has the built-in ones), None when it runs only in a worker

@@ -26,11 +26,12 @@ from megatron_bridge.convert import load_hf_weights
 from megatron_bridge.export import export_hf, iter_hf_param, iter_hf_weights
 from megatron_bridge.hf_config import read_hf_config
 from megatron_bridge.logprobs import compute_logprobs
-from megatron_bridge.lora import (adapters_disabled, apply_lora, export_peft_adapter, load_adapter_state,
-                                  read_peft_adapter, training_report)
+from megatron_bridge.lora import (adapters_disabled, apply_lora, export_peft_adapter, iter_adapter_hf,
+                                  load_adapter_state, read_peft_adapter, training_report)
 from megatron_bridge.model import build_model, compile_model
 from megatron_bridge.reshard import local_blocks, local_param
 from megatron_bridge.train import OptimConfig, make_trainer, train_step
+from trainer.fsutil import bucketed
 from trainer.rewards.reward_model import check_score_head
 from trainer.strategies import DTYPES, Strategy
 from trainer.optimizer_overrides import passthrough as optimizer_passthrough
@@ -186,13 +187,29 @@ class MegatronStrategy(Strategy):
         return out
 
     # ------------------------------------------------------------------ weights
+    @property
+    def adapter_sync(self) -> bool:
+        """A weight sync moves the LoRA adapters only (``lora.merge=false``), not merged weights."""
+        return self.lora is not None and not self.lora.merge
+
     def hf_buckets(self, bucket_bytes: int):
-        """HF-named weight buckets, collective over the model group (every rank sees full tensors)."""
+        """HF-named weight buckets, collective over the model group (every rank sees full tensors); with
+        adapter-only sync the adapters in peft's layout (:func:`megatron_bridge.lora.iter_adapter_hf`)."""
+        if self.adapter_sync:
+            return bucketed(iter_adapter_hf(self.module()), bucket_bytes)
         return iter_hf_weights(self.module(), bucket_bytes)
 
     def hf_params(self):
-        """``(hf_name, full tensor)`` one at a time, collective."""
+        """``(hf_name, full tensor)`` one at a time, collective (the adapters, with adapter-only sync)."""
+        if self.adapter_sync:
+            return iter_adapter_hf(self.module())
         return iter_hf_param(self.module())
+
+    def base_params(self):
+        """``(hf_name, full tensor)`` of the base weights (the adapters off), collective: what an adapter-only
+        sync's engines merge over (their one-time check)."""
+        with adapters_disabled(self.module()):
+            yield from iter_hf_param(self.module())
 
     def reshard_blocks(self) -> list | None:
         # a block is a strided copy out of a live parameter, planned once; a LoRA weight is sent merged, a tensor

@@ -96,12 +96,13 @@ class SenderEndpoints:
             raise RuntimeError("stream_checksum: no finished weight_buckets stream with digests")
         return combine_digests(self._stream_digests)
 
-    def weights_checksum(self, dtype: str | None = None) -> str | None:
-        """Rank 0: ``checksum_named_tensors`` of the actor's HF-named weights cast to ``dtype``; the others
-        take part in the gathers and return None."""
+    def weights_checksum(self, dtype: str | None = None, base: bool = False) -> str | None:
+        """Rank 0: ``checksum_named_tensors`` of the actor's HF-named weights cast to ``dtype`` (``base``: of the
+        base weights under LoRA's adapters, which an adapter-only sync's engines merge over); the others take
+        part in the gathers and return None."""
         dt = getattr(torch, dtype) if dtype else None
         with params_resident(self):
-            pairs = ((n, t.detach().cpu()) for n, t in self._hf_params())
+            pairs = ((n, t.detach().cpu()) for n, t in (self._base_params() if base else self._hf_params()))
             if self.rank == 0:
                 return checksum_named_tensors(pairs, dtype=dt)
             for _ in pairs:  # collective: still take part in every gather

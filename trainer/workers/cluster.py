@@ -165,7 +165,7 @@ class Cluster:
     def _engine_kwargs(self, cfg) -> dict:
         """Every rollout engine's settings (the same for each engine)."""
         r, t = cfg.actor_rollout_ref.rollout, cfg.trainer
-        model_path = cfg.actor_rollout_ref.model.path
+        model_path, lora = cfg.actor_rollout_ref.model.path, lora_settings(cfg)
         return dict(model_path=model_path, name=r.name, max_batch_size=r.max_num_seqs,
                     max_seq_len=r.prompt_length + r.response_length,  # the engines' context: prompt cap + response budget
                     dtype=r.dtype, num_threads=1,  # one thread per process: 2-core CPUs thrash when oversubscribed
@@ -180,7 +180,9 @@ class Cluster:
                                   tensor_model_parallel_size=r.tensor_model_parallel_size,
                                   gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
                                   max_num_batched_tokens=r.max_num_batched_tokens,
-                                  enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager))
+                                  enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager),
+                    # lora.merge=false: the syncs move the adapters, which each engine merges (trainer.rollout.adapters)
+                    **({"adapters": {"scale": lora.scale}} if lora is not None and not lora.merge else {}))
 
     def _build_roles(self, cfg, total_steps: int, rkw: dict) -> None:
         """The actor (hosting the engines when hybrid), and the reference, critic and reward model where run."""
@@ -238,13 +240,13 @@ class Cluster:
                                 routed_experts=bool(r.enable_rollout_routing_replay))
         if self.hybrid:
             return HybridRollout(self.actor, free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype,
-                                 transports=transports)
+                                 transports=transports, adapters="adapters" in rkw)
         streams = 2 if capabilities(r.name).concurrent_generate else 1  # a call joins the engine's running loop
         return EngineRollout(
             WorkerGroup("rollout", RolloutWorker, [rkw] * n_eng, in_process=self.in_process, placement=self.placement,
                         bundle_of=self._rollout_bundle, share=0.25, max_concurrency=streams + 1),
             free_cache=free, bucket_bytes=bucket, engine_dtype=r.dtype, concurrent_calls=streams,
-            transports=transports)
+            transports=transports, adapters="adapters" in rkw)
 
     # ------------------------------------------------------------------ views
     def _own_ref(self):

@@ -207,6 +207,10 @@ class ActorGroup(RoleGroup):
     def weights_checksum(self, dtype: Optional[str] = None) -> str:
         return next(c for c in self.group.call("weights_checksum", dtype=dtype) if c is not None)
 
+    def base_checksum(self, dtype: Optional[str] = None) -> str:
+        """Adapter-only syncs: the checksum of the base weights (LoRA's adapters off), cast to ``dtype``."""
+        return next(c for c in self.group.call("weights_checksum", dtype=dtype, base=True) if c is not None)
+
     def export(self, out_dir: str, source_dir: str) -> None:
         self.group.call("export_hf", [(out_dir, source_dir)] * self.size)
 

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from trainer.orphans import fault_hold
+from trainer.rollout.adapters import AdapterEngine
 from trainer.rollout.engine import GenerationOutput, SamplingParams
 from trainer.rollout.multi_turn import loop_kwargs, run_multi_turn
 from trainer.rollout.registry import engine_class
@@ -25,10 +26,12 @@ from trainer.sync.endpoints import ReceiverEndpoints
 class RolloutWorker(ReceiverEndpoints):
     def __init__(self, *, model_path: str, name: str = "native", max_batch_size: int = 256,
                  max_seq_len: int = 2048, dtype: str = "float32", num_threads: int = 1, generate_threads: int = 0,
-                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None, settings: dict | None = None):
+                 engine_kwargs: dict | None = None, tokenizer_path: str | None = None, settings: dict | None = None,
+                 adapters: dict | None = None):
         """``name``: the engine as ``actor_rollout_ref.rollout.name`` gives it (trainer.rollout.registry: a
         built-in name or ``pkg.module:Class``); ``settings``: verl's other engine keys, for the engines
-        that read them (``RolloutEngine.from_rollout``)."""
+        that read them (``RolloutEngine.from_rollout``); ``adapters``: ``{"scale": alpha / rank}`` when weight
+        syncs move LoRA adapters only (``lora.merge=false``: :class:`trainer.rollout.adapters.AdapterEngine`)."""
         torch.set_num_threads(max(1, num_threads))
         self.tokenizer_path, self.tokenizer = tokenizer_path or model_path, None  # loaded for multi-turn only
         # torch threads while generating (0 = num_threads): on CPU the colocated actor ranks are idle then,
@@ -37,6 +40,8 @@ class RolloutWorker(ReceiverEndpoints):
         self._threads_lock, self._in_generate, self._threads_before = threading.Lock(), 0, torch.get_num_threads()
         self.engine = engine_class(name).from_rollout(model_path, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                                       dtype=dtype, engine_kwargs=engine_kwargs, settings=settings)
+        if adapters is not None:
+            self.engine = AdapterEngine(self.engine, scale=adapters["scale"], dtype=dtype)
 
     def generate(self, prompts: list[list[int]], params: dict | list[dict]) -> list[list[GenerationOutput]]:
         """``params``: one dict for every prompt, or a list with one per prompt (a resumed partial
@@ -87,6 +92,10 @@ class RolloutWorker(ReceiverEndpoints):
 
     def weights_checksum(self) -> str:
         return self.engine.weights_checksum()
+
+    def base_checksum(self) -> str:
+        """Adapter-only syncs: the checksum of the base weights the adapters are merged over."""
+        return self.engine.base_checksum()
 
     def sleep(self) -> None:
         self.engine.sleep()

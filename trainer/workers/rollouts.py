@@ -68,6 +68,8 @@ class _EngineCalls:
     tried in order; ``transport``: the one the last sync took, and why a preferred one could not)."""
 
     concurrent_calls = 1  # generate calls that may overlap (see EngineRollout)
+    adapters = False  # the syncs move LoRA adapters, which the engines merge (trainer.rollout.adapters)
+    _base_checked = False
     in_actor = False  # the engines live in the actor ranks' processes (the hybrid engine)
     transport = "object_store"
     size: int
@@ -107,9 +109,23 @@ class _EngineCalls:
         for link in self.links:
             if link.ready(actor):
                 self.transport = link.label + (f" ({declined[0]})" if declined else "")
-                return link.sync(actor, verify)
+                m = link.sync(actor, verify)
+                if verify and self.adapters and not self._base_checked:
+                    self.check_base(actor)
+                return m
             declined.append(link.reason)
         raise WeightSyncError(f"no weight transport of {self.transports} can run here: {'; '.join(declined)}")
+
+    def check_base(self, actor) -> None:
+        """Adapter-only syncs (``adapters``): once, that every engine merges the adapters over the actor's own base
+        weights (the syncs verify the adapters; this, what they are added to)."""
+        want = actor.base_checksum(self.engine_dtype)
+        bad = [i for i, got in enumerate(self._call("base_checksum")) if got != want]
+        if bad:
+            raise WeightSyncError(f"weight sync failed: rollout engine(s) {bad} merge the LoRA adapters over base "
+                                  f"weights that differ from the actor's (checksum {want[:12]}...): the engines "
+                                  f"loaded another checkpoint than actor_rollout_ref.model.path")
+        self._base_checked = True
 
     def recv_async(self, transport: str, op: str, args_per_engine: list[tuple]) -> list:
         """Start ``op`` of every engine's receiver half of ``transport`` (``args_per_engine``: one tuple each)."""
@@ -175,8 +191,9 @@ class _EngineCalls:
 
 class EngineRollout(_EngineCalls):
     def __init__(self, group: WorkerGroup, *, free_cache: bool, bucket_bytes: int, engine_dtype: str,
-                 transports: tuple[str, ...] = ("shared_memory", "object_store"), concurrent_calls: int = 1):
-        self.group, self.size, self.free_cache = group, group.size, free_cache
+                 transports: tuple[str, ...] = ("shared_memory", "object_store"), concurrent_calls: int = 1,
+                 adapters: bool = False):
+        self.group, self.size, self.free_cache, self.adapters = group, group.size, free_cache, adapters
         # generate calls that may run at once (the fully-async rollouter keeps this many in flight): the
         # native engine admits a second call into its running loop; the workers' Ray concurrency must
         # leave a thread for abort beside them
@@ -210,8 +227,8 @@ class HybridRollout(_EngineCalls):
     in_actor = True
 
     def __init__(self, actor, *, free_cache: bool, bucket_bytes: int, engine_dtype: str,
-                 transports: tuple[str, ...] = ("shared_memory", "hybrid")):
-        self.actor_group, self.size, self.free_cache = actor.group, actor.size, free_cache
+                 transports: tuple[str, ...] = ("shared_memory", "hybrid"), adapters: bool = False):
+        self.actor_group, self.size, self.free_cache, self.adapters = actor.group, actor.size, free_cache, adapters
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
         self.use(*transports)
 

@@ -111,6 +111,9 @@ class TrainWorker(SenderEndpoints):
     def _hf_params(self):
         return self.strategy.hf_params()
 
+    def _base_params(self):
+        return self.strategy.base_params()
+
     def _reshard_blocks(self) -> list | None:
         return self.strategy.reshard_blocks()
 
