@@ -69,13 +69,19 @@ def _writer_queue():
 # save / load
 
 
-def _state(model, optimizer, scheduler, *, is_loading: bool) -> dict:
+def _kept(sd: dict, keep) -> dict:
+    return sd if keep is None else {k: v for k, v in sd.items() if keep(k)}
+
+
+def _state(model, optimizer, scheduler, *, is_loading: bool, keep=None) -> dict:
     """The sharded state. Under virtual pipeline stages the chunks' states sit side by side
     (``model0``, ``model1``, ...); every tensor's key is its global name, so the layout (TP, PP, VPP)
-    at load time need not be the one at save time."""
+    at load time need not be the one at save time. ``keep(name)``: the model entries to hold (LoRA: the adapters;
+    the frozen base is the model's own checkpoint, loaded at start), None: all."""
 
     cs = [unwrap(c) for c in chunks(model)]
-    model_sd = cs[0].sharded_state_dict() if len(cs) == 1 else {f"model{i}": c.sharded_state_dict() for i, c in enumerate(cs)}
+    model_sd = (_kept(cs[0].sharded_state_dict(), keep) if len(cs) == 1
+                else {f"model{i}": _kept(c.sharded_state_dict(), keep) for i, c in enumerate(cs)})
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
@@ -90,8 +96,10 @@ def _broadcast_str(s: str | None) -> str:
     return buf[0]
 
 
-def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, extra: dict | None = None) -> str:
-    """Collective: save model (+ optimizer, + scheduler, + small ``extra`` dict) to ``ckpt_dir``."""
+def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, extra: dict | None = None,
+                    keep=None) -> str:
+    """Collective: save model (+ optimizer, + scheduler, + small ``extra`` dict) to ``ckpt_dir``; ``keep(name)``:
+    only these model entries (see :func:`_state`)."""
     from megatron.core import dist_checkpointing
 
 
@@ -108,7 +116,7 @@ def save_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, ext
     tmp = _broadcast_str(tmp)
     ok = False
     try:
-        state = _state(model, optimizer, scheduler, is_loading=False)
+        state = _state(model, optimizer, scheduler, is_loading=False, keep=keep)
         state["extra"] = dict(extra or {})
         with _writer_queue():
             dist_checkpointing.save(state, tmp)
@@ -129,8 +137,10 @@ def is_complete(ckpt_dir: str) -> bool:
     return os.path.exists(os.path.join(ckpt_dir, MARKER))
 
 
-def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dict:
-    """Collective: load into ``model`` (+ optimizer, + scheduler) at the current layout; returns ``extra``."""
+def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None, *, keep=None) -> dict:
+    """Collective: load into ``model`` (+ optimizer, + scheduler) at the current layout; returns ``extra``.
+    ``keep``: as saved (only those entries are read; every one of them must be there, and the others keep the
+    values the model has)."""
     from megatron.core import dist_checkpointing
 
 
@@ -140,17 +150,18 @@ def load_checkpoint(ckpt_dir: str, model, optimizer=None, scheduler=None) -> dic
     # torch reads .metadata with plain pickle.load and megatron some items with weights_only=False:
     # their globals are checked first (trainer.checkpoint.check_pickles), on every rank that reads them
     check_pickles(ckpt_dir)
-    state = _state(model, optimizer, scheduler, is_loading=True)
+    state = _state(model, optimizer, scheduler, is_loading=True, keep=keep)
     state["extra"] = None  # common (non-sharded) entries are read from the checkpoint as saved
     if scheduler is not None:
         state["scheduler"] = None
     loaded = dist_checkpointing.load(state, ckpt_dir)
     cs = [unwrap(c) for c in chunks(model)]
-    if len(cs) == 1:
-        cs[0].load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, c in enumerate(cs):
-            c.load_state_dict(loaded["model"][f"model{i}"], strict=True)
+    for i, c in enumerate(cs):
+        part = loaded["model"] if len(cs) == 1 else loaded["model"][f"model{i}"]
+        res = c.load_state_dict(part, strict=keep is None)
+        missing = [k for k in getattr(res, "missing_keys", []) if keep(k)] if keep is not None else []
+        if missing or getattr(res, "unexpected_keys", []):
+            raise RuntimeError(f"{ckpt_dir}: model entries missing {missing[:4]}, unexpected {res.unexpected_keys[:4]}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:

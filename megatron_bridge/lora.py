@@ -531,6 +531,11 @@ def _base_module_name(adapter_name: str) -> str:
     raise ValueError(f"{adapter_name!r} is not a LoRA adapter name (ends in {' or '.join(ADAPTER_SUFFIXES)})")
 
 
+def is_adapter_key(name: str) -> bool:
+    """Whether a model state entry (a ``state_dict`` / ``sharded_state_dict`` key) is an adapter factor."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
 def adapter_tp_kind(adapter_name: str) -> str:
     """How an adapter tensor splits over TP, in :func:`megatron_bridge.convert.tp_kind`'s terms: ``B`` of a
     column-parallel base like the base weight (``row``, or ``glu`` for ``linear_fc1``), ``A`` of a row-parallel

@@ -26,7 +26,7 @@ from megatron_bridge.convert import load_hf_weights
 from megatron_bridge.export import export_hf, iter_hf_param, iter_hf_weights
 from megatron_bridge.hf_config import read_hf_config
 from megatron_bridge.logprobs import compute_logprobs
-from megatron_bridge.lora import (adapters_disabled, apply_lora, export_peft_adapter, iter_adapter_hf,
+from megatron_bridge.lora import (adapters_disabled, apply_lora, export_peft_adapter, is_adapter_key, iter_adapter_hf,
                                   load_adapter_state, read_peft_adapter, training_report)
 from megatron_bridge.model import build_model, compile_model
 from megatron_bridge.reshard import local_blocks, local_param
@@ -221,16 +221,22 @@ class MegatronStrategy(Strategy):
         return local_param(self.module(), ref)
 
     # ------------------------------------------------------------------ checkpoints
+    def _ckpt_keep(self):
+        """What a checkpoint holds of the model: with LoRA the adapters only (the frozen base is
+        ``model.path``'s, loaded at start: a LoRA checkpoint is the adapters and their optimizer state)."""
+        return is_adapter_key if self.lora is not None else None
+
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
         t = self.trainer
-        return save_checkpoint(ckpt_dir, self.module(), t.optimizer if t else None, t.scheduler if t else None, extra=extra)
+        return save_checkpoint(ckpt_dir, self.module(), t.optimizer if t else None, t.scheduler if t else None, extra=extra,
+                               keep=self._ckpt_keep())
 
     def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
         """``contents``: verl's load_contents (the model always; the optimizer and the LR scheduler
         ('extra') only when named, otherwise they keep their fresh state)."""
         t = self.trainer
         out = load_checkpoint(ckpt_dir, self.module(), t.optimizer if t and "optimizer" in contents else None,
-                              t.scheduler if t and "extra" in contents else None)
+                              t.scheduler if t and "extra" in contents else None, keep=self._ckpt_keep())
         if self._offloaders:
             off.own_storages(self.module(), t.optimizer if t else None)  # loaded tensors may sit in a mapped file
         return out
