@@ -723,15 +723,18 @@ def iter_adapter_hf(model) -> Iterator[tuple[str, torch.Tensor]]:
     the tensors an adapter-only weight sync moves (``model.layers.0.self_attn.q_proj.lora_A.weight`` ...;
     :func:`lora_state_to_peft`, so an engine adds ``scale * B @ A`` to the HF weight of the same name). Collective
     over the world, like the full-weight stream it stands in for: each layer's TP group merges its shards, then
-    every rank's adapters (other pipeline stages, other experts) go to every rank as objects (the adapters are
-    small; data-parallel replicas hold the same ones). In name order."""
+    (with PP or EP) every rank's adapters (other pipeline stages, other experts) go to every rank as objects (the
+    adapters are small; data-parallel replicas hold the same ones). In name order."""
     full = {k: v.detach().cpu() for k, v in adapter_state_dict(model, full=True).items()}
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, full)
-    state: dict[str, torch.Tensor] = {}
-    for p in parts:
-        for k, v in p.items():
-            state.setdefault(k, v)
+    state: dict[str, torch.Tensor] = full
+    if ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
+        # other stages' layers, other ranks' experts (without PP and EP a TP group holds every adapter already)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, full)
+        state = {}
+        for p in parts:
+            for k, v in p.items():
+                state.setdefault(k, v)
     hf = unwrap(chunks(model)[0]).hf_config
     yield from sorted(lora_state_to_peft(state, hf, prefix="").items())
 

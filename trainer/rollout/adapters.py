@@ -42,7 +42,7 @@ def split_adapter_name(name: str) -> tuple[str, str] | None:
 def merged(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``W0 + scale * B @ A`` in float32 (``W0`` ``[out, in]``, ``A`` ``[r, in]``, ``B`` ``[out, r]``), cast to
     ``dtype`` once."""
-    return (w0.float() + scale * (b.float() @ a.float())).to(dtype)
+    return torch.addmm(w0.float(), b.float(), a.float(), alpha=scale).to(dtype)
 
 
 class AdapterEngine:
