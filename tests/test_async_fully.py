@@ -245,9 +245,12 @@ def test_partial_rollout_keeps_the_routes_each_token_was_sampled_with(tmp_path, 
     from trainer.debug import load_batch
     from tests.support.tiny import tiny_moe_twin
 
-    # 0.25 s per decode step, as the partial-rollout test above: at 0.08 s a full run here had no response
-    # continued across a push (async/partial_samples 0: the engines had reached their quota before it)
-    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.25")
+    # The engine must still be working on its quota at a push: a version's quota (24 prompts, 6 calls of 4) must
+    # take longer to sample than the trainer's 2 steps. At 0.08 s per decode step a full run had no response
+    # continued across a push, and at 0.25 s (1.5 s a call) CI on a loaded machine had none either: the MoE
+    # trainer's two steps outran the six calls (async/partial_samples 0 at every step). At 0.75 s a version's
+    # quota takes 27 s or more of sleep alone, several times the two steps even on a loaded 2-core machine.
+    monkeypatch.setenv("COXSWAIN_FAULT_DECODE_DELAY_S", "0.75")
     moe = tiny_moe_twin(tmp_path / "moe")  # a decisive router: the versions' routes are told apart exactly
     dumps, K, steps = tmp_path / "dumps", 2, 4
     h = run(tmp_path, f"actor_rollout_ref.model.path={moe}", f"trainer.total_training_steps={steps}",

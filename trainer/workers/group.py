@@ -141,7 +141,13 @@ def worker_setup() -> None:
 # next run in this process (:func:`keep_embedded_ray`): a notebook or a test module that trains several times
 # then pays Ray's start and stop (about 5 s of a 10 s tiny run here) once.
 _embedded_gcs: str | None = None
+_embedded_faults: dict[str, str] = {}
 _keep_embedded = False
+FAULT_PREFIX = "COXSWAIN_FAULT_"  # fault injection for tests (a slow engine, a worker held mid-call)
+
+
+def _fault_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(FAULT_PREFIX)}
 
 
 def keep_embedded_ray(keep: bool = True) -> None:
@@ -166,15 +172,20 @@ def embedded_ray() -> bool:
 def init_ray(num_cpus: int | None = None) -> bool:
     """Start (or join, with ``RAY_ADDRESS``) Ray; True when this call started an embedded cluster. A kept
     embedded cluster (:func:`keep_embedded_ray`) is used again, or restarted when it has fewer than
-    ``num_cpus`` CPUs."""
+    ``num_cpus`` CPUs, or when this process's ``COXSWAIN_FAULT_*`` variables differ from those it started
+    with (its workers inherit the environment of the cluster's start: a test's slow engine would otherwise
+    reach only the runs of the test that started the cluster, and every later run in it)."""
     import ray
 
-    global _embedded_gcs
+    global _embedded_gcs, _embedded_faults
     quiet_ray_tensors()
     if ray.is_initialized():
-        if not (embedded_ray() and num_cpus and ray.cluster_resources().get("CPU", 0) < num_cpus):
+        if not embedded_ray():
             return False
-        ray.shutdown()  # the kept cluster is too small for this run's slots: a bigger one
+        small = bool(num_cpus) and ray.cluster_resources().get("CPU", 0) < num_cpus
+        if not small and _fault_env() == _embedded_faults:
+            return False
+        ray.shutdown()  # the kept cluster is too small for this run's slots, or has other faults: a new one
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "PYTHONPATH": os.pathsep.join(
         [os.getcwd(), os.environ.get("PYTHONPATH", "")]), "PYTHONWARNINGS": _quiet_warnings_env()},
            "worker_process_setup_hook": "trainer.workers.group.worker_setup"}
@@ -185,6 +196,7 @@ def init_ray(num_cpus: int | None = None) -> bool:
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  configure_logging=True, logging_level="WARNING")
         _embedded_gcs = ray.get_runtime_context().gcs_address
+        _embedded_faults = _fault_env()
         line = startup_summary()
         if line:
             print(line, flush=True)
