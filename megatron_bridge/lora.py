@@ -141,7 +141,11 @@ class _Factor(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        # a contiguous copy of its own: a row-parallel layer's A is a column slice of the full A (a strided view
+        # of the whole matrix), and torch's fused Adam walks a parameter and its gradient (megatron's contiguous
+        # main_grad buffer) as flat arrays of the same length, so on a strided view it paired elements with other
+        # elements' gradients (TP=2 stepped about two thirds of the row-parallel A against the wrong sign)
+        self.weight = nn.Parameter(weight.contiguous().clone())
 
 
 class _LoRAMixin:

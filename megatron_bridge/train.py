@@ -124,7 +124,10 @@ def _use_fused_adam(optimizer) -> None:
         if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
             continue
         params = [p for g in inner.param_groups for p in g["params"]]
-        if params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
+        # contiguous only: the fused kernel pairs a strided parameter's elements with the wrong gradients (seen
+        # with torch 2.13 on CPU; megatron_bridge.lora's factors are contiguous copies for this reason)
+        if params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() and p.is_contiguous()
+                          for p in params):
             inner.defaults.update(fused=True, foreach=False)
             for g in inner.param_groups:
                 g.update(fused=True, foreach=False)

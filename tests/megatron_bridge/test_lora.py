@@ -397,6 +397,25 @@ def test_adapter_shards_split_like_the_base_weight(tp):
     assert s1[:, 0].tolist() == list(range(48, 96)) + list(range(144, 192))  # rank 1: [gate_1; up_1]
 
 
+def test_a_row_parallel_shard_steps_like_its_tp1_columns_under_fused_adam():
+    """A row-parallel layer's A shard is a column slice of the full A: a strided view. The factor holds a
+    contiguous copy, so torch's fused AdamW (which megatron_bridge.train switches on) steps each element with its
+    own gradient; on the view itself it stepped about two thirds of the elements against the wrong sign (the TP=2
+    LoRA run that drifted from TP=1 at its second update)."""
+    name = "decoder.layers.0.mlp.linear_fc2.lora_A.weight"
+    full, grad = torch.randn(RANK, 96), torch.randn(RANK, 96)
+    ref = torch.nn.Parameter(full.clone())
+    ref.grad = grad.clone()
+    torch.optim.AdamW([ref], lr=1e-3, fused=True).step()  # TP=1: the whole A
+    for r in range(2):
+        shard = lora.shard_adapter(name, full, 2, r)
+        factor = lora._Factor(shard)
+        assert factor.weight.is_contiguous() and factor.weight.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+        factor.weight.grad = lora.shard_adapter(name, grad, 2, r).contiguous()  # megatron's main_grad: contiguous
+        torch.optim.AdamW([factor.weight], lr=1e-3, fused=True).step()
+        assert torch.allclose(factor.weight.detach(), lora.shard_adapter(name, ref.detach(), 2, r), atol=1e-7)
+
+
 def test_target_matching():
     t = lora.is_target
     assert t("decoder.layers.0.self_attention.linear_qkv", lora.DEFAULT_TARGETS)
