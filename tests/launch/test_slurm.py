@@ -116,5 +116,7 @@ def test_a_node_that_does_not_join_fails_the_job_fast_with_its_name(slurm, tmp_p
     assert "1 of 2 Ray nodes joined" in log and "1 did not: cx2 (127.0.0.2)" in log and "timed out after 10 s" in log, log
     assert "error: not every node joined the Ray cluster" in log
     assert "running recipes/cpu/run_tiny_grpo.sh" not in log  # the recipe never started
-    assert took < 90, took
+    # not held by the hung node (its `ray start` sleeps 600 s): the head's start, the 10 s wait and the teardown.
+    # 90 s failed once on a loaded 2-core machine (the head alone is 20-40 s there); 300 s still tells the two apart
+    assert took < 300, took
     wait_nothing_left(slurm)
