@@ -2,7 +2,8 @@
 real local Ray cluster with split placement: step t+1's batch is sampled by the weights step t trains
 from (checked token by token against transformers on each checkpoint's HF export), the training equals a
 hand-scheduled reference (the same batches replayed into the synchronous loop), and a SIGKILL in step 3
-then a resume gives the uninterrupted run's metrics and weights."""
+then a resume gives the uninterrupted run's metrics and weights (the uninterrupted run is the first test's
+one-step-off run, shared through a module fixture)."""
 
 import os
 import signal
@@ -49,19 +50,30 @@ def _ray(shared_ray):
     yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
-def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_reference(tmp_path):
+# The one-step-off run both tests below read: 4 steps, a checkpoint (with its HF weights) every step, every batch
+# dumped. The SIGKILL test's uninterrupted reference is this run (one run fewer for the suite).
+OFF_RUN = [*OFF, "trainer.total_training_steps=4", "trainer.save_freq=1",
+           "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+
+
+@pytest.fixture(scope="module")
+def off_run(tmp_path_factory, shared_ray):
+    d = tmp_path_factory.mktemp("off")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{d}/mlflow.db")
+        return d, run(d, *OFF_RUN, f"trainer.debug.dump_batch_path={d / 'dumps'}", name="off")
+
+
+def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_reference(tmp_path, off_run):
     from trainer.debug import load_batch
 
-    dumps = tmp_path / "dumps"
-    steps = ["trainer.total_training_steps=3", "trainer.save_freq=1",
-             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
-    off = run(tmp_path, *OFF, *steps, f"trainer.debug.dump_batch_path={dumps}", name="off")
+    d, off = off_run
+    dumps = d / "dumps"
     h = off["history"]
-    assert [x["async/staleness"] for x in h] == [0.0, 1.0, 1.0]
+    assert [x["async/staleness"] for x in h] == [0.0, 1.0, 1.0, 1.0]
     # batch t was sampled by the weights at the start of step t-1 (step 1's by the initial ones)
-    weights = {0: TINY, 1: str(tmp_path / "off" / "global_step_1" / "actor" / "huggingface"),
-               2: str(tmp_path / "off" / "global_step_2" / "actor" / "huggingface")}
-    for t in (1, 2, 3):
+    weights = {0: TINY, **{v: str(d / "off" / f"global_step_{v}" / "actor" / "huggingface") for v in (1, 2, 3)}}
+    for t in (1, 2, 3, 4):
         b = load_batch(str(dumps / f"step_{t:06d}"))
         mask = b.response_mask.bool()
         sampler = rollout_logp_under(weights[max(t - 2, 0)], b)
@@ -69,12 +81,13 @@ def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_refe
         if t > 1:  # not the weights the step trains from
             assert (b.rollout_log_probs - rollout_logp_under(weights[t - 1], b))[mask].abs().max() > 1e-3, t
     # the hand-scheduled reference: the same batches, replayed into the synchronous loop
-    ref = run(tmp_path, "trainer.total_training_steps=3", "trainer.debug.train_only=true",
+    ref = run(tmp_path, "trainer.total_training_steps=4", "trainer.debug.train_only=true",
               f"trainer.debug.dump_batch_path={dumps}", name="ref")["history"]
+    assert len(ref) == len(h) == 4
     for a, b in zip(h, ref):
         for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "mismatch/mismatch_kl"):
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
-    wa = load_file(str(tmp_path / "off" / "hf_export" / "model.safetensors"))
+    wa = load_file(str(d / "off" / "hf_export" / "model.safetensors"))
     wb = load_file(str(tmp_path / "ref" / "hf_export" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # and the batches are not the synchronous loop's: from step 2 on, sync samples with newer weights
@@ -83,14 +96,12 @@ def test_one_step_off_samples_with_the_previous_weights_and_trains_like_the_refe
     assert sync[1]["actor/pg_loss"] != h[1]["actor/pg_loss"]
 
 
-
-
-def test_one_step_off_sigkill_then_resume_is_identical(tmp_path):
+def test_one_step_off_sigkill_then_resume_is_identical(tmp_path, off_run):
     """The checkpoint of step 2 holds batch 3 (generated during step 2 with step 2's weights): the resumed
-    run trains on it and matches the uninterrupted run exactly."""
-    common = BASE + OFF + ["trainer.total_training_steps=4", "trainer.save_freq=1"]
-    ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
-    run(tmp_path, *common[len(BASE):], name="uninterrupted")  # the reference in this process, on the module's cluster
+    run trains on it and matches the uninterrupted run (the module's one-step-off run) exactly."""
+    d, _ = off_run
+    common = BASE + OFF_RUN + [f"trainer.debug.dump_batch_path={tmp_path / 'dumps'}"]
+    ref_dir, cut_dir = d / "off", tmp_path / "killed"
     env = joining_this_cluster(dict(os.environ, PYTHONUNBUFFERED="1"))  # the killed driver and its resume join it
     with open(tmp_path / "cut.log", "w") as log:
         p = start_driver(common + [f"trainer.default_local_dir={cut_dir}"], env, log)
