@@ -47,25 +47,38 @@ def _ray(shared_ray):
     yield  # one embedded Ray cluster for the module's runs (tests/conftest.py: shared_ray)
 
 
-def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    # model.override_config reaches the actor, reference and engine readers (values that change no number here)
-    out = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2",
-              "actor_rollout_ref.model.override_config.max_position_embeddings=128",
-              "actor_rollout_ref.model.override_config.rope_theta=10000.0",
-              # a TransformerConfig field passed through and a GPU kernel switch turned off on CPU (no number changes)
-              "+actor_rollout_ref.actor.megatron.override_transformer_config.deallocate_pipeline_outputs=true",
-              "+actor_rollout_ref.actor.megatron.override_transformer_config.bias_activation_fusion=true")
+# The module's 4-step run: an eval at steps 0, 2 and 4, a checkpoint every step. The first test reads what it
+# logged and exported; the SIGKILL test below takes it as its uninterrupted reference (one run fewer).
+WHOLE = ["trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=2",
+         # model.override_config reaches the actor, reference and engine readers (values that change no number here)
+         "actor_rollout_ref.model.override_config.max_position_embeddings=128",
+         "actor_rollout_ref.model.override_config.rope_theta=10000.0",
+         # a TransformerConfig field passed through and a GPU kernel switch turned off on CPU (no number changes)
+         "+actor_rollout_ref.actor.megatron.override_transformer_config.deallocate_pipeline_outputs=true",
+         "+actor_rollout_ref.actor.megatron.override_transformer_config.bias_activation_fusion=true"]
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, _ray):
+    d = tmp_path_factory.mktemp("whole")
+    uri = f"sqlite:///{d}/mlflow.db"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        return d, uri, run(d, *WHOLE, name="uninterrupted")
+
+
+def test_run_logs_learns_exports(whole_run):
+    d, uri, out = whole_run
     hist = out["history"]
-    # eval exactly at step 0 (val_before_train) and at step 2, once each
-    assert [h["step"] for h in hist] == [0, 1, 2]
-    assert [val_core_acc(h) is not None for h in hist] == [True, False, True]
+    # eval exactly at step 0 (val_before_train) and at steps 2 and 4, once each
+    assert [h["step"] for h in hist] == [0, 1, 2, 3, 4]
+    assert [val_core_acc(h) is not None for h in hist] == [True, False, True, False, True]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/update_actor",
                 "perf/throughput", "sync/verified", "reward/acc", "actor/entropy", "actor/ppo_kl"):
         assert key in hist[1] or key in hist[2], key
-    assert hist[1]["sync/verified"] == 1.0  # the checksum-verified sync ran after the update
-    # verl's step counters: both steps draw from the first pass over the prompts (epoch 0)
-    assert [(h["training/global_step"], h["training/epoch"]) for h in hist[1:]] == [(1, 0), (2, 0)]
+    assert all(h["sync/verified"] == 1.0 for h in hist[1:])  # the checksum-verified sync ran after every update
+    # verl's step counters: every step draws from the first pass over the prompts (epoch 0)
+    assert [(h["training/global_step"], h["training/epoch"]) for h in hist[1:]] == [(t, 0) for t in (1, 2, 3, 4)]
     # the update's MFU against this CPU's measured matmul peak: a fraction, positive and well under 1
     assert all(0 < h["perf/mfu/actor"] < 1 for h in hist[1:]), [h["perf/mfu/actor"] for h in hist[1:]]
     run_dir = Path(out["run_dir"])
@@ -81,14 +94,14 @@ def test_two_step_run_logs_learns_exports(tmp_path, monkeypatch):
     # MLflow got the params and the per-step metrics
     from mlflow.tracking import MlflowClient
 
-    c = MlflowClient()
+    c = MlflowClient(tracking_uri=uri)
     runs = c.search_runs([c.get_experiment_by_name("coxswain").experiment_id])
     r = runs[0]
     assert r.data.params["algorithm.adv_estimator"] == "grpo"
     assert float(r.data.params["perf/peak_tflops/float32"]) > 0 and "measured" in r.data.params["perf/peak_source"]
     val_key = next(k for k in hist[0] if k.startswith("val-core/") and "/acc/mean@" in k)
     # MLflow keys as verl writes them there: "@" -> "_at_"
-    assert [m.step for m in c.get_metric_history(r.info.run_id, val_key.replace("@", "_at_"))] == [0, 2]
+    assert [m.step for m in c.get_metric_history(r.info.run_id, val_key.replace("@", "_at_"))] == [0, 2, 4]
 
 
 def test_shipped_recipe_learns_in_bf16(tmp_path):
@@ -146,10 +159,9 @@ def test_should_eval_once_per_boundary():
 
 
 
-def test_sigkill_mid_step_then_resume_is_identical(tmp_path):
-    common = BASE + ["trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=2"]
-    ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"
-    run(tmp_path, *common[len(BASE):], name="uninterrupted")  # the reference in this process, on the module's cluster
+def test_sigkill_mid_step_then_resume_is_identical(tmp_path, whole_run):
+    common = BASE + WHOLE
+    ref_dir, cut_dir = whole_run[0] / "uninterrupted", tmp_path / "killed"  # the reference: the module's run
     # the killed driver and its resume join that cluster (tests/security/test_orphans.py kills an embedded one's driver)
     env = joining_this_cluster(dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1"))
 
