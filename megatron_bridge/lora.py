@@ -298,8 +298,11 @@ def _module_seed(seed: int, name: str) -> int:
     return (int(seed) * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63)
 
 
-def _full_factors(name: str, in_features: int, out_features: int, rank: int, a_init: str, b_init: str,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def full_factors(name: str, in_features: int, out_features: int, rank: int, a_init: str, b_init: str,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole ``A [rank, in]`` and ``B [out, rank]`` of the linear with canonical name ``name``, drawn on the CPU
+    from ``seed`` and the name: the same at every layout (each rank takes its shard), and for the peft adapters of
+    the HF-model strategies (trainer.strategies.hf_lora splits them into peft's parts)."""
     g = torch.Generator().manual_seed(_module_seed(seed, name))
     a = torch.empty(rank, in_features, dtype=torch.float32)  # [r, in]
     b = torch.empty(out_features, rank, dtype=torch.float32)  # [out, r]
@@ -318,7 +321,7 @@ def _attach(module, name: str, *, rank: int, alpha: float, dropout: float, a_ini
     if module.weight is None:
         raise NotImplementedError(f"{name}: LoRA on a linear without its own weight")
     tp, r = module.tp_group.size(), module.tp_group.rank()
-    a_full, b_full = _full_factors(name, module.input_size, module.output_size, rank, a_init, b_init, seed)
+    a_full, b_full = full_factors(name, module.input_size, module.output_size, rank, a_init, b_init, seed)
     sharded = "B" if base_cls is ColumnParallelLinear else "A"
     can = name + ".lora_A.weight", name + ".lora_B.weight"
     a, b = shard_adapter(can[0], a_full, tp, r), shard_adapter(can[1], b_full, tp, r)

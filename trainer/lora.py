@@ -3,12 +3,13 @@
 :class:`LoRASettings`, and the load-time checks that refuse what is not built (docs/strategies.md#lora).
 
 LoRA is on when the rank is positive (verl's rule). What is built: adapters on the megatron actor's decoder
-linears (:mod:`megatron_bridge.lora`), only the adapters in the optimizer, the reference policy as the actor
+linears (:mod:`megatron_bridge.lora`) or, with the same keys and init, on the deepspeed actor's HF projections
+through peft (:mod:`trainer.strategies.hf_lora`), only the adapters in the optimizer, the reference policy as the actor
 with its adapters off (no reference group), weight syncs of the adapters only (``lora.merge=false``, verl's
 default: :mod:`trainer.rollout.adapters`) or of merged weights ``W + (alpha / rank) B A`` (``merge=true``), the
 merged weights in the HF export (plus a peft adapter directory), checkpoints with the adapters and their optimizer
 state, and a peft adapter as the starting point (``adapter_path``). What is refused, each with its reason: LoRA on
-another actor strategy or on the critic, adapter-only sync to an engine or placement that cannot take adapters
+an FSDP actor or on the critic, adapter-only sync to an engine or placement that cannot take adapters
 (SGLang, HTTP servers), other adapter types, ``post`` dropout, Megatron-Bridge's all-to-all adapter path,
 unfrozen base weights and the vision keys.
 
@@ -34,6 +35,8 @@ MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
             "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 DTYPES = ("float32", "bfloat16", "float16")
+# the actor strategies LoRA is built on: megatron (megatron_bridge.lora) and deepspeed (peft, trainer.strategies.hf_lora)
+BUILT_ON = ("megatron", "deepspeed")
 NEW, OLD = "actor_rollout_ref.model.lora", "actor_rollout_ref.model"
 
 
@@ -167,7 +170,7 @@ def adapter_sync_errors(cfg) -> list[str]:
 
 
 def lora_errors(cfg) -> list[str]:
-    """The LoRA keys: on only where it is built (strategy=megatron actor, merged sync), each value meaningful."""
+    """The LoRA keys: on only where it is built (a megatron or deepspeed actor), each value meaningful."""
     try:
         s = lora_settings(cfg)
     except ValueError as e:
@@ -179,9 +182,12 @@ def lora_errors(cfg) -> list[str]:
     rank_key = f"{NEW}.rank" if spelled == NEW else f"{OLD}.lora_rank"
     errs = []
     strategy = cfg.actor_rollout_ref.actor.strategy
-    if strategy != "megatron":
+    if strategy not in BUILT_ON:
         errs.append(f"LoRA ({rank_key}={s.rank}) is not built yet on actor_rollout_ref.actor.strategy={strategy}; use "
-                    f"actor_rollout_ref.actor.strategy=megatron.")
+                    f"actor_rollout_ref.actor.strategy=megatron or deepspeed.")
+    if strategy == "deepspeed" and s.dtype is not None:
+        errs.append(f"{NEW}.dtype={s.dtype} with actor.strategy=deepspeed: peft's adapters take the base weights' "
+                    f"dtype there (DeepSpeed keeps fp32 master copies under bf16); set {NEW}.dtype=null.")
     if spelled == NEW:
         lc = m.lora
         if lc.type != "lora":

@@ -143,8 +143,8 @@ class RefMegatronConfig(MegatronConfig):
 @dataclass
 class LoRAConfig:
     """verl's ``actor_rollout_ref.model.lora`` (Megatron-Bridge's LoRA; docs/strategies.md#lora): the actor trains
-    rank-``rank`` adapters on its frozen base weights (strategy=megatron); the reference is the actor with its
-    adapters off."""
+    rank-``rank`` adapters on its frozen base weights (strategy=megatron, or deepspeed through peft); the reference is
+    the actor with its adapters off."""
     rank: int = 0  # adapter rank; 0 = no LoRA (the whole model trains)
     alpha: float = 32  # scale alpha / rank of the adapter's output (peft's lora_alpha)
     dropout: float = 0.0  # dropout on the adapter's input
@@ -156,7 +156,7 @@ class LoRAConfig:
     merge: bool = False  # false: a weight sync moves only the adapters (the engine merges them); true: merged weights W + (alpha/rank) B A
     adapter_path: Optional[str] = None  # a peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from
     type: str = "lora"  # lora (canonical_lora / dora / vlm_lora are not built)
-    dtype: Optional[str] = None  # adapter parameter dtype: float32 | bfloat16 | float16; None = the base weights'
+    dtype: Optional[str] = None  # adapter parameter dtype: float32 | bfloat16 | float16; None = the base weights' (deepspeed: None only)
     a2a_experimental: bool = False  # Megatron-Bridge's all-to-all adapter communication (not built; refused when true)
     freeze_language_model: bool = True  # the base weights stay frozen (false is refused: that is full fine-tuning, rank 0)
     freeze_vision_model: bool = True  # vision-language models only (not built; false refused)
@@ -171,7 +171,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     use_remove_padding: bool = False  # verl's FSDP packing switch; the megatron roles pack by *.megatron.use_remove_padding (true with it false is refused)
     override_config: Dict[str, Any] = field(default_factory=dict)  # verl's: config.json fields set over the checkpoint's for the actor, reference and rollout (max_position_embeddings, rope_theta, rope_scaling, attention_dropout, rms_norm_eps; top level or under model_config)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA on the actor (megatron): docs/strategies.md#lora
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA on the actor (megatron, deepspeed): docs/strategies.md#lora
     lora_rank: int = 0  # verl's older spelling of lora.rank (0 = off); with lora_alpha, target_modules, exclude_modules, lora_adapter_path
     lora_alpha: float = 16  # older spelling of lora.alpha (read when lora_rank > 0)
     target_modules: Any = "all-linear"  # older spelling (with lora_rank): all-linear, or HF projection names (q_proj+k_proj+v_proj, o_proj, gate_proj+up_proj, down_proj) or megatron linear names

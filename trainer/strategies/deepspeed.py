@@ -28,21 +28,34 @@ arXiv:1910.02054). The group is pure data parallel (``dp_size`` = world size).
   LR schedule as client state, inside the driver's atomic checkpoint directory; HF export gathers and
   writes safetensors with the source's config and tokenizer files.
 
+* LoRA (``actor_rollout_ref.model.lora.*``, the actor): peft adapters on the HF projections
+  (:mod:`trainer.strategies.hf_lora`), added before DeepSpeed wraps the model, so ZeRO and AdamW hold only the
+  adapters; the reference policy is the actor with its adapters off; a sync moves the adapters (``merge=false``)
+  or merged weights; checkpoints leave the frozen base out (``exclude_frozen_parameters``); the export writes the
+  merged model and a peft adapter directory.
+
 Device: CPU (gloo; ``DS_ACCELERATOR=cpu``) or CUDA (nccl). Offload of parameters / optimizer states
 to CPU (ZeRO-Offload) is passed to DeepSpeed on CUDA and refused on CPU, where nothing would move.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from megatron_bridge.train import OptimConfig, make_scheduler
+from trainer.fsutil import staged_dir
+from trainer.lora import LoRASettings
 from trainer.strategies import DTYPES, Strategy
+from trainer.strategies.hf_lora import PREFIX, PeftLoRA, is_adapter_name
 from trainer.strategies.hf_model import align, load_hf_model, next_token_outputs, param_groups, write_hf_dir
+
+ADAPTER_DIR = "lora_adapter"  # the peft adapter beside the merged HF export (as the megatron actor's)
 
 
 def ds_config(*, zero_stage: int, dtype: str, clip_grad: float, offload_params: bool = False,
@@ -94,7 +107,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, zero_stage: int = 2, params_dtype: str = "float32", optim: dict | None = None,
                  seed: int = 1, gradient_checkpointing: bool = False, offload_params: bool = False,
-                 offload_optimizer: bool = False, hf_overrides: dict | None = None):
+                 offload_optimizer: bool = False, hf_overrides: dict | None = None, lora: dict | None = None):
         use_cuda = torch.cuda.is_available()
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
@@ -114,6 +127,11 @@ class DeepSpeedStrategy(Strategy):
         self.model = load_hf_model(role, model_path, DTYPES[params_dtype], hf_overrides)
         if gradient_checkpointing and optim is not None:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # LoRA (trainer.lora.LoRASettings as a dict) through peft, at the megatron actor's init for the same seed;
+        # before DeepSpeed wraps the model, so ZeRO and the optimizer see the frozen base and the adapters
+        self.lora = PeftLoRA(LoRASettings(**lora), model_path, hf_overrides) if lora else None
+        if self.lora is not None:
+            self.model = self.lora.apply(self.model, seed=seed)
         cfg = ds_config(zero_stage=zero_stage, dtype=params_dtype, clip_grad=(optim or {}).get("clip_grad", 0.0),
                         offload_params=offload_params, offload_optimizer=offload_optimizer)
         if optim is None:  # reference: forward only (ZeRO-3 still partitions the parameters)
@@ -123,7 +141,9 @@ class DeepSpeedStrategy(Strategy):
         self.optim = OptimConfig(**optim)
         if self.optim.optimizer != "adam":
             raise ValueError(f"strategy=deepspeed: optim.optimizer={self.optim.optimizer!r}; DeepSpeed trains with AdamW here")
-        opt = torch.optim.AdamW(param_groups(self.model, self.optim.weight_decay), lr=self.optim.lr,
+        groups = param_groups(self.model, self.optim.weight_decay)  # the trainable parameters (LoRA: the adapters)
+        self._optimizer_params = sum(p.numel() for g in groups for p in g["params"])
+        opt = torch.optim.AdamW(groups, lr=self.optim.lr,
                                 betas=(self.optim.adam_beta1, self.optim.adam_beta2), eps=self.optim.adam_eps)
         self.ds_engine, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=opt, config=cfg)
         # megatron's schedule object drives the learning rate of every group (the same numbers as the megatron path)
@@ -187,7 +207,17 @@ class DeepSpeedStrategy(Strategy):
         if not (gn == gn and gn != float("inf")):  # a non-finite norm: DeepSpeed skipped the step (or must)
             skipped = 1.0
         self.scheduler.step(increment=1)
-        return {"loss": total, "grad_norm": gn, "lr": lr, "skipped": skipped}
+        out = {"loss": total, "grad_norm": gn, "lr": lr, "skipped": skipped}
+        if self.lora is not None:
+            out.update({f"lora/{k}": v for k, v in PeftLoRA.report(self.module(), self._optimizer_params).items()})
+        return out
+
+    def reference_policy(self):
+        """With LoRA the actor with its adapters off is the reference policy (verl's LoRA reference): the base
+        weights, bit for bit."""
+        if self.lora is None:
+            return super().reference_policy()
+        return PeftLoRA.reference(self.module())
 
     # ------------------------------------------------------------------ weights
     @contextmanager
@@ -198,9 +228,25 @@ class DeepSpeedStrategy(Strategy):
         else:
             yield
 
+    @property
+    def adapter_sync(self) -> bool:
+        """A weight sync moves the LoRA adapters only (``lora.merge=false``), not merged weights."""
+        return self.lora is not None and not self.lora.s.merge
+
+    def _tied(self) -> tuple:
+        tied = bool(getattr(self.module().config, "tie_word_embeddings", False))
+        return ("lm_head.weight",) if tied else ()
+
     def hf_params(self):
-        """HF names and full tensors; ZeRO-3 gathers one parameter at a time (collective: every rank)."""
+        """HF names and full tensors; ZeRO-3 gathers one parameter at a time (collective: every rank). With LoRA:
+        the adapters in peft's layout (``lora.merge=false``) or the merged weights ``W + (alpha / r) B A``."""
         m = self.module()
+        if self.lora is not None:
+            if self.adapter_sync:
+                yield from self.lora.adapters(m, self._gathered)
+            else:
+                yield from self.lora.weights(m, self._gathered, merged=True, skip=self._tied())
+            return
         tied = bool(getattr(m.config, "tie_word_embeddings", False))
         for name, p in m.named_parameters():
             if tied and name == "lm_head.weight":
@@ -209,13 +255,20 @@ class DeepSpeedStrategy(Strategy):
                 t = p.detach().clone() if self.zero_stage == 3 else p.detach()
             yield name, t
 
+    def base_params(self):
+        """``(hf_name, full tensor)`` of the base weights (the adapters off), collective: what an adapter-only
+        sync's engines merge over (their one-time check)."""
+        yield from self.lora.weights(self.module(), self._gathered, merged=False, skip=self._tied())
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
+        """DeepSpeed's own checkpoint; with LoRA without the frozen base (``model.path``'s, loaded at start): the
+        adapters and their optimizer state."""
         if self.ds_engine is None or self.scheduler is None:
             return ckpt_dir
         os.makedirs(ckpt_dir, exist_ok=True)
         self.ds_engine.save_checkpoint(ckpt_dir, tag="deepspeed", client_state={"scheduler": self.scheduler.state_dict()},
-                                       save_latest=False)
+                                       save_latest=False, exclude_frozen_parameters=self.lora is not None)
         return ckpt_dir
 
     def load(self, ckpt_dir: str, contents=("model", "optimizer", "extra")) -> dict:
@@ -224,22 +277,54 @@ class DeepSpeedStrategy(Strategy):
         if not os.path.isdir(os.path.join(ckpt_dir, "deepspeed")):
             raise FileNotFoundError(f"{ckpt_dir} holds no DeepSpeed checkpoint (expected {ckpt_dir}/deepspeed): it "
                                     f"was saved by another strategy; resume with the strategy that saved it")
+        # a LoRA checkpoint holds no base weights (they stay as loaded from model.path): not strict, and the
+        # adapters are checked to be there below
         _, client = self.ds_engine.load_checkpoint(ckpt_dir, tag="deepspeed",
                                                    load_optimizer_states="optimizer" in contents,
-                                                   load_lr_scheduler_states=False, load_module_strict=True)
+                                                   load_lr_scheduler_states=False,
+                                                   load_module_strict=self.lora is None)
+        if self.lora is not None:
+            self._check_adapters_in(ckpt_dir)
         if "extra" in contents and client and "scheduler" in client:
             self.scheduler.load_state_dict(client["scheduler"])
         return client or {}
 
+    def _check_adapters_in(self, ckpt_dir: str) -> None:
+        """Every adapter of the model is in the checkpoint's module state (a non-strict load would leave a missing
+        one at its init without a word)."""
+        path = os.path.join(ckpt_dir, "deepspeed", "mp_rank_00_model_states.pt")
+        saved = set(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        lacking = [n for n, _ in self.module().named_parameters() if is_adapter_name(n) and n not in saved]
+        if lacking:
+            raise KeyError(f"{ckpt_dir}: the LoRA checkpoint has no {lacking[:3]} ({len(lacking)} adapters): it was "
+                           f"saved with other lora.target_modules; resume with the settings that saved it")
+
     def export_hf(self, out_dir: str, source_dir: str | None = None) -> str | None:
-        """Write a HF directory (rank 0 writes; every rank takes part in the ZeRO-3 gathers)."""
+        """Write a HF directory (rank 0 writes; every rank takes part in the ZeRO-3 gathers). With LoRA: the merged
+        weights, and the peft adapter directory ``<out_dir>/lora_adapter`` that
+        ``PeftModel.from_pretrained(<base model>, ...)`` loads."""
         writer = self.rank == 0
+        m = self.module()
+        merged = (self.lora.weights(m, self._gathered, merged=True, skip=self._tied()) if self.lora is not None
+                  else self.hf_params())
         state = {}
-        for n, t in self.hf_params():  # collective under ZeRO-3; only the writer keeps the tensors
+        for n, t in merged:  # collective under ZeRO-3; only the writer keeps the tensors
             if writer:
                 state[n] = t.cpu().contiguous()
+        adapters = {n: t.cpu().contiguous() for n, t in self.lora.adapters(m, self._gathered)} if self.lora else {}
         if writer:
-            write_hf_dir(state, self.module().config, out_dir, source_dir)
+            config = m.get_base_model().config if self.lora is not None else m.config
+            write_hf_dir(state, config, out_dir, source_dir)
+            if self.lora is not None:
+                self._write_adapter(os.path.join(out_dir, ADAPTER_DIR), adapters, source_dir)
         if dist.is_initialized():
             dist.barrier()
         return out_dir if writer else None
+
+    def _write_adapter(self, out_dir: str, adapters: dict, source_dir: str | None) -> None:
+        with staged_dir(out_dir) as tmp:
+            save_file({PREFIX + n: t for n, t in adapters.items()}, os.path.join(tmp, "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+            cfg = self.lora.adapter_config(os.path.abspath(source_dir) if source_dir else None)
+            with open(os.path.join(tmp, "adapter_config.json"), "w", encoding="utf-8") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)

@@ -1,0 +1,143 @@
+"""LoRA on the DeepSpeed actor (peft, trainer/strategies/hf_lora.py) in the training loop, on a real local Ray
+cluster with two ranks, against LoRA on the megatron actor with the same keys and seed:
+
+* the same start: the two draw the same adapters (the megatron init split into peft's parts), so one GRPO step
+  with a KL loss (the reference is each actor with its adapters off: no reference group) gives the same losses, KL,
+  entropy and gradient norm; every sync moves only the adapters (the same bytes from both), verified, and the
+  engines compute what the DeepSpeed actor computes;
+* only the adapters train (the optimizer holds exactly their elements, counted here from config.json);
+* the export: the merged HF weights are ``W + (alpha / r) B A`` of the exported peft adapter, computed here from the
+  files, and ``PeftModel.from_pretrained`` on that adapter gives the merged model's logits;
+* a checkpoint holds the adapters and their Adam state, not the base, and a run resumed from step 1's checkpoint
+  gives the uninterrupted run's step 2 and adapters bit for bit.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.tiny import TINY_MODEL, checkpoint_history, tiny_config
+
+pytestmark = pytest.mark.slow
+
+RANK, ALPHA = 4, 8  # scale 2
+BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=6",
+        "trainer.logger=[mlflow]", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        f"actor_rollout_ref.model.lora.rank={RANK}", f"actor_rollout_ref.model.lora.alpha={ALPHA}",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-3"]
+DS = ["actor_rollout_ref.actor.strategy=deepspeed", "actor_rollout_ref.actor.deepspeed_config.zero_stage=2"]
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
+
+
+def peft_elements() -> int:
+    """Every HF projection's ``r x (in + out)`` (peft: an adapter per q, k, v, o, gate, up, down), from config.json."""
+    c = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    H, F, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or H // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    shapes = [(H, q), (H, kv), (H, kv), (q, H), (H, F), (H, F), (F, H)]
+    return L * sum(RANK * (i + o) for i, o in shapes)
+
+
+def run(d: Path, name: str, *overrides):
+    from trainer.main import train
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{d}/mlflow.db")
+        return train(tiny_config(BASE + [f"trainer.default_local_dir={d / name}", *overrides]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(shared_ray):
+    yield
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ds_lora")
+    mg = run(d, "megatron", "trainer.total_training_steps=1")["history"]
+    ds = run(d, "deepspeed", *DS, "trainer.total_training_steps=2", "trainer.save_freq=1")["history"]
+    return d, mg, ds
+
+
+def test_deepspeed_lora_trains_like_megatron_lora_and_syncs_only_the_adapters(runs):
+    d, mg, ds = runs
+    assert [h["step"] for h in ds] == [1, 2]
+    a, b = mg[0], ds[0]
+    assert a["critic/score/mean"] == b["critic/score/mean"]  # the same samples (the engines start from the base)
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (k, b[k], a[k])
+    assert b["actor/grad_norm"] > 0
+    n = peft_elements()
+    for h in ds:
+        # the adapters only: in the optimizer, and through every sync (fp32: 4 bytes each; megatron's stream, in
+        # peft's layout, is as large), verified, into engines that compute what the DeepSpeed actor computes
+        assert h["actor/lora/adapter_params"] == h["actor/lora/optimizer_params"] == n
+        assert h["actor/lora/adapters"] == 7 * json.loads((Path(TINY_MODEL) / "config.json").read_text())["num_hidden_layers"]
+        assert h["actor/lora/frozen_with_grad"] == 0
+        assert h["sync/verified"] == 1.0 and h["sync/bytes"] == 4 * n == a["sync/bytes"]
+        assert abs(h["mismatch/mismatch_kl"]) < 1e-6, h["mismatch/mismatch_kl"]
+    placement = json.loads((d / "deepspeed" / "placement.json").read_text())
+    assert "ref" not in placement["groups"]  # the reference is the actor with its adapters off
+
+
+def test_export_is_the_merged_model_and_a_peft_adapter(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    d, _, _ = runs
+    out = d / "deepspeed" / "hf_export"
+    merged, base = load_file(str(out / "model.safetensors")), load_file(os.path.join(TINY_MODEL, "model.safetensors"))
+    adapter = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
+    cfg = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["peft_type"]) == (RANK, ALPHA, "LORA")
+    moved = 0
+    for k, w in base.items():
+        stem = "base_model.model." + k[: -len(".weight")]
+        if stem + ".lora_A.weight" in adapter:
+            A, B = adapter[stem + ".lora_A.weight"].double(), adapter[stem + ".lora_B.weight"].double()
+            want = w.double() + (ALPHA / RANK) * B @ A
+            moved += int(not torch.equal(merged[k], w))
+        else:
+            want = w.double()
+        assert torch.allclose(merged[k].double(), want, atol=1e-6), k
+    assert moved > 0  # the adapters trained
+    vocab = json.loads((Path(TINY_MODEL) / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32),
+                                   str(out / "lora_adapter")).eval()
+    mm = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = pm(ids).logits, mm(ids).logits  # float32 logits of tens: rounding of 1e-5 absolute
+        assert ((a - b).abs() / b.abs().clamp(min=1.0)).max() < 1e-5
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_exactly(runs, capfd):
+    d, _, ds = runs
+    ckpt = d / "deepspeed" / "global_step_1" / "actor"
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    base = os.path.getsize(os.path.join(TINY_MODEL, "model.safetensors"))
+    # the adapters and their two Adam moments (fp32), not the base: well under the base model's bytes
+    assert 3 * 4 * peft_elements() < size < base / 2, (size, base)
+    # a run that starts from step 1's checkpoint trains step 2 exactly as the uninterrupted run did
+    resumed = d / "resumed"
+    resumed.mkdir()
+    shutil.copytree(d / "deepspeed" / "global_step_1", resumed / "global_step_1")
+    (resumed / "latest_checkpointed_iteration.txt").write_text("1")
+    out = run(d, "resumed", *DS, "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.resume_mode=auto")
+    assert "resumed from" in capfd.readouterr().out  # step 1 came from the checkpoint, not from training it again
+    assert [h["step"] for h in out["history"]] == [1, 2]
+
+    def stable(h):
+        return {k: v for k, v in h.items() if not k.startswith(VOLATILE)}
+
+    assert stable(checkpoint_history(resumed)[-1]) == stable(checkpoint_history(d / "deepspeed")[-1])
+    f = "hf_export/lora_adapter/adapter_model.safetensors"
+    wa, wb = load_file(str(d / "deepspeed" / f)), load_file(str(resumed / f))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
