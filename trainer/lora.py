@@ -3,13 +3,13 @@
 :class:`LoRASettings`, and the load-time checks that refuse what is not built (docs/strategies.md#lora).
 
 LoRA is on when the rank is positive (verl's rule). What is built: adapters on the megatron actor's decoder
-linears (:mod:`megatron_bridge.lora`) or, with the same keys and init, on the deepspeed actor's HF projections
-through peft (:mod:`trainer.strategies.hf_lora`), only the adapters in the optimizer, the reference policy as the actor
+linears (:mod:`megatron_bridge.lora`) or, with the same keys and init, on the deepspeed and fsdp2 actors' HF
+projections through peft (:mod:`trainer.strategies.hf_lora`), only the adapters in the optimizer, the reference policy as the actor
 with its adapters off (no reference group), weight syncs of the adapters only (``lora.merge=false``, verl's
 default: :mod:`trainer.rollout.adapters`) or of merged weights ``W + (alpha / rank) B A`` (``merge=true``), the
 merged weights in the HF export (plus a peft adapter directory), checkpoints with the adapters and their optimizer
 state, and a peft adapter as the starting point (``adapter_path``). What is refused, each with its reason: LoRA on
-an FSDP actor or on the critic, adapter-only sync to an engine or placement that cannot take adapters
+a strategy of the user's own or on the critic, adapter-only sync to an engine or placement that cannot take adapters
 (SGLang, HTTP servers), other adapter types, ``post`` dropout, Megatron-Bridge's all-to-all adapter path,
 unfrozen base weights and the vision keys.
 
@@ -35,8 +35,9 @@ MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
             "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 DTYPES = ("float32", "bfloat16", "float16")
-# the actor strategies LoRA is built on: megatron (megatron_bridge.lora) and deepspeed (peft, trainer.strategies.hf_lora)
-BUILT_ON = ("megatron", "deepspeed")
+# the actor strategies LoRA is built on: megatron (megatron_bridge.lora); deepspeed and fsdp2 (verl's fsdp runs on it)
+# through peft (trainer.strategies.hf_lora)
+BUILT_ON = ("megatron", "deepspeed", "fsdp2", "fsdp")
 NEW, OLD = "actor_rollout_ref.model.lora", "actor_rollout_ref.model"
 
 
@@ -183,11 +184,12 @@ def lora_errors(cfg) -> list[str]:
     errs = []
     strategy = cfg.actor_rollout_ref.actor.strategy
     if strategy not in BUILT_ON:
-        errs.append(f"LoRA ({rank_key}={s.rank}) is not built yet on actor_rollout_ref.actor.strategy={strategy}; use "
-                    f"actor_rollout_ref.actor.strategy=megatron or deepspeed.")
-    if strategy == "deepspeed" and s.dtype is not None:
-        errs.append(f"{NEW}.dtype={s.dtype} with actor.strategy=deepspeed: peft's adapters take the base weights' "
-                    f"dtype there (DeepSpeed keeps fp32 master copies under bf16); set {NEW}.dtype=null.")
+        errs.append(f"LoRA ({rank_key}={s.rank}) is built on the megatron, deepspeed and fsdp / fsdp2 actors, not on "
+                    f"actor_rollout_ref.actor.strategy={strategy} (a strategy of your own gets no LoRA settings): use "
+                    f"one of those.")
+    if strategy in BUILT_ON and strategy != "megatron" and s.dtype is not None:
+        errs.append(f"{NEW}.dtype={s.dtype} with actor.strategy={strategy}: peft's adapters take the base weights' "
+                    f"dtype there (the strategy's mixed precision applies to them as to the base); set {NEW}.dtype=null.")
     if spelled == NEW:
         lc = m.lora
         if lc.type != "lora":

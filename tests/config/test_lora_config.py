@@ -65,12 +65,12 @@ def _problems(overrides) -> str:
 
 
 def test_what_is_not_built_is_refused_with_the_reason_in_one_load():
-    msg = _problems([f"{L}.rank=8", "actor_rollout_ref.actor.strategy=fsdp2", f"{L}.type=dora", f"{L}.dropout=0.1",
+    msg = _problems([f"{L}.rank=8", "actor_rollout_ref.actor.strategy=tests.strategies.test_strategy_plugin:UnigramStrategy", f"{L}.type=dora", f"{L}.dropout=0.1",
                      f"{L}.dropout_position=post", f"{L}.target_modules=[q_proj]", f"{L}.freeze_language_model=false",
                      f"{L}.a2a_experimental=true", f"{L}.dtype=int8", "actor_rollout_ref.rollout.name=sglang",
                      "actor_rollout_ref.rollout.mode=async"])
     assert "9 problems" in msg, msg
-    for want in ("not built yet on actor_rollout_ref.actor.strategy=fsdp2; use actor_rollout_ref.actor.strategy=megatron or deepspeed",
+    for want in ("not on actor_rollout_ref.actor.strategy=tests.strategies.test_strategy_plugin:UnigramStrategy (a strategy of your own gets no LoRA",
                  # verl's default merge=false moves the adapters only: an engine that cannot take them is named
                  f"{L}.merge=false syncs only the LoRA adapters, which the engine 'sglang' does not take",
                  "the HTTP engine servers of actor_rollout_ref.rollout.mode=async do not take yet",
@@ -86,10 +86,10 @@ def test_what_is_not_built_is_refused_with_the_reason_in_one_load():
     (ON + ["actor_rollout_ref.model.lora_rank=4"], "use one spelling"),
     (["critic.model.lora.rank=8"], "LoRA on the critic is not built"),
     (["critic.model.lora_rank=8"], "LoRA on the critic is not built"),
-    (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.actor.strategy=fsdp"],
-     "LoRA (actor_rollout_ref.model.lora_rank=4) is not built yet on actor_rollout_ref.actor.strategy=fsdp"),
     (ON + ["actor_rollout_ref.actor.strategy=deepspeed", f"{L}.dtype=float32"],
      "peft's adapters take the base weights' dtype there"),
+    (ON + ["actor_rollout_ref.actor.strategy=fsdp", f"{L}.dtype=bfloat16"],
+     "with actor.strategy=fsdp: peft's adapters take the base weights' dtype there"),
     (ON + [f"{L}.adapter_path=/nonexistent"], "is not a peft adapter directory"),
     ([f"{L}.rank=-1"], "actor_rollout_ref.model.lora.rank"),
 ])

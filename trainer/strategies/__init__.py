@@ -28,7 +28,7 @@ holds one :class:`Strategy`, which does the rest:
 The built-in strategies: ``megatron`` (megatron-core through ``megatron_bridge``), ``deepspeed`` (ZeRO on the HF
 model) and ``fsdp2`` (PyTorch FSDP2 on the HF model, with Ulysses sequence parallelism from ``ulysses``; verl's
 ``fsdp`` name runs on it too). ``hf_model`` holds what the two HF-model strategies share (loading, the per-token
-outputs, the export); ``hf_lora`` LoRA on an HF model through peft (the deepspeed actor's), with the megatron
+outputs, the export); ``hf_lora`` LoRA on an HF model through peft (the deepspeed and fsdp2 actors'), with the megatron
 actor's keys and init.
 
 The registry is a plain dict from a strategy's name (``*.strategy`` in the config) to

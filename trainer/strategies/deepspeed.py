@@ -40,22 +40,17 @@ to CPU (ZeRO-Offload) is passed to DeepSpeed on CUDA and refused on CPU, where n
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from megatron_bridge.train import OptimConfig, make_scheduler
-from trainer.fsutil import staged_dir
 from trainer.lora import LoRASettings
 from trainer.strategies import DTYPES, Strategy
-from trainer.strategies.hf_lora import PREFIX, PeftLoRA, is_adapter_name
+from trainer.strategies.hf_lora import ADAPTER_DIR, PeftLoRA, is_adapter_name
 from trainer.strategies.hf_model import align, load_hf_model, next_token_outputs, param_groups, write_hf_dir
-
-ADAPTER_DIR = "lora_adapter"  # the peft adapter beside the merged HF export (as the megatron actor's)
 
 
 def ds_config(*, zero_stage: int, dtype: str, clip_grad: float, offload_params: bool = False,
@@ -228,6 +223,11 @@ class DeepSpeedStrategy(Strategy):
         else:
             yield
 
+    def _read(self, params) -> list[torch.Tensor]:
+        """Whole copies of ``params`` (ZeRO-3 gathers them: collective)."""
+        with self._gathered(params):
+            return [p.detach().clone() for p in params]
+
     @property
     def adapter_sync(self) -> bool:
         """A weight sync moves the LoRA adapters only (``lora.merge=false``), not merged weights."""
@@ -243,9 +243,9 @@ class DeepSpeedStrategy(Strategy):
         m = self.module()
         if self.lora is not None:
             if self.adapter_sync:
-                yield from self.lora.adapters(m, self._gathered)
+                yield from self.lora.adapters(m, self._read)
             else:
-                yield from self.lora.weights(m, self._gathered, merged=True, skip=self._tied())
+                yield from self.lora.weights(m, self._read, merged=True, skip=self._tied())
             return
         tied = bool(getattr(m.config, "tie_word_embeddings", False))
         for name, p in m.named_parameters():
@@ -258,7 +258,7 @@ class DeepSpeedStrategy(Strategy):
     def base_params(self):
         """``(hf_name, full tensor)`` of the base weights (the adapters off), collective: what an adapter-only
         sync's engines merge over (their one-time check)."""
-        yield from self.lora.weights(self.module(), self._gathered, merged=False, skip=self._tied())
+        yield from self.lora.weights(self.module(), self._read, merged=False, skip=self._tied())
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
@@ -305,26 +305,18 @@ class DeepSpeedStrategy(Strategy):
         ``PeftModel.from_pretrained(<base model>, ...)`` loads."""
         writer = self.rank == 0
         m = self.module()
-        merged = (self.lora.weights(m, self._gathered, merged=True, skip=self._tied()) if self.lora is not None
+        merged = (self.lora.weights(m, self._read, merged=True, skip=self._tied()) if self.lora is not None
                   else self.hf_params())
         state = {}
         for n, t in merged:  # collective under ZeRO-3; only the writer keeps the tensors
             if writer:
                 state[n] = t.cpu().contiguous()
-        adapters = {n: t.cpu().contiguous() for n, t in self.lora.adapters(m, self._gathered)} if self.lora else {}
+        adapters = {n: t.cpu().contiguous() for n, t in self.lora.adapters(m, self._read)} if self.lora else {}
         if writer:
             config = m.get_base_model().config if self.lora is not None else m.config
             write_hf_dir(state, config, out_dir, source_dir)
             if self.lora is not None:
-                self._write_adapter(os.path.join(out_dir, ADAPTER_DIR), adapters, source_dir)
+                self.lora.write_adapter_dir(os.path.join(out_dir, ADAPTER_DIR), adapters, source_dir)
         if dist.is_initialized():
             dist.barrier()
         return out_dir if writer else None
-
-    def _write_adapter(self, out_dir: str, adapters: dict, source_dir: str | None) -> None:
-        with staged_dir(out_dir) as tmp:
-            save_file({PREFIX + n: t for n, t in adapters.items()}, os.path.join(tmp, "adapter_model.safetensors"),
-                      metadata={"format": "pt"})
-            cfg = self.lora.adapter_config(os.path.abspath(source_dir) if source_dir else None)
-            with open(os.path.join(tmp, "adapter_config.json"), "w", encoding="utf-8") as f:
-                json.dump(cfg, f, indent=2, sort_keys=True)

@@ -38,6 +38,11 @@ strategy here takes the same step) and megatron's LR schedule object, so FSDP2, 
 follow the same schedule. The global gradient norm is clipped (``optim.clip_grad``); a non-finite norm
 skips the step, as verl does.
 
+LoRA (``actor_rollout_ref.model.lora.*``, the actor): peft adapters on the HF projections
+(:mod:`trainer.strategies.hf_lora`), added to the whole loaded model before ``fully_shard``, so the optimizer holds
+only the adapters; the reference policy is the actor with its adapters off; syncs move the adapters or merged weights
+(no reshard blocks); checkpoints hold the adapters' shards and their Adam state; the export adds a peft adapter.
+
 Weights: ``hf_params`` all-gathers one parameter at a time (``DTensor.full_tensor``), so a weight sync or
 an export holds one full tensor (or one bucket) beyond the shards, never the whole model. On one node with a
 CPU actor, ``reshard_blocks`` lets each rank write its own dim-0 shard (a row block of each HF tensor) straight
@@ -74,7 +79,9 @@ from megatron_bridge.reshard import Block
 from megatron_bridge.train import OptimConfig, make_scheduler
 from trainer.hf_io import SafetensorsDir
 from trainer.rewards.reward_model import check_score_head
+from trainer.lora import LoRASettings
 from trainer.strategies import DTYPES, Strategy
+from trainer.strategies.hf_lora import ADAPTER_DIR, PeftLoRA, is_adapter_name
 from trainer.strategies.hf_model import (align, critic_head_init, load_hf_model, model_class, next_token_outputs,
                                          param_groups, role_config, write_hf_dir)
 from trainer.strategies.ulysses import ATTN_NAME, SeqContext, attention_mask, gather_seq, set_seq_context
@@ -153,7 +160,7 @@ class FSDP2Strategy(Strategy):
                  offload_policy: bool = False, param_offload: bool = False, optimizer_offload: bool = False,
                  forward_prefetch: bool = False, gradient_checkpointing: bool = False, packed: bool = True,
                  seed: int = 42, wrap_classes=None, entropy_checkpointing: bool = False, entropy_chunking: bool = False,
-                 full_determinism: bool = False, hf_overrides: dict | None = None):
+                 full_determinism: bool = False, hf_overrides: dict | None = None, lora: dict | None = None):
         use_cuda = torch.cuda.is_available()
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
@@ -188,7 +195,10 @@ class FSDP2Strategy(Strategy):
                                               mesh_dim_names=("ddp", "fsdp"))
 
         dtype = precision(model_dtype, "fsdp_config.model_dtype")
-        model, sources = self._empty_model(role, model_path, dtype, hf_overrides)
+        # LoRA (trainer.lora.LoRASettings as a dict) through peft, at the megatron actor's init for the same seed;
+        # the model is then loaded whole (peft adds its adapters to a loaded model) and wrapped before sharding
+        self.lora = PeftLoRA(LoRASettings(**lora), model_path, hf_overrides) if lora else None
+        model, sources = self._empty_model(role, model_path, dtype, hf_overrides) if self.lora is None else (None, None)
         self.read_rows = sources is not None  # each rank read only its own rows of the checkpoint
         if sources is None:  # names or shapes that do not map 1:1 onto the checkpoint: transformers loads it whole
             model = load_hf_model(role, model_path, dtype, hf_overrides, attn_implementation=ATTN_NAME).to(self.device)
@@ -197,6 +207,8 @@ class FSDP2Strategy(Strategy):
                              f"{model.config.num_attention_heads} attention heads")
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            model = self.lora.apply(model, seed=seed)
         # a forward-only reference keeps its shards in host memory (verl's choice for the reference)
         self.host_shards = bool(offload_policy or optim is None) and use_cuda
         kw = dict(mesh=self.fsdp_mesh, reshard_after_forward=bool(reshard_after_forward),
@@ -236,7 +248,9 @@ class FSDP2Strategy(Strategy):
             self.optim = OptimConfig(**optim)
             if self.optim.optimizer != "adam":
                 raise ValueError(f"strategy=fsdp2: optim.optimizer={self.optim.optimizer!r}; FSDP trains with AdamW here")
-            self.optimizer = torch.optim.AdamW(param_groups(model, self.optim.weight_decay), lr=self.optim.lr,
+            groups = param_groups(model, self.optim.weight_decay)  # the trainable parameters (LoRA: the adapters)
+            self._optimizer_params = sum(p.numel() for g in groups for p in g["params"])
+            self.optimizer = torch.optim.AdamW(groups, lr=self.optim.lr,
                                                betas=(self.optim.adam_beta1, self.optim.adam_beta2),
                                                eps=self.optim.adam_eps)
             self.scheduler = make_scheduler(self.optimizer, self.optim)
@@ -358,11 +372,43 @@ class FSDP2Strategy(Strategy):
             skipped = 1.0
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step(increment=1)
-        return {"loss": total, "grad_norm": gn, "lr": lr, "skipped": skipped}
+        out = {"loss": total, "grad_norm": gn, "lr": lr, "skipped": skipped}
+        if self.lora is not None:
+            out.update({f"lora/{k}": v for k, v in PeftLoRA.report(self.model, self._optimizer_params).items()})
+        return out
+
+    def reference_policy(self):
+        """With LoRA the actor with its adapters off is the reference policy (verl's LoRA reference)."""
+        if self.lora is None:
+            return super().reference_policy()
+        return PeftLoRA.reference(self.model)
 
     # ------------------------------------------------------------------ weights
+    def _read(self, params) -> list[torch.Tensor]:
+        """Whole tensors of ``params`` (all-gathered: collective)."""
+        return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().to(self.device) for p in params]
+
+    def _tied(self) -> tuple:
+        return ("lm_head.weight",) if getattr(self.model.config, "tie_word_embeddings", False) else ()
+
+    @property
+    def adapter_sync(self) -> bool:
+        """A weight sync moves the LoRA adapters only (``lora.merge=false``), not merged weights."""
+        return self.lora is not None and not self.lora.s.merge
+
+    def base_params(self):
+        """The base weights (the adapters off) by HF name, collective: the engines' one-time base check."""
+        yield from self.lora.weights(self.model, self._read, merged=False, skip=self._tied())
+
     def hf_params(self):
-        """HF names and full tensors, all-gathered one parameter at a time (collective: every rank)."""
+        """HF names and full tensors, all-gathered one parameter at a time (collective: every rank). With LoRA:
+        the adapters in peft's layout (``lora.merge=false``) or the merged weights ``W + (alpha / r) B A``."""
+        if self.lora is not None:
+            if self.adapter_sync:
+                yield from self.lora.adapters(self.model, self._read)
+            else:
+                yield from self.lora.weights(self.model, self._read, merged=True, skip=self._tied())
+            return
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         for name, p in self.model.named_parameters():
             if tied and name == "lm_head.weight":
@@ -375,6 +421,8 @@ class FSDP2Strategy(Strategy):
         rows over the ``S`` ranks of the shard dimension; the last ones may be short or empty), and a shard is a
         contiguous row block of the HF tensor, written by the shard-group's replica 0 only (hybrid sharding keeps
         identical copies on the other replicas)."""
+        if self.lora is not None:  # a LoRA sync streams adapters or merged weights, computed at each sync
+            return None
         coords = self.fsdp_mesh.get_coordinate()
         if coords is None or any(c != 0 for c in coords[:-1]):
             return []
@@ -408,7 +456,9 @@ class FSDP2Strategy(Strategy):
     def save(self, ckpt_dir: str, extra: dict | None = None) -> str:
         os.makedirs(ckpt_dir, exist_ok=True)
         f = self._files(ckpt_dir)
-        torch.save({n: p.to_local().detach().cpu().clone() for n, p in self.model.named_parameters()}, f["model"])
+        # with LoRA the adapters only: the frozen base is model.path's, loaded at start
+        torch.save({n: p.to_local().detach().cpu().clone() for n, p in self.model.named_parameters()
+                    if self.lora is None or is_adapter_name(n)}, f["model"])
         if self.optimizer is not None:
             sd = self.optimizer.state_dict()
             sd["state"] = {i: {k: (v.to_local() if isinstance(v, DTensor) else v).detach().cpu().clone()
@@ -428,6 +478,8 @@ class FSDP2Strategy(Strategy):
         state = torch.load(f["model"], map_location="cpu", weights_only=True)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
+                if self.lora is not None and not is_adapter_name(n):
+                    continue  # the frozen base, as loaded from model.path
                 local = p.to_local() if isinstance(p, DTensor) else p
                 if n not in state or state[n].shape != local.shape:
                     raise ValueError(f"{f['model']}: parameter {n} is missing or has another shape; the checkpoint "
@@ -453,11 +505,16 @@ class FSDP2Strategy(Strategy):
         """A HF directory written by rank 0 (every rank takes part in the gathers)."""
         writer = self.rank == 0
         state = {}
-        for n, t in self.hf_params():
+        weights = (self.lora.weights(self.model, self._read, merged=True, skip=self._tied()) if self.lora is not None
+                   else self.hf_params())
+        for n, t in weights:
             if writer:
                 state[n] = t.cpu().contiguous()
+        adapters = dict(self.lora.adapters(self.model, self._read)) if self.lora is not None else {}
         if writer:
             write_hf_dir(state, self.model.config, out_dir, source_dir)
+            if self.lora is not None:
+                self.lora.write_adapter_dir(os.path.join(out_dir, ADAPTER_DIR), adapters, source_dir)
         dist.barrier()
         return out_dir if writer else None
 

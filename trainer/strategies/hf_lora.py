@@ -1,4 +1,4 @@
-"""LoRA on a Hugging Face model through ``peft``, for the HF-model strategies (DeepSpeed here).
+"""LoRA on a Hugging Face model through ``peft``, for the HF-model strategies (DeepSpeed and FSDP2).
 
 Math (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685): each adapted
 linear ``h = W x`` becomes ``h = W x + (alpha / r) B A dropout(x)``, ``A [r, in]``, ``B [out, r]``, ``W`` frozen.
@@ -27,21 +27,25 @@ adapter directory of the export.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Callable, Iterator
 
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_bridge.convert import hf_names_for
 from megatron_bridge.hf_config import read_hf_config
-from megatron_bridge.lora import (PEFT_WEIGHTS, adaptable_modules, full_factors, is_target, lora_state_to_peft,
+from megatron_bridge.lora import (PEFT_CONFIG, PEFT_WEIGHTS, adaptable_modules, full_factors, is_target, lora_state_to_peft,
                                   merged_weight, peft_adapter_config, peft_target_modules)
+from trainer.fsutil import staged_dir
 from trainer.lora import LoRASettings
 
 PREFIX = "base_model.model."  # peft's PeftModelForCausalLM wraps the HF model twice
 ADAPTER = "default"  # peft's adapter name
+ADAPTER_DIR = "lora_adapter"  # the peft adapter beside the merged HF export (as the megatron actor's)
 
 
 def hf_name(peft_name: str) -> str:
@@ -57,7 +61,8 @@ def is_adapter_name(name: str) -> bool:
 
 class PeftLoRA:
     """The adapters of one HF model: :meth:`apply` wraps it in peft with the megatron actor's init; the rest reads
-    the wrapped model (``gather(params)``: a context that makes the parameters whole, e.g. ZeRO-3's gather)."""
+    the wrapped model through the strategy's ``read(params)``: whole, detached tensors of those parameters (ZeRO-3's
+    gather, FSDP2's ``full_tensor``; collective where the strategy shards)."""
 
     def __init__(self, settings: LoRASettings, model_path: str, hf_overrides: dict | None = None):
         self.s = settings
@@ -139,13 +144,12 @@ class PeftLoRA:
             if isinstance(m, LoraLayer) and ADAPTER in m.lora_A:
                 yield hf_name(n) + ".weight", m
 
-    def adapters(self, peft_model, gather: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+    def adapters(self, peft_model, read: Callable) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapters in name order, whole (an adapter-only sync's stream)."""
-        for name, p in sorted(self.adapter_params(peft_model)):
-            with gather([p]):
-                yield name, p.detach().clone()
+        for name, p in sorted(self.adapter_params(peft_model), key=lambda x: x[0]):
+            yield name, read([p])[0]
 
-    def weights(self, peft_model, gather: Callable, *, merged: bool, skip=()) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, peft_model, read: Callable, *, merged: bool, skip=()) -> Iterator[tuple[str, torch.Tensor]]:
         """The HF model's weights by HF name, whole: merged ``W + (alpha / r) B A`` where adapted (``merged``), or the
         base weights (the adapters off). ``skip``: HF names left out (a tied output head)."""
         lora = dict(self.lora_layers(peft_model))
@@ -157,18 +161,26 @@ class PeftLoRA:
                 continue
             layer = lora.get(name) if merged else None
             if layer is None:
-                with gather([p]):
-                    yield name, p.detach().clone()
+                yield name, read([p])[0]
                 continue
-            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-            with gather([p, a, b]):
-                yield name, merged_weight(p.detach(), a.detach(), b.detach(), layer.scaling[ADAPTER])
+            w, a, b = read([p, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight])
+            yield name, merged_weight(w, a, b, layer.scaling[ADAPTER])
 
     def adapter_config(self, base_model_name_or_path: str | None) -> dict:
         """``adapter_config.json`` of the export (peft's LoraConfig for these adapters)."""
         canonical = [n + ".lora_A.weight" for n in self.canonical]
         return peft_adapter_config(canonical, self.hf, rank=self.s.rank, alpha=self.s.alpha, dropout=self.s.dropout,
                                    base_model_name_or_path=base_model_name_or_path)
+
+    def write_adapter_dir(self, out_dir: str, adapters: dict[str, torch.Tensor], source_dir: str | None) -> None:
+        """The peft adapter directory of the export (``adapter_model.safetensors`` with peft's prefix, and
+        ``adapter_config.json``), written into a temporary directory renamed into place."""
+        with staged_dir(out_dir) as tmp:
+            save_file({PREFIX + n: t.cpu().contiguous() for n, t in adapters.items()}, os.path.join(tmp, PEFT_WEIGHTS),
+                      metadata={"format": "pt"})
+            with open(os.path.join(tmp, PEFT_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(self.adapter_config(os.path.abspath(source_dir) if source_dir else None), f, indent=2,
+                          sort_keys=True)
 
     @staticmethod
     def report(peft_model, optimizer_params: int) -> dict[str, float]:

@@ -1,14 +1,15 @@
-"""LoRA on the DeepSpeed actor (peft, trainer/strategies/hf_lora.py) in the training loop, on a real local Ray
-cluster with two ranks, against LoRA on the megatron actor with the same keys and seed:
+"""LoRA on the HF-model actors (peft, trainer/strategies/hf_lora.py: DeepSpeed ZeRO-2, and FSDP2 with Ulysses SP=2
+on packed rows) in the training loop, on a real local Ray cluster with two ranks, against LoRA on the megatron actor
+with the same keys and seed:
 
 * the same start: the two draw the same adapters (the megatron init split into peft's parts), so one GRPO step
   with a KL loss (the reference is each actor with its adapters off: no reference group) gives the same losses, KL,
   entropy and gradient norm; every sync moves only the adapters (the same bytes from both), verified, and the
   engines compute what the DeepSpeed actor computes;
 * only the adapters train (the optimizer holds exactly their elements, counted here from config.json);
-* the export: the merged HF weights are ``W + (alpha / r) B A`` of the exported peft adapter, computed here from the
-  files, and ``PeftModel.from_pretrained`` on that adapter gives the merged model's logits;
-* a checkpoint holds the adapters and their Adam state, not the base, and a run resumed from step 1's checkpoint
+* the export (each strategy's): the merged HF weights are ``W + (alpha / r) B A`` of the exported peft adapter,
+  computed here from the files, and ``PeftModel.from_pretrained`` on that adapter gives the merged model's logits;
+* (DeepSpeed) a checkpoint holds the adapters and their Adam state, not the base, and a run resumed from step 1's checkpoint
   gives the uninterrupted run's step 2 and adapters bit for bit.
 """
 
@@ -32,6 +33,8 @@ BASE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
         f"actor_rollout_ref.model.lora.rank={RANK}", f"actor_rollout_ref.model.lora.alpha={ALPHA}",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-3"]
 DS = ["actor_rollout_ref.actor.strategy=deepspeed", "actor_rollout_ref.actor.deepspeed_config.zero_stage=2"]
+FSDP = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.dtype=fp32",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true"]
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
 
 
@@ -63,19 +66,22 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ds_lora")
     mg = run(d, "megatron", "trainer.total_training_steps=1")["history"]
     ds = run(d, "deepspeed", *DS, "trainer.total_training_steps=2", "trainer.save_freq=1")["history"]
-    return d, mg, ds
+    fs = run(d, "fsdp2", *FSDP, "trainer.total_training_steps=1")["history"]
+    return d, mg, {"deepspeed": ds, "fsdp2": fs}
 
 
-def test_deepspeed_lora_trains_like_megatron_lora_and_syncs_only_the_adapters(runs):
-    d, mg, ds = runs
-    assert [h["step"] for h in ds] == [1, 2]
-    a, b = mg[0], ds[0]
+@pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
+def test_peft_lora_trains_like_megatron_lora_and_syncs_only_the_adapters(runs, strategy):
+    d, mg, hists = runs
+    hist = hists[strategy]
+    assert [h["step"] for h in hist] == ([1, 2] if strategy == "deepspeed" else [1])
+    a, b = mg[0], hist[0]
     assert a["critic/score/mean"] == b["critic/score/mean"]  # the same samples (the engines start from the base)
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
         assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (k, b[k], a[k])
     assert b["actor/grad_norm"] > 0
     n = peft_elements()
-    for h in ds:
+    for h in hist:
         # the adapters only: in the optimizer, and through every sync (fp32: 4 bytes each; megatron's stream, in
         # peft's layout, is as large), verified, into engines that compute what the DeepSpeed actor computes
         assert h["actor/lora/adapter_params"] == h["actor/lora/optimizer_params"] == n
@@ -83,16 +89,17 @@ def test_deepspeed_lora_trains_like_megatron_lora_and_syncs_only_the_adapters(ru
         assert h["actor/lora/frozen_with_grad"] == 0
         assert h["sync/verified"] == 1.0 and h["sync/bytes"] == 4 * n == a["sync/bytes"]
         assert abs(h["mismatch/mismatch_kl"]) < 1e-6, h["mismatch/mismatch_kl"]
-    placement = json.loads((d / "deepspeed" / "placement.json").read_text())
+    placement = json.loads((d / strategy / "placement.json").read_text())
     assert "ref" not in placement["groups"]  # the reference is the actor with its adapters off
 
 
-def test_export_is_the_merged_model_and_a_peft_adapter(runs):
+@pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
+def test_export_is_the_merged_model_and_a_peft_adapter(runs, strategy):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     d, _, _ = runs
-    out = d / "deepspeed" / "hf_export"
+    out = d / strategy / "hf_export"
     merged, base = load_file(str(out / "model.safetensors")), load_file(os.path.join(TINY_MODEL, "model.safetensors"))
     adapter = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
     cfg = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
