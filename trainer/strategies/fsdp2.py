@@ -245,16 +245,18 @@ class FSDP2Strategy(Strategy):
         self._resident = {"params": True, "optimizer": True}
         self.optimizer = self.scheduler = None
         if optim is not None:
-            self.optim = OptimConfig(**optim)
-            if self.optim.optimizer != "adam":
-                raise ValueError(f"strategy=fsdp2: optim.optimizer={self.optim.optimizer!r}; FSDP trains with AdamW here")
-            groups = param_groups(model, self.optim.weight_decay)  # the trainable parameters (LoRA: the adapters)
-            self._optimizer_params = sum(p.numel() for g in groups for p in g["params"])
-            self.optimizer = torch.optim.AdamW(groups, lr=self.optim.lr,
-                                               betas=(self.optim.adam_beta1, self.optim.adam_beta2),
-                                               eps=self.optim.adam_eps)
-            self.scheduler = make_scheduler(self.optimizer, self.optim)
+            self._make_optimizer(model, optim)
         self.offload_state()
+
+    def _make_optimizer(self, model, optim: dict) -> None:
+        self.optim = OptimConfig(**optim)
+        if self.optim.optimizer != "adam":
+            raise ValueError(f"strategy=fsdp2: optim.optimizer={self.optim.optimizer!r}; FSDP trains with AdamW here")
+        groups = param_groups(model, self.optim.weight_decay)  # the trainable parameters (LoRA: the adapters)
+        self._optimizer_params = sum(p.numel() for g in groups for p in g["params"])
+        self.optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=(self.optim.adam_beta1, self.optim.adam_beta2),
+                                           eps=self.optim.adam_eps)
+        self.scheduler = make_scheduler(self.optimizer, self.optim)
 
     # ------------------------------------------------------------------ building: every rank reads its own rows
     def _empty_model(self, role: str, path: str, dtype: torch.dtype, overrides):
