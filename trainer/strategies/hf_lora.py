@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 
 from megatron_bridge.convert import hf_names_for
 from megatron_bridge.hf_config import read_hf_config
-from megatron_bridge.lora import (PEFT_CONFIG, PEFT_WEIGHTS, adaptable_modules, full_factors, is_target, lora_state_to_peft,
-                                  merged_weight, peft_adapter_config, peft_target_modules)
+from megatron_bridge.lora import (PEFT_CONFIG, PEFT_WEIGHTS, adaptable_modules, full_factors, is_target,
+                                  lora_state_to_peft, merged_weight, peft_adapter_config, peft_target_modules)
 from trainer.fsutil import staged_dir
 from trainer.lora import LoRASettings
 
