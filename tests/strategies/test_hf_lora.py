@@ -148,3 +148,36 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(runs, capfd):
     f = "hf_export/lora_adapter/adapter_model.safetensors"
     wa, wb = load_file(str(d / "deepspeed" / f)), load_file(str(resumed / f))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+MISSING_ADAPTER_PROBE = """
+import sys
+from trainer.lora import LoRASettings
+from trainer.strategies.deepspeed import DeepSpeedStrategy
+def strategy(targets, port):
+    s = LoRASettings(rank=4, alpha=8, target_modules=targets)
+    return DeepSpeedStrategy(role="actor", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                             model_path=sys.argv[1], zero_stage=2, optim=dict(lr=1e-3), lora=s.as_dict())
+strategy(("linear_qkv",), int(sys.argv[3])).save(sys.argv[2])
+try:
+    strategy(("linear_qkv", "linear_fc2"), int(sys.argv[3])).load(sys.argv[2])
+except KeyError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_checkpoint_without_an_adapter_is_refused_before_it_loads(tmp_path):
+    """A LoRA checkpoint is loaded non-strictly (it holds no base weights): one saved with fewer target_modules must
+    be refused by name, not leave the missing adapters at their init (DeepSpeed, one rank, in a child process)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", MISSING_ADAPTER_PROBE, TINY_MODEL, str(tmp_path / "ckpt"), str(port)],
+                       cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "refused:" in p.stdout and "the LoRA checkpoint has no" in p.stdout and "down_proj.lora_A" in p.stdout, p.stdout

@@ -277,14 +277,14 @@ class DeepSpeedStrategy(Strategy):
         if not os.path.isdir(os.path.join(ckpt_dir, "deepspeed")):
             raise FileNotFoundError(f"{ckpt_dir} holds no DeepSpeed checkpoint (expected {ckpt_dir}/deepspeed): it "
                                     f"was saved by another strategy; resume with the strategy that saved it")
-        # a LoRA checkpoint holds no base weights (they stay as loaded from model.path): not strict, and the
-        # adapters are checked to be there below
+        # a LoRA checkpoint holds no base weights (they stay as loaded from model.path): not strict, so the
+        # adapters are checked to be there first
+        if self.lora is not None:
+            self._check_adapters_in(ckpt_dir)
         _, client = self.ds_engine.load_checkpoint(ckpt_dir, tag="deepspeed",
                                                    load_optimizer_states="optimizer" in contents,
                                                    load_lr_scheduler_states=False,
                                                    load_module_strict=self.lora is None)
-        if self.lora is not None:
-            self._check_adapters_in(ckpt_dir)
         if "extra" in contents and client and "scheduler" in client:
             self.scheduler.load_state_dict(client["scheduler"])
         return client or {}
@@ -293,7 +293,7 @@ class DeepSpeedStrategy(Strategy):
         """Every adapter of the model is in the checkpoint's module state (a non-strict load would leave a missing
         one at its init without a word)."""
         path = os.path.join(ckpt_dir, "deepspeed", "mp_rank_00_model_states.pt")
-        saved = set(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        saved = set(torch.load(path, map_location="cpu", weights_only=True)["module"])  # names only; data globals
         lacking = [n for n, _ in self.module().named_parameters() if is_adapter_name(n) and n not in saved]
         if lacking:
             raise KeyError(f"{ckpt_dir}: the LoRA checkpoint has no {lacking[:3]} ({len(lacking)} adapters): it was "
