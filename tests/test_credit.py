@@ -213,27 +213,6 @@ def _ray(shared_ray):
 
 
 @pytest.mark.slow
-def test_three_step_adca_run_with_the_local_judge_server(tmp_path):
-    from trainer.main import train
-
-    log_dir = tmp_path / "judge_log"
-    cfg = tiny_config(BASE + [f"trainer.default_local_dir={tmp_path / 'run'}",
-                              "attribution_driven_credit_assignment.evaluation_type=local",
-                              "attribution_driven_credit_assignment.max_fallback_fraction=1",  # the tiny judge rambles
-                              f"attribution_driven_credit_assignment.llm_evaluation_log_dir={log_dir}"])
-    hist = train(cfg)["history"]
-    assert [h["step"] for h in hist] == [1, 2, 3]
-    for h in hist:
-        # every one of the 16 responses was put to the judge (skip_type=none), each once or twice
-        assert h["adca/judge_trajectories"] == 16 and 16 <= h["adca/judge_calls"] <= 32
-        assert 0.0 <= h["adca/judge_fallback_fraction"] <= 1.0 and math.isfinite(h["actor/pg_loss"])
-    # every request and response is in the JSONL log, with the local server's answers
-    recs = [json.loads(line) for f in os.listdir(log_dir) for line in open(log_dir / f)]
-    assert sum(r.get("event") == "parsed" for r in recs) == sum(h["adca/judge_calls"] for h in hist)
-    assert (Path(cfg.trainer.default_local_dir) / "judge_server.log").exists()
-
-
-@pytest.mark.slow
 def test_three_step_adca_run_with_an_api_judge(tmp_path, monkeypatch):
     """evaluation_type=api against an OpenAI-compatible endpoint with a key from the environment."""
     from trainer.main import train
@@ -325,16 +304,26 @@ def test_multi_turn_adca_run_on_hanoi_with_an_api_judge(tmp_path):
 
 @pytest.mark.slow
 def test_multi_turn_adca_run_on_the_calculator_with_the_local_judge(tmp_path):
-    """The calculator-tool environment with the local trainer.serve judge (the agent model itself):
-    the whole path runs; whatever the tiny judge answers, each trajectory gets flags or falls back."""
+    """The calculator-tool environment with the local trainer.serve judge (the agent model itself), 3 steps:
+    the whole path runs; whatever the tiny judge answers, each trajectory gets flags or falls back, and every
+    request and answer is in the judge's JSONL log. (The single-turn run with the local judge that was its own
+    test repeated this one's judge path: the suite's time.)"""
     from trainer.main import train
 
+    log_dir = tmp_path / "judge_log"
     cfg = tiny_config(MT + [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.test_freq=-1",
                             "data.max_prompt_length=640", "actor_rollout_ref.rollout.multi_turn.environment=calculator",
                             "attribution_driven_credit_assignment.evaluation_type=local",
-                            "attribution_driven_credit_assignment.max_fallback_fraction=1"])
+                            "attribution_driven_credit_assignment.max_fallback_fraction=1",  # the tiny judge rambles
+                            f"attribution_driven_credit_assignment.llm_evaluation_log_dir={log_dir}"])
     hist = train(cfg)["history"]
+    assert [h["step"] for h in hist] == [1, 2, 3]
     for h in hist:
-        assert h["adca/judge_trajectories"] == 16
+        # every one of the 16 responses was put to the judge (skip_type=none), each once or twice
+        assert h["adca/judge_trajectories"] == 16 and 16 <= h["adca/judge_calls"] <= 32
         assert h["adca/judge_fallbacks"] + round(h["adca/prm_fraction"] * 16) == 16
-        assert math.isfinite(h["actor/pg_loss"])
+        assert 0.0 <= h["adca/judge_fallback_fraction"] <= 1.0 and math.isfinite(h["actor/pg_loss"])
+    # every request and response is in the JSONL log, with the local server's answers
+    recs = [json.loads(line) for f in os.listdir(log_dir) for line in open(log_dir / f)]
+    assert sum(r.get("event") == "parsed" for r in recs) == sum(h["adca/judge_calls"] for h in hist)
+    assert (Path(cfg.trainer.default_local_dir) / "judge_server.log").exists()
