@@ -21,6 +21,10 @@ from trainer.rollout import sglang_cpu
 
 ROOT = str(sglang_cpu.REPO_ROOT)
 INTERMEDIATE = 264
+# 8 prompts x 4 samples a step, a quarter of the recipe's 16 x 8 (a training run's batch) for SGLang's CPU decode
+# and the trainer: nothing asserted here needs more samples (the split run's model solves about 15% of its tasks,
+# so some group has a reward spread, and a gradient, every step)
+SMALL = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
 
 
 def unaligned_model(path: str) -> str:
@@ -69,7 +73,7 @@ def test_tiny_grpo_with_sglang_rollout_trains_split(tmp_path):
                         "trainer.save_freq=-1", "trainer.logger=[console,mlflow]",
                         "trainer.experiment_name=tiny_grpo_sglang", f"trainer.default_local_dir={tmp_path}/run",
                         f"trainer.placement={placement}", "trainer.val_before_train=false",
-                        "actor_rollout_ref.rollout.weight_sync=distributed_group"],
+                        "actor_rollout_ref.rollout.weight_sync=distributed_group", *SMALL],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "Multi-thread loading shards" in p.stderr + p.stdout  # SGLang's own model loader ran in the rollout workers
@@ -129,7 +133,7 @@ def test_routing_replay_through_sglang_cuts_the_moe_mismatch(tmp_path):
     require_sglang_here()
     moe = tiny_moe_twin(tmp_path / "moe", router_std=0.01, experts=32, expert_std=0.5, tied=False)
     common = [f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.dtype=bfloat16",
-              "trainer.total_training_steps=2", "data.max_response_length=12"]
+              "trainer.total_training_steps=2", "data.max_response_length=12", *SMALL]
     free = _run(tmp_path, "free", *common, "actor_rollout_ref.rollout.name=native")
     r3 = _run(tmp_path, "r3", *common, "actor_rollout_ref.actor.router_replay.mode=R3",
               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
