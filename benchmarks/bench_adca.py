@@ -21,8 +21,8 @@ time. Headline: the mean final held-out success of ADCA-decouple over GRPO's.
     python benchmarks/bench_adca.py [--quick] [--json PATH] [--seeds 0,1,2] [--steps 30] [--val-every 5]
                                     [--arms grpo,adca-decouple,adca-allocation] [--threshold 0.5]
 
-``--quick``: one seed, 2 steps of 8 tasks, 32 held-out tasks, GRPO and ADCA-decouple only (what
-tests/test_bench_adca.py runs).
+``--quick``: one seed, 2 steps of 4 tasks, 16 held-out tasks, GRPO and ADCA-decouple only (what
+tests/test_bench_adca.py runs: it checks the benchmark's path and report, not a learning figure).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--set", action="append", default=[], help="an extra key=value for every run")
     a = ap.parse_args(argv)
-    if a.quick:  # the smallest setting: one seed, two steps of 8 tasks, the baseline and one ADCA arm
+    if a.quick:  # the smallest setting: one seed, two steps of 4 tasks, the baseline and one ADCA arm
         a.seeds, a.steps, a.val_every, a.arms = "0", 2, 2, "grpo,adca-decouple"
-        a.set = ["data.train_batch_size=8", "data.val_max_samples=32", *a.set]
+        a.set = ["data.train_batch_size=4", "data.val_max_samples=16", *a.set]
     arms, seeds = a.arms.split(","), [int(s) for s in a.seeds.split(",")]
     unknown = [x for x in arms if x not in ARMS]
     if unknown:
