@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     if a.quick:  # the smallest setting: one seed, two steps of 4 tasks, the baseline and one ADCA arm
         a.seeds, a.steps, a.val_every, a.arms = "0", 2, 2, "grpo,adca-decouple"
-        a.set = ["data.train_batch_size=4", "data.val_max_samples=16", *a.set]
+        a.set = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.val_max_samples=16",
+                 *a.set]
     arms, seeds = a.arms.split(","), [int(s) for s in a.seeds.split(",")]
     unknown = [x for x in arms if x not in ARMS]
     if unknown:
