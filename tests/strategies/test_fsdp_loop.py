@@ -4,9 +4,9 @@ Each script's own arguments (``tests/data/verl_scripts/*.json``) run unchanged, 
 (``--config-name=ppo_trainer``, what ``verl.trainer.main_ppo`` loads), except for the model, the data, the
 sizes and the device (:data:`SIZES`): verl's canonical DAPO recipe (Ulysses SP=2 at this size, packed rows,
 token-budget micro-batches, offload flags, group filtering), a GRPO example (KL loss against an FSDP
-reference, gradient checkpointing) and a PPO example with an FSDP critic, 2 steps each (every per-step check holds at each step). The PPO run
-checkpoints every step in verl's FSDP layout, and a run resumed from its step-1 checkpoint comes to the same
-metrics and exported weights.
+reference, gradient checkpointing) and a PPO example with an FSDP critic, 2 steps each (every per-step check
+holds at each step). The PPO run checkpoints every step in verl's FSDP layout, and a run resumed from its step-1
+checkpoint comes to the same metrics and exported weights.
 """
 
 import json
@@ -138,7 +138,7 @@ def test_resume_from_step_1_is_identical_on_fsdp(ppo_uninterrupted, tmp_path):
     FSDP layout; ``trainer.resume_mode=resume_path``): the same metrics and exported weights, bit for bit. What is
     the strategy's own is its checkpoint's save and load; the SIGKILLed driver's resume is strategy-independent and
     is tests/test_controller.py's (a killed driver here cost the suite two more driver start-ups)."""
-    from tests.support.tiny import checkpoint_history
+    from tests.support.tiny import stable_history
 
     ref_dir, _, _ = ppo_uninterrupted
     res = tmp_path / "resumed"
@@ -146,9 +146,7 @@ def test_resume_from_step_1_is_identical_on_fsdp(ppo_uninterrupted, tmp_path):
                        f"trainer.resume_from_path={ref_dir / 'global_step_1'}"))
     # it began at step 2: a run that started afresh would have saved its own step 1
     assert not (res / "global_step_1").exists() and (res / "global_step_2").is_dir()
-    volatile = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
-    a = [{k: v for k, v in h.items() if not k.startswith(volatile)} for h in checkpoint_history(ref_dir)]
-    b = [{k: v for k, v in h.items() if not k.startswith(volatile)} for h in checkpoint_history(res)]
+    a, b = stable_history(ref_dir), stable_history(res)
     assert [h["step"] for h in a] == [0, 1, 2] == [h["step"] for h in b]  # 0: validation before training
     assert a == b and a[-1]["critic/vf_loss"] > 0
     wa = load_file(str(ref_dir / "hf_export" / "model.safetensors"))

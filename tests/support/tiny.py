@@ -80,6 +80,15 @@ def checkpoint_history(run_dir) -> list:
     return load_driver_state(CheckpointManager(str(run_dir)).find_latest())["history"]
 
 
+# metrics that measure time or speed: two runs of the same steps differ in them and in nothing else
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "sync/seconds", "sync/gbps", "reward/time_s")
+
+
+def stable_history(run_dir) -> list:
+    """:func:`checkpoint_history` without the :data:`VOLATILE` metrics: what an exact resume must reproduce."""
+    return [{k: v for k, v in h.items() if not k.startswith(VOLATILE)} for h in checkpoint_history(run_dir)]
+
+
 @torch.no_grad()
 def rollout_logp_under(model_dir: str, batch) -> torch.Tensor:
     """log p(response token) under the HF model at ``model_dir``, temperature 1, on the batch's grid."""

@@ -293,7 +293,7 @@ class DeepSpeedStrategy(Strategy):
         """Every adapter of the model is in the checkpoint's module state (a non-strict load would leave a missing
         one at its init without a word)."""
         path = os.path.join(ckpt_dir, "deepspeed", "mp_rank_00_model_states.pt")
-        saved = set(torch.load(path, map_location="cpu", weights_only=True)["module"])  # names only; data globals
+        saved = set(torch.load(path, map_location="cpu", weights_only=True)["module"])  # tensors, no code
         lacking = [n for n, _ in self.module().named_parameters() if is_adapter_name(n) and n not in saved]
         if lacking:
             raise KeyError(f"{ckpt_dir}: the LoRA checkpoint has no {lacking[:3]} ({len(lacking)} adapters): it was "
