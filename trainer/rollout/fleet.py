@@ -20,7 +20,8 @@ router_args=(), log_dir=None, startup_timeout_s=600, client_kwargs={}, hosts=Non
     keys). Logs: ``log_dir`` (a temp dir by default): ``server-K-GEN.log``, ``router.log``. ``close()``
     (also at exit) ends every process group it started (SIGTERM, then SIGKILL after 10 s); each process
     runs under a small supervisor that kills it if the trainer dies without closing (SIGKILL included). A monitor thread health-checks the servers every
-    ``health_interval_s`` (process alive, and ``GET /health`` answering), and at once when the client
+    ``health_interval_s`` (process alive, and the server adapter's ``hang_probe`` answering: ``GET /health``,
+    SGLang's ``GET /health_generate``), and at once when the client
     reports a failed request; a dead or hung server is restarted (:meth:`Fleet.restart_server`).
     ``hosts`` (on a Ray cluster): one dict of Ray actor options per server (a placement-group bundle);
     server ``k`` then runs on that bundle's node, started by a small :class:`ServerHost` actor there and
@@ -375,6 +376,8 @@ class Fleet:
                "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
                "--disable-retries",  # failures reach the client, which retries and counts them
                "--health-check-interval-secs", str(max(1, int(round(self.health_interval_s)))),
+               # a dead server refuses at once; a live one's /health took up to 3.7 s on a loaded 2-core machine
+               "--health-check-timeout-secs", "10",
                "--health-failure-threshold", "1", "--health-success-threshold", "1",
                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", str(int(self.startup_timeout_s)),
                "--log-level", "warn", *map(str, self.router_args)]
@@ -428,7 +431,7 @@ class Fleet:
                 dead = s.proc.poll() is not None
                 if not dead:
                     try:
-                        with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+                        with urllib.request.urlopen(s.url + self.kind.hang_probe, timeout=self.kind.hang_timeout_s) as r:
                             s.failed_checks = 0 if r.status == 200 else s.failed_checks + 1
                     except OSError:
                         s.failed_checks += 1
@@ -523,6 +526,9 @@ class NativeServers:
 
     label = "rollout"
     poll_s = 0.05  # how often a starting server's log is read for its ready line
+    # the monitor's hang check (three failures in a row restart the server): the native /health answers from
+    # the server's event loop, which also runs generation, so a hung engine fails it
+    hang_probe, hang_timeout_s = "/health", 5.0
 
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
@@ -607,6 +613,11 @@ class SGLangServers:
 
     label = "SGLang"
     poll_s = 0.5
+    # SGLang's /health_generate queues a 1-token request and answers 200 once the scheduler produced anything
+    # since it came in, or 503 after SGLang's own 20 s (SGLANG_HEALTH_CHECK_TIMEOUT): it takes at least 1 s,
+    # and longer while the scheduler is busy (a weight push, a loaded machine). The monitor waits past SGLang's
+    # deadline, so a slow answer is not taken for a hang; the router's /health is liveness only (spawn below)
+    hang_probe, hang_timeout_s = "/health_generate", 25.0
 
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
@@ -633,6 +644,11 @@ class SGLangServers:
                              max_total_tokens=f.max_total_tokens,
                              extra=[*(["--enable-return-routed-experts"] if f.routed_experts else []), *f.server_args])
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(f.threads_per_server))
+        # /health answers from the HTTP process (200 once started, 503 while starting or shutting down) instead
+        # of running SGLang's generation check (>= 1 s, up to 20 s on a busy scheduler): the router checks every
+        # health_interval_s with a 5 s limit, and took two busy servers for dead on a loaded 2-core CI machine
+        # ("No available workers"); a hung scheduler is the monitor's /health_generate check (hang_probe)
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
         if f.device == "cpu":
             sglang_cpu.activate(env)
         proc = f._spawn(cmd, path, env)
