@@ -2,7 +2,8 @@
 ``python -m sglang.launch_server --device cpu`` processes behind the real sglang-router, launched and
 supervised by the fleet, weights pushed through SGLang's own endpoints by the same :class:`FleetClient`
 that drives the native servers. Checked against transformers (greedy tokens and log-probs, before and
-after a push), by read-back of pushed rows, and through a SIGKILL mid-batch: no request lost, the server
+after a push), by read-back of pushed rows, /health as liveness (the generating check is the hang check), and
+through a SIGKILL mid-batch: no request lost, the server
 restarted, given the current weights again and registered with the router.
 
 This process needs no sglang (the trainer speaks HTTP only); the servers run in the interpreter that has
@@ -82,6 +83,25 @@ def test_generate_equals_transformers_and_the_start_checksum_is_the_checkpoints(
     # the weight endpoints need the fleet's key; generation does not
     status, _ = _post(fleet.server_urls[0] + "/begin_weight_update", {})
     assert status in (401, 403)
+
+
+def test_health_is_liveness_and_the_hang_check_generates(sg):
+    """The router polls /health every second with a time limit: on the fleet's servers it answers from the HTTP
+    process (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0), not by waiting for a generation, which SGLang's default
+    /health does (at least 1 s: its loop sleeps 1 s; up to 20 s on a busy scheduler), so that a busy server is not
+    taken for a dead one. The monitor's hang check is that generation (/health_generate)."""
+    fleet = sg["fleet"]
+    assert fleet.kind.hang_probe == "/health_generate" and fleet.kind.hang_timeout_s > 20  # past SGLang's own 20 s
+    for url in fleet.server_urls:
+        t0 = time.monotonic()
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+        live = time.monotonic() - t0
+        t0 = time.monotonic()
+        with urllib.request.urlopen(url + fleet.kind.hang_probe, timeout=30) as r:
+            assert r.status == 200
+        generated = time.monotonic() - t0
+        assert live < 0.9 <= generated, (url, live, generated)
 
 
 def test_push_reaches_every_server_and_reads_back(sg):
