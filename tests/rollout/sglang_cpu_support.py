@@ -18,7 +18,7 @@ from trainer.rollout import sglang_cpu
 
 # The modules that need sglang importable in the interpreter that runs them.
 SGLANG_MODULES = ("tests/rollout/test_sglang_engine.py", "tests/rollout/test_sglang_loop.py",
-                  "tests/rollout/test_sglang_routes.py")
+                  "tests/rollout/test_sglang_routes.py", "tests/rollout/test_sglang_lora.py")
 
 
 def in_ci() -> bool:

@@ -32,7 +32,9 @@ What :func:`activate` does, and why:
   defines the ``nms`` / ``qnms`` schemas first when its ``_C`` does not load. The installer also puts
   ``site/`` on the venv's path with a ``.pth`` file, since transformers imports torchvision before any
   Coxswain code runs. ``coxswain_sglang_host_alloc.py``: routing replay's host cache of routed experts is
-  pinned with ``cudaHostRegister``; without CUDA it is allocated as plain memory.
+  pinned with ``cudaHostRegister``; without CUDA it is allocated as plain memory. ``coxswain_sglang_no_pin.py``:
+  the LoRA layers (``enable_lora``) pin small host tensors, which raises without an accelerator; there pinning is
+  a no-op.
 
 Not used: SGLang's compiled Intel-AMX CPU kernels (they need SGLang's source tree, and with AMX weight
 packing ``update_weights_from_tensor`` fails in 0.5.21 on ``'Parameter' object has no attribute 'weight_loader'``).
