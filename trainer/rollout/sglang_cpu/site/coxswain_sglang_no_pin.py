@@ -1,13 +1,14 @@
 """Let SGLang 0.5.21's LoRA layers start on a machine without an accelerator (CPU and test support).
 
 ``sglang/srt/lora/layers.py`` (its offsets) and ``lora/backend/torch_backend.py`` (each batch's adapter indices,
-ranks and scalings) keep pinned host tensors: ``torch.tensor(..., pin_memory=True)`` and ``tensor.pin_memory()``. Pinning page-locks host memory so that copies to a device run asynchronously; with
-no device there is nothing to copy to, and torch raises ("pin_memory=True requires a CUDA or other accelerator
-backend") instead. Only when torch has no usable CUDA device, :func:`install`:
+ranks and scalings) keep pinned host tensors: ``torch.tensor(..., pin_memory=True)`` and ``tensor.pin_memory()``.
+Pinning page-locks host memory so that copies to a device run asynchronously; with no device there is nothing to
+copy to, and torch raises ("pin_memory=True requires a CUDA or other accelerator backend") instead. :func:`install` hooks the import of those modules (:data:`MODULES`); once one has
+executed, and only when torch has no usable CUDA device, it:
 
-- gives those modules (:data:`MODULES`), once executed, a ``torch`` whose tensor factories drop ``pin_memory``;
-- makes ``Tensor.pin_memory()`` return the tensor. Without a device every such call raises, so no call that
-  worked before behaves differently.
+- gives the module a ``torch`` whose tensor factories drop ``pin_memory``;
+- makes ``Tensor.pin_memory()`` return the tensor (``lora.py`` pins each loaded adapter weight). Without a device
+  every such call raises, so no call that worked before behaves differently.
 
 On a GPU nothing here runs: this directory is on the path only for the CPU engine
 (:func:`trainer.rollout.sglang_cpu.activate`).
@@ -43,6 +44,10 @@ class UnpinnedTorch:
         return unpinned
 
 
+def _unpinned_tensor(self, *args, **kwargs):
+    return self
+
+
 def _no_cuda() -> bool:
     import torch
 
@@ -58,7 +63,9 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        module.torch = UnpinnedTorch(module.torch)
+        if _no_cuda():
+            module.torch = UnpinnedTorch(module.torch)
+            module.torch.Tensor.pin_memory = _unpinned_tensor
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -71,14 +78,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install() -> bool:
-    """Put the finder in front of ``sys.meta_path`` and make ``Tensor.pin_memory`` a no-op, when CUDA is absent;
-    idempotent. Returns whether it did."""
-    import torch
-
-    if not _no_cuda():
-        return False
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+def install() -> None:
+    """Put the finder in front of ``sys.meta_path`` (idempotent). It imports nothing: torch is looked at only when
+    one of :data:`MODULES` loads, which happens only with ``enable_lora``."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
-    return True
