@@ -3,8 +3,9 @@
 ``sglang/srt/lora/layers.py`` (its offsets) and ``lora/backend/torch_backend.py`` (each batch's adapter indices,
 ranks and scalings) keep pinned host tensors: ``torch.tensor(..., pin_memory=True)`` and ``tensor.pin_memory()``.
 Pinning page-locks host memory so that copies to a device run asynchronously; with no device there is nothing to
-copy to, and torch raises ("pin_memory=True requires a CUDA or other accelerator backend") instead. :func:`install` hooks the import of those modules (:data:`MODULES`); once one has
-executed, and only when torch has no usable CUDA device, it:
+copy to, and torch raises ("pin_memory=True requires a CUDA or other accelerator backend") instead.
+:func:`install` hooks the import of those modules (:data:`MODULES`); once one has executed, and only when torch
+has no usable CUDA device, it:
 
 - gives the module a ``torch`` whose tensor factories drop ``pin_memory``;
 - makes ``Tensor.pin_memory()`` return the tensor (``lora.py`` pins each loaded adapter weight). Without a device
