@@ -34,7 +34,7 @@ What :func:`activate` does, and why:
   Coxswain code runs. ``coxswain_sglang_host_alloc.py``: routing replay's host cache of routed experts is
   pinned with ``cudaHostRegister``; without CUDA it is allocated as plain memory. ``coxswain_sglang_no_pin.py``:
   the LoRA layers (``enable_lora``) pin small host tensors, which raises without an accelerator; there pinning is
-  a no-op.
+  a no-op. Both patch a module as it is imported, through ``coxswain_after_import.py``.
 
 Not used: SGLang's compiled Intel-AMX CPU kernels (they need SGLang's source tree, and with AMX weight
 packing ``update_weights_from_tensor`` fails in 0.5.21 on ``'Parameter' object has no attribute 'weight_loader'``).

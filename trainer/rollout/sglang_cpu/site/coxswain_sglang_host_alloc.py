@@ -6,16 +6,14 @@ With ``enable_return_routed_experts`` SGLang keeps every token's routed experts 
 with ``cudaHostRegister`` (the "cpu" device falls to that default) and dies without a CUDA runtime. Pinning
 only speeds the GPU-to-host copy; on a CPU engine the buffer is ordinary memory either way.
 
-:func:`install` puts a finder in front of ``sys.meta_path`` that, once that module has been executed, maps the
+:func:`install` hooks that module's import (``coxswain_after_import``): once it has executed, it maps the
 "cpu" device to a plain allocation, only when torch has no usable CUDA device. On a GPU nothing here runs:
 this directory is on the path only for the CPU engine (:func:`trainer.rollout.sglang_cpu.activate`).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
+from coxswain_after_import import after_import
 
 MODULE = "sglang.srt.mem_cache.pool_host.common"
 
@@ -37,31 +35,5 @@ def patch(module) -> bool:
     return True
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        patch(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
-        return spec
-
-
 def install() -> None:
-    if MODULE in sys.modules:
-        patch(sys.modules[MODULE])
-        return
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    after_import(MODULE, patch)
